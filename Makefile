@@ -1,0 +1,22 @@
+# The two commands the README opens with: `make tour` and `make test`.
+# Both set up the environment first (scripts/setup.sh), so they work on a fresh clone.
+SHELL := /bin/bash
+NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+
+.PHONY: tour test lint lab info
+tour:
+	@py=$$(scripts/setup.sh) && $$py -m workbench tour
+
+test:
+	@py=$$(scripts/setup.sh) && \
+	$$py -m ruff check . && \
+	$$py -m pytest -n 2 --dist loadfile $(NBVAL) tests notebooks
+
+lint:
+	@py=$$(scripts/setup.sh) && $$py -m ruff check .
+
+info:
+	@py=$$(scripts/setup.sh) && $$py -m workbench info
+
+lab:
+	@py=$$(scripts/setup.sh) && $$py -m jupyter lab notebooks

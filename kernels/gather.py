@@ -1,0 +1,112 @@
+"""Paged gather: block table -> contiguous K or V, for any storage layout."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from workbench.layout import Layout, addressing, to_nhd
+
+
+@triton.jit
+def _paged_gather_kernel(
+    cache_ptr,  # one K or V cache, any layout (addressed through the strides below)
+    block_table_ptr,  # [B, max_blocks] int32: physical block of each logical block
+    seq_lens_ptr,  # [B] int32: tokens in each sequence
+    cu_seqlens_ptr,  # [B + 1] int32: first output row of each sequence
+    out_ptr,  # [sum(seq_lens), H, D] contiguous
+    stride_bt,  # row stride of block_table
+    s_blk, s_tok, s_head, s_dgrp, s_d,  # element (blk, tok, h, d) at blk*s_blk + tok*s_tok + h*s_head
+    head_dim,  # + (d // X) * s_dgrp + (d % X) * s_d
+    num_heads,
+    block_size,  # tokens per block
+    X: tl.constexpr,  # key split (head_dim for unsplit layouts)
+    BLOCK_T: tl.constexpr,  # tokens per program
+    BLOCK_D: tl.constexpr,  # head_dim rounded up to a power of two
+):
+    i_b = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_h = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + i_b)
+    if i_t * BLOCK_T >= seq_len:
+        return
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] token positions
+    o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    m_t = o_t < seq_len
+    m_d = o_d < head_dim
+    i_blk = tl.load(block_table_ptr + i_b.to(tl.int64) * stride_bt + o_t // block_size, mask=m_t, other=0)
+    o_tok = (
+        i_blk.to(tl.int64) * s_blk + (o_t % block_size).to(tl.int64) * s_tok + i_h.to(tl.int64) * s_head
+    )  # [BLOCK_T]
+    o_dim = (o_d // X).to(tl.int64) * s_dgrp + (o_d % X).to(tl.int64) * s_d  # [BLOCK_D]
+    m = m_t[:, None] & m_d[None, :]
+    b_x = tl.load(cache_ptr + o_tok[:, None] + o_dim[None, :], mask=m)  # [BLOCK_T, BLOCK_D]
+    row = tl.load(cu_seqlens_ptr + i_b).to(tl.int64) + o_t.to(tl.int64)
+    p_out = out_ptr + (row[:, None] * num_heads + i_h) * head_dim + o_d[None, :]
+    tl.store(p_out, b_x, mask=m)
+
+
+def _check_table(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, device) -> None:
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != block_table.shape[0]:
+        raise ValueError(
+            f"seq_lens must be int32 of shape [{block_table.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if block_table.device != device or seq_lens.device != device:
+        raise ValueError(f"block_table and seq_lens must be on the cache's device {device}")
+    if seq_lens.numel() and int(seq_lens.min()) < 0:
+        raise ValueError("seq_lens must be non-negative")
+    if seq_lens.numel() and int(seq_lens.max()) > block_table.shape[1] * block_size:
+        raise ValueError(
+            f"seq_lens max {int(seq_lens.max())} exceeds block_table capacity "
+            f"{block_table.shape[1]} blocks x {block_size} tokens"
+        )
+
+
+def paged_gather(
+    cache: torch.Tensor,
+    layout: Layout | str,
+    kind: str,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Copy every sequence's tokens out of the paged cache, packed in order.
+
+    Args:
+        cache: one K or V cache tensor in ``layout`` (see ``workbench.layout``).
+        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
+        kind: ``"k"`` or ``"v"`` (the vllm layout stores them differently).
+        block_table: ``[B, max_blocks]`` int32, physical block of each logical block.
+        seq_lens: ``[B]`` int32, tokens per sequence.
+        out: optional ``[sum(seq_lens), heads, head_dim]`` output buffer.
+
+    Returns:
+        ``[sum(seq_lens), heads, head_dim]``, same dtype as the cache.
+    """
+    nhd_shape = to_nhd(cache[:0], layout, kind).shape  # cheap: no blocks, just the shape
+    _, block_size, num_heads, head_dim = nhd_shape
+    _check_table(block_table, seq_lens, block_size, cache.device)
+    total = int(seq_lens.sum())
+    if out is None:
+        out = torch.empty((total, num_heads, head_dim), dtype=cache.dtype, device=cache.device)
+    elif out.shape != (total, num_heads, head_dim) or out.dtype != cache.dtype or not out.is_contiguous():
+        raise ValueError(
+            f"out must be contiguous {cache.dtype} of shape {(total, num_heads, head_dim)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    if total == 0:
+        return out
+    cu = torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32, device=cache.device)
+    torch.cumsum(seq_lens, 0, out=cu[1:])
+    a = addressing(cache, layout, kind)
+    block_t = 32
+    grid = (seq_lens.shape[0], triton.cdiv(int(seq_lens.max()), block_t), num_heads)
+    _paged_gather_kernel[grid](
+        cache, block_table, seq_lens, cu, out, block_table.stride(0),
+        a.s_blk, a.s_tok, a.s_head, a.s_dgrp, a.s_d, head_dim, num_heads, block_size,
+        X=a.x, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+    return out

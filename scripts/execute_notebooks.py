@@ -1,0 +1,25 @@
+"""Re-execute notebooks in place (CPU, SMOKE sizes) so their stored outputs are what nbval checks.
+
+    .venv/bin/python scripts/execute_notebooks.py notebooks/00_tour.ipynb [...]
+
+Widget state (plotly.js itself, megabytes) is stripped: it is rebuilt when the notebook runs.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+os.environ.setdefault("CI", "1")  # SMOKE sizes, as nbval runs them
+for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]*.ipynb")):
+    path = Path(name)
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", store_widget_state=False,
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    nbformat.write(nb, path)
+    print(f"executed {path} ({path.stat().st_size // 1024} KiB)")

@@ -1,0 +1,83 @@
+"""The project's own files: dependency lists agree, the CLI behaves, the core needs no UI libraries."""
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONDA_NAMES = {"pytorch": "torch"}  # conda-forge name -> PyPI name
+NOT_PACKAGES = {"python", "pip"}
+
+
+def _split(requirement: str) -> tuple[str, str]:
+    """``"torch>=2.6"`` -> ``("torch", ">=2.6")``."""
+    name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].strip()
+    return name.lower(), requirement[len(name):].strip()
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = dict(_split(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"])
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    conda = {}
+    for dep in env["dependencies"]:
+        if isinstance(dep, str):
+            name, spec = _split(dep)
+            if name not in NOT_PACKAGES:
+                conda[CONDA_NAMES.get(name, name)] = spec
+    assert conda == declared, f"environment.yml {conda} != pyproject {declared}"
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_info_prints_backend_and_versions():
+    out = _run("info")
+    assert out.returncode == 0, out.stderr
+    for key in ("backend", "device", "torch", "triton"):
+        assert re.search(rf"^\s*{key}: \S", out.stdout, re.M), out.stdout
+
+
+def test_unknown_subcommand_prints_usage_and_fails():
+    out = _run("frobnicate")
+    assert out.returncode != 0
+    assert "usage:" in out.stderr and "frobnicate" in out.stderr
+
+
+def test_core_imports_without_ui_libraries():
+    """The GPU image has no plotly/ipywidgets/jupyter: the core must not need them."""
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, *a):\n"
+        "        if name.split('.')[0] in {'plotly', 'ipywidgets', 'anywidget', 'nbformat', 'jupyterlab'}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import pkgutil, importlib, workbench, workbench.kernels as K\n"
+        "mods = [*pkgutil.iter_modules(workbench.__path__, 'workbench.'),\n"
+        "        *pkgutil.iter_modules(K.__path__, 'workbench.kernels.')]\n"
+        "for m in mods:\n"
+        "    if not m.name.startswith('workbench.ui'):\n"
+        "        importlib.import_module(m.name)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_backend_is_interpreter_without_gpu():
+    import torch
+
+    import workbench
+
+    if not torch.cuda.is_available():
+        assert workbench.is_interpreted()
+        import os
+
+        assert os.environ.get("TRITON_INTERPRET") == "1"

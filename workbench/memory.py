@@ -1,0 +1,86 @@
+"""Where KV memory goes: token states vs waste, for contiguous and paged allocation.
+
+Pure functions of request lengths; the tour's first panel and the fragmentation notebook
+plot them. Shares follow the vLLM paper (Figure 2): *token states* hold real K/V;
+*reservation* is memory held for tokens not generated yet; *internal fragmentation* is
+memory that will never be used inside an allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks needed for ``tokens`` tokens."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    return -(-tokens // block_size)
+
+
+def contiguous_breakdown(
+    current: Sequence[int], final: Sequence[int], max_len: int, bytes_per_token: float
+) -> dict[str, float]:
+    """Bytes of a contiguous cache that reserves ``max_len`` slots per request.
+
+    ``current[i]`` tokens are stored now; ``final[i]`` is the length the request will reach.
+    Slots up to ``final`` are reservation, the rest up to ``max_len`` are internal fragmentation.
+    """
+    _check_lengths(current, final, max_len)
+    tokens = sum(current)
+    reserved = sum(f - c for c, f in zip(current, final, strict=True))
+    internal = sum(max_len - f for f in final)
+    return _bytes(tokens, reserved, internal, bytes_per_token)
+
+
+def paged_breakdown(current: Sequence[int], block_size: int, bytes_per_token: float) -> dict[str, float]:
+    """Bytes of a paged cache that allocates blocks on demand: waste is the last block's tail."""
+    _check_lengths(current, current, math.inf)
+    tokens = sum(current)
+    internal = sum(blocks_for(c, block_size) * block_size - c for c in current)
+    return _bytes(tokens, 0, internal, bytes_per_token)
+
+
+def _check_lengths(current, final, max_len) -> None:
+    if len(current) != len(final):
+        raise ValueError(f"current and final must have the same length, got {len(current)} and {len(final)}")
+    for c, f in zip(current, final, strict=True):
+        if not 0 <= c <= f <= max_len:
+            raise ValueError(f"need 0 <= current <= final <= max_len, got {c}, {f}, {max_len}")
+
+
+def _bytes(tokens: int, reserved: int, internal: int, bpt: float) -> dict[str, float]:
+    total = tokens + reserved + internal
+    return {
+        "token_states": tokens * bpt,
+        "reservation": reserved * bpt,
+        "internal_fragmentation": internal * bpt,
+        "total": total * bpt,
+        "token_share": tokens / total if total else 1.0,
+    }
+
+
+def random_batch(num_requests: int, max_len: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    """A batch caught mid-generation: final lengths ~ uniform(1, max_len), current ~ uniform(1, final).
+
+    A stand-in for a real trace (``workbench.sim`` has fitted ones); enough to show the effect.
+    """
+    import random
+
+    if num_requests < 0 or max_len < 1:
+        raise ValueError(f"need num_requests >= 0 and max_len >= 1, got {num_requests}, {max_len}")
+    rng = random.Random(seed)
+    final = [rng.randint(1, max_len) for _ in range(num_requests)]
+    current = [rng.randint(1, f) for f in final]
+    return current, final
+
+
+def compare_allocation(
+    current: Sequence[int], final: Sequence[int], max_len: int, block_size: int, bytes_per_token: float
+) -> dict[str, dict[str, float]]:
+    """Contiguous reserve-max vs paged, for one batch: ``{scheme: breakdown}``."""
+    return {
+        "contiguous (reserve max_len)": contiguous_breakdown(current, final, max_len, bytes_per_token),
+        f"paged ({block_size}-token blocks)": paged_breakdown(current, block_size, bytes_per_token),
+    }
