@@ -1,8 +1,10 @@
 """Command line: ``python -m workbench <command>``.
 
 Commands:
-  info   device, backend (compiled or interpreter), versions
-  tour   execute notebooks/00_tour.ipynb headless, write reports/00_tour.html, print a summary
+  info          device, backend (compiled or interpreter), versions
+  tour          execute notebooks/00_tour.ipynb headless, write reports/00_tour.html, print a summary
+  bench NAME    run the benchmark module workbench.bench.NAME (its own --help)
+  sim NAME      run a simulator command of workbench.sim (its own --help)
 """
 
 from __future__ import annotations
@@ -48,6 +50,37 @@ def cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def _submodules(package: str) -> list[str]:
+    import importlib
+    import pkgutil
+
+    pkg = importlib.import_module(package)
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")
+                  and m.name != "harness")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    names = _submodules("workbench.bench")
+    if args.name not in names:
+        print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(names) or '(none yet)'}",
+              file=sys.stderr)
+        return 2
+    return importlib.import_module(f"workbench.bench.{args.name}").main(args.rest) or 0
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    import importlib
+
+    try:
+        sim_cli = importlib.import_module("workbench.sim.cli")
+    except ModuleNotFoundError:
+        print("sim: the simulator is not built yet", file=sys.stderr)
+        return 2
+    return sim_cli.main([args.name, *args.rest]) or 0
+
+
 def _summary(nb) -> list[str]:
     """The text printed by the notebook's cells tagged 'summary'."""
     lines = []
@@ -70,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(ROOT / "reports"), help="folder for the HTML report")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     p.set_defaults(func=cmd_tour)
+    p = sub.add_parser("bench", help="run a benchmark (python -m workbench bench NAME --help)")
+    p.add_argument("name")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("sim", help="run the serving simulator (python -m workbench sim NAME --help)")
+    p.add_argument("name")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_sim)
     return parser
 
 
