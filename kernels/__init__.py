@@ -7,6 +7,9 @@ tests compare against on random data.
 
 import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)
 
+from .copy import copy_blocks
+from .decode import decode_config, paged_decode
 from .gather import paged_gather
+from .write import write_kv
 
-__all__ = ["paged_gather"]
+__all__ = ["copy_blocks", "decode_config", "paged_decode", "paged_gather", "write_kv"]

@@ -23,3 +23,115 @@ def paged_gather_ref(
         blocks = block_table[b, pos // block_size].long()
         rows.append(nhd[blocks, pos % block_size])
     return torch.cat(rows) if rows else nhd.new_empty((0, *nhd.shape[2:]))
+
+
+def paged_decode_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: Layout | str,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention in float64, one sequence at a time: ``[B, Hq, D]`` in float64.
+
+    Each sequence's K and V come from :func:`paged_gather_ref`; the ``Hq // Hkv`` query heads
+    of a kv head share it (``repeat_interleave``). Read values are ``stored * scale``. A
+    sequence of length 0 gives zeros.
+    """
+    B, Hq, D = q.shape
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    ks = 1.0 if k_scale is None else float(k_scale)
+    vs = 1.0 if v_scale is None else float(v_scale)
+    out = torch.zeros((B, Hq, D), dtype=torch.float64, device=q.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        one = seq_lens.new_tensor([n])
+        k = paged_gather_ref(k_cache, layout, "k", block_table[b : b + 1], one).double() * ks  # [n, Hkv, D]
+        v = paged_gather_ref(v_cache, layout, "v", block_table[b : b + 1], one).double() * vs
+        g = Hq // k.shape[1]
+        k = k.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        s = torch.einsum("hd,hnd->hn", q[b].double(), k) * scale  # [Hq, n]
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
+    return out
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Storage codes of ``x`` ``[T, H, D]`` in ``dtype``, as :func:`write_kv_ref` stores them.
+
+    fp32/fp16/bf16: a plain cast. fp8: ``fp8(clamp(x / scale, -max, max))`` (vLLM's convention,
+    saturating). int8: ``clamp(round_half_even(x / scale), -128, 127)``. ``scale`` is fp32 with one
+    element (per tensor) or ``[H]`` (per kv head).
+    """
+    if dtype not in (*_FP8, torch.int8):
+        return x.to(dtype)
+    s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
+    q = x.float() / s
+    if dtype == torch.int8:
+        return q.clamp(-128, 127).round().to(torch.int8)
+    qmax = torch.finfo(dtype).max
+    return q.clamp(-qmax, qmax).to(dtype)
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: Layout | str,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write token ``t`` of ``key``/``value`` ``[T, H, D]`` to slot ``slot_mapping[t]``, in place.
+
+    Slot ``s`` is block ``s // block_size``, offset ``s % block_size``; ``-1`` skips the token.
+    Values are stored as :func:`quantize_ref` gives them.
+    """
+    layout = Layout.parse(layout)
+    block_size = to_nhd(v_cache[:0], layout, "v").shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blk, off = slots // block_size, slots % block_size
+    for src, cache, kind, scale in ((key, k_cache, "k", k_scale), (value, v_cache, "v", v_scale)):
+        q = quantize_ref(src[keep], cache.dtype, scale)  # [T', H, D]
+        if layout is Layout.NHD:
+            cache[blk, off] = q
+        elif layout is Layout.HND:
+            cache[blk, :, off] = q  # advanced indices first: [T', H, D]
+        elif kind == "k":
+            cache[blk, :, :, off] = q.reshape(*q.shape[:2], cache.shape[2], cache.shape[4])  # [T', H, D/x, x]
+        else:
+            cache[blk, :, :, off] = q  # [T', H, D]
+
+
+def quant_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in codes between two 1-byte tensors (fp8 or int8) of the same shape, as int32.
+
+    fp8 codes are sign-magnitude, so they are mapped to ordered integers first (+0 and -0 coincide).
+    """
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.int8:
+            return t.to(torch.int32)
+        u = t.view(torch.uint8).to(torch.int32)
+        mag = u & 0x7F
+        return torch.where(u >= 0x80, -mag, mag)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def copy_blocks_ref(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``pool[:, :, dst[i]] = pool[:, :, src[i]]`` for every pair, every layer, K and V; in place.
+
+    ``pool`` is ``[num_layers, 2, num_blocks, block_stride]``; a block is its whole row.
+    """
+    pool[:, :, dst.long()] = pool[:, :, src.long()].clone()

@@ -62,3 +62,33 @@ def memory_panel(num_requests: int = 64, seed: int = 0) -> Panel:
         return memory.compare_allocation(current, final, max_len, block_size, bpt)
 
     return Panel(controls, compute, figures.breakdown_bars)
+
+
+def sharing_panel() -> Panel:
+    """A shared system prompt across N requests, each forking parallel samples that generate tokens."""
+    from plotly.subplots import make_subplots
+
+    from workbench.sharing import shared_prompt
+
+    controls = {
+        "num_requests": W.IntSlider(value=4, min=1, max=12, description="requests"),
+        "system_len": W.IntSlider(value=40, min=0, max=128, step=4, description="system prompt"),
+        "samples": W.IntSlider(value=2, min=1, max=4, description="samples"),
+        "gen_len": W.IntSlider(value=12, min=0, max=64, description="generated"),
+        "block_size": W.SelectionSlider(options=[4, 8, 16, 32], value=16, description="block size"),
+        "prefix_caching": W.Checkbox(value=True, description="prefix caching"),
+    }
+
+    def draw(r):
+        heat = figures.block_table_heatmap(r.seq_ids, r.block_tables, r.ref_counts)
+        bars = figures.sharing_bars(r.blocks_used, r.blocks_unshared, r.cow_copies, r.prefix_hits)
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
+                            subplot_titles=(f"block tables ({100 * r.memory_saved:.0f}% of blocks saved)",
+                                            "blocks"))
+        fig.add_trace(heat.data[0], row=1, col=1)
+        fig.add_trace(bars.data[0], row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=1)
+        fig.update_layout(height=max(320, 26 * len(r.seq_ids) + 140), showlegend=False, margin=dict(t=50))
+        return fig
+
+    return Panel(controls, lambda **kw: shared_prompt(user_len=5, **kw), draw)

@@ -1,0 +1,445 @@
+"""Paged decode attention: one query token per sequence against its paged K/V (GQA, split-KV).
+
+One program handles one (split, kv head, sequence) and ALL ``G = Hq // Hkv`` query heads
+that share the kv head, so each K/V row is read from memory once. It walks its chunk of
+the context in tiles of ``BLOCK_N`` tokens gathered through the block table (a tile may
+span several pages or be part of one), keeping an online softmax in fp32 (``exp2``).
+
+Split-KV (flash-decoding): when ``B * Hkv`` programs cannot fill the GPU, each
+sequence's context is cut into chunks of ``chunk`` tokens (the same for every sequence,
+so every program does about the same work; a ragged batch's short sequences simply
+have fewer chunks and their extra programs exit at once). Each chunk writes its
+normalized partial output and log2-sum-exp; a second small kernel combines them.
+
+A sequence of length 0 gives an output of zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from workbench.layout import Layout, addressing, to_nhd
+
+LOG2E = 1.4426950408889634
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot")
+
+
+@triton.jit
+def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row offsets of the tile's tokens ``[start, start + BLOCK_N)`` in the K and V caches."""
+    if PAGE % BLOCK_N == 0:
+        # the tile sits inside one page: one table lookup per tile
+        i_pg = tl.load(bt_row + start // PAGE).to(tl.int64)
+        o_tok = (start % PAGE) + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    elif BLOCK_N % PAGE == 0:
+        # the tile covers BLOCK_N // PAGE whole pages (start is a multiple of PAGE)
+        o_n = tl.arange(0, BLOCK_N)
+        i_pg = tl.load(bt_row + start // PAGE + o_n // PAGE, mask=start + o_n < hi, other=0).to(tl.int64)
+        o_tok = o_n % PAGE  # [BLOCK_N]
+    else:
+        o_n = start + tl.arange(0, BLOCK_N)
+        i_pg = tl.load(bt_row + o_n // PAGE, mask=o_n < hi, other=0).to(tl.int64)
+        o_tok = o_n % PAGE  # [BLOCK_N]
+    o_krow = i_pg * s_blk_k + o_tok * s_tok_k  # [BLOCK_N] int64: pages can lie beyond 2**31 elements
+    o_vrow = i_pg * s_blk_v + o_tok * s_tok_v  # [BLOCK_N]
+    return o_krow, o_vrow
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,  # [B, Hq, D] query, unit stride in D
+    k_ptr,  # K cache, any layout, addressed as blk*s_blk + tok*s_tok + head*s_head + (d // KX)*s_dgrp + d % KX
+    v_ptr,  # V cache: blk*s_blk + tok*s_tok + head*s_head + d (or, V_TRANS, + d*s_d with s_tok == 1)
+    bt_ptr,  # [B, max_blocks] int32 block table
+    lens_ptr,  # [B] int32 context lengths
+    out_ptr,  # [B, Hq, D] output (used when not SPLIT)
+    o_part_ptr,  # [B, Hq, S, D] fp32 normalized partial outputs (SPLIT)
+    lse_ptr,  # [B, Hq, S] fp32 log2-sum-exp of each partial (SPLIT)
+    k_scale_ptr, v_scale_ptr,  # fp32 scalars (SCALE_PTR) ...
+    k_scale, v_scale,  # ... or plain floats: read K = stored * k_scale
+    qk_scale,  # sm_scale * log2(e)
+    s_qb, s_qh,  # q strides
+    s_ob, s_oh,  # out strides
+    s_bt,  # block-table row stride
+    k_s_blk, k_s_tok, k_s_head, k_s_dgrp,
+    v_s_blk, v_s_tok, v_s_head, v_s_d,
+    chunk,  # tokens per split, a multiple of BLOCK_N
+    num_splits,
+    G: tl.constexpr,  # query heads per kv head
+    G_PAD: tl.constexpr,  # G rounded up (>= 16 for tl.dot)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    PAGE: tl.constexpr,  # tokens per cache block
+    KX: tl.constexpr,  # key split x (BLOCK_D when K is not split)
+    V_TRANS: tl.constexpr,  # V stored [D, tokens] per block (vLLM value layout)
+    USE_DOT: tl.constexpr,  # tensor cores (tl.dot) or broadcast-multiply + sum
+    IEEE: tl.constexpr,  # dot in fp32 without TF32 (fp32 q; bf16 in the interpreter, whose bf16 dot is wrong)
+    SPLIT: tl.constexpr,  # write partials for the reduce kernel
+    SCALE_PTR: tl.constexpr,
+):
+    i_s = tl.program_id(0)
+    i_hk = tl.program_id(1)
+    i_b = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + i_b)
+    lo = i_s * chunk
+    if SPLIT:
+        if lo >= seq_len:
+            return  # a ragged batch's short sequence has fewer chunks; the reduce skips them
+    # the last split takes the rest, so a too-small chunk is slow, never wrong
+    hi = tl.where(i_s == num_splits - 1, seq_len, tl.minimum(lo + chunk, seq_len))
+
+    o_g = tl.arange(0, G_PAD)
+    o_d = tl.arange(0, BLOCK_D)
+    m_g = o_g < G
+    m_d = o_d < HEAD_DIM
+    i_hq = i_hk * G + o_g  # [G_PAD] query heads of this kv head
+    p_q = q_ptr + i_b.to(tl.int64) * s_qb + i_hq[:, None] * s_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [G_PAD, BLOCK_D]
+    if SCALE_PTR:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    s_scale = qk_scale * k_scale
+    if IEEE or not USE_DOT:
+        b_q = b_q.to(tl.float32)
+
+    k_base = k_ptr + i_hk.to(tl.int64) * k_s_head
+    v_base = v_ptr + i_hk.to(tl.int64) * v_s_head
+    bt_row = bt_ptr + i_b.to(tl.int64) * s_bt
+    o_kd = (o_d // KX) * k_s_dgrp + o_d % KX  # [BLOCK_D] 16-byte runs of x elements
+
+    b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([G_PAD], dtype=tl.float32)
+    b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    for i_t in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
+        start = i_t * BLOCK_N
+        o_n = start + tl.arange(0, BLOCK_N)
+        m_n = o_n < hi  # [BLOCK_N]
+        o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N)
+        if BLOCK_D == HEAD_DIM:
+            m_kv = m_n[:, None]
+        else:
+            m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(k_base + o_krow[:, None] + o_kd[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if V_TRANS:
+            o_vt = o_vrow[None, :] + o_d[:, None] * v_s_d  # [BLOCK_D, BLOCK_N], tokens contiguous in a page
+            if PAGE % BLOCK_N == 0:  # the compiler cannot see through the table lookup: say it
+                o_vt = tl.max_contiguous(o_vt, [1, BLOCK_N])
+            elif BLOCK_N % PAGE == 0:
+                o_vt = tl.max_contiguous(o_vt, [1, PAGE])
+            b_v = tl.load(v_base + o_vt, mask=tl.trans(m_kv), other=0.0)  # [BLOCK_D, BLOCK_N]
+        else:
+            b_v = tl.load(v_base + o_vrow[:, None] + o_d[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
+
+        if USE_DOT:
+            b_k = b_k.to(b_q.dtype)
+            if IEEE:
+                b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [G_PAD, BLOCK_N]
+            else:
+                b_s = tl.dot(b_q, tl.trans(b_k))
+        elif G_PAD == 1:  # MHA: plain 2-D products, no 3-D broadcast
+            b_s = tl.sum(b_q * b_k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
+        else:
+            b_s = tl.sum(b_q[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, BLOCK_N]
+        b_s = tl.where(m_n[None, :], b_s * s_scale, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # finite: every tile holds a valid token
+        b_alpha = tl.exp2(b_m - b_m_new)  # [G_PAD]
+        b_p = tl.exp2(b_s - b_m_new[:, None])  # [G_PAD, BLOCK_N]
+        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_acc = b_acc * b_alpha[:, None]
+        if USE_DOT:
+            b_v = b_v.to(b_q.dtype)
+            if V_TRANS:
+                b_v = tl.trans(b_v)
+            if IEEE:
+                b_acc += tl.dot(b_p, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
+            else:
+                b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
+        elif G_PAD == 1 and V_TRANS:
+            b_acc += tl.sum(b_p * b_v.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_D]
+        elif G_PAD == 1:
+            b_acc += tl.sum(tl.trans(b_p) * b_v.to(tl.float32), axis=0)[None, :]
+        elif V_TRANS:
+            b_acc += tl.sum(b_p[:, None, :] * b_v.to(tl.float32)[None, :, :], axis=2)
+        else:
+            b_acc += tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
+        b_m = b_m_new
+
+    b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
+    b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]
+    m_o = m_g[:, None] & m_d[None, :]
+    if SPLIT:
+        row = (i_b.to(tl.int64) * (G * tl.num_programs(1)) + i_hq) * num_splits + i_s  # [G_PAD]
+        tl.store(o_part_ptr + row[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_o)
+        tl.store(lse_ptr + row, b_m + tl.log2(b_l_safe), mask=m_g)
+    else:
+        p_o = out_ptr + i_b.to(tl.int64) * s_ob + i_hq[:, None] * s_oh + o_d[None, :]
+        tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    o_part_ptr,  # [B, Hq, S, D] fp32 normalized partials
+    lse_ptr,  # [B, Hq, S] fp32 log2-sum-exp
+    lens_ptr,  # [B] int32
+    out_ptr,  # [B, Hq, D]
+    s_ob, s_oh,
+    chunk,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # num_splits rounded up to a power of two
+):
+    i_h = tl.program_id(0)
+    i_b = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + i_b)
+    n_valid = tl.minimum(tl.cdiv(seq_len, chunk), num_splits)  # splits that wrote something
+    o_s = tl.arange(0, BLOCK_S)
+    o_d = tl.arange(0, BLOCK_D)
+    m_s = o_s < n_valid
+    m_d = o_d < HEAD_DIM
+    row = (i_b.to(tl.int64) * tl.num_programs(0) + i_h) * num_splits + o_s  # [BLOCK_S]
+    b_lse = tl.load(lse_ptr + row, mask=m_s, other=float("-inf"))
+    b_max = tl.max(b_lse, 0)
+    b_max = tl.where(b_max == float("-inf"), 0.0, b_max)  # an empty sequence: no valid split
+    b_w = tl.where(m_s, tl.exp2(b_lse - b_max), 0.0)  # [BLOCK_S]
+    b_o = tl.load(o_part_ptr + row[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
+    b_wsum = tl.sum(b_w, 0)
+    b_out = tl.sum(b_w[:, None] * b_o, 0) / tl.where(b_wsum > 0, b_wsum, 1.0)  # [BLOCK_D]
+    tl.store(out_ptr + i_b.to(tl.int64) * s_ob + i_h * s_oh + o_d, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0
+
+
+def decode_config(
+    batch: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    block_size: int,
+    max_seq_len: int,
+    *,
+    kv_dtype: torch.dtype = torch.float16,
+    num_sms: int = 0,
+) -> dict:
+    """Launch parameters for :func:`paged_decode`, chosen from the problem's shape.
+
+    Rules (GPU, ``num_sms > 0``), set from H200 measurements (docs/decode_tuning.md):
+
+    - ``use_dot``: tensor cores whenever ``group >= 2`` (the G query heads padded to 16
+      rows cost nothing: decode is memory bound); broadcast-multiply + sum for MHA.
+    - ``BLOCK_N``: 64 tokens for 2-byte caches (16 KB of K per tile at head_dim 128), 128
+      for 1-byte and 32 for 4-byte ones, so a tile always moves about 16 KB of K.
+    - ``num_splits``: enough programs for about ``4 * num_sms`` while each chunk keeps at
+      least ``4 * BLOCK_N`` tokens (fewer splits would leave SMs idle or a long tail,
+      more would only add partial-output traffic and a longer reduce).
+    - ``num_warps`` 4, ``num_stages`` 3 (two tiles of K and V in flight per program).
+
+    The seed's ``block_size = L2 / (2 * head_dim * dtype_size)`` names a page size, not a
+    tile: a tile only needs enough bytes in flight, and the benchmark sweeps page sizes.
+
+    On the CPU interpreter (``num_sms == 0``) a fixed small configuration: ``BLOCK_N`` 32,
+    at most 2 splits.
+
+    Returns:
+        dict with ``BLOCK_N``, ``num_splits``, ``num_warps``, ``num_stages``, ``use_dot``.
+    """
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    if num_sms <= 0:
+        block_n = 32
+        return {"BLOCK_N": block_n, "num_splits": min(2, max(1, triton.cdiv(max_seq_len, block_n))),
+                "num_warps": 4, "num_stages": 1, "use_dot": group >= 2}
+    tile = 16384 // (elem * triton.next_power_of_2(head_dim))  # tokens in 16 KB of K
+    block_n = max(16, min(128, 1 << (tile.bit_length() - 1) if tile > 0 else 16))
+    programs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(4 * num_sms, programs)
+    most = max(1, max_seq_len // (4 * block_n))
+    return {"BLOCK_N": block_n, "num_splits": max(1, min(want, most)), "num_warps": 4, "num_stages": 3,
+            "use_dot": group >= 2}
+
+
+def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q must be a [B, Hq, D] fp16/bf16/fp32 tensor, got {getattr(q, 'dtype', type(q))} "
+                         f"{tuple(getattr(q, 'shape', ()))}")
+    if q.stride(2) != 1:
+        raise ValueError("q must have unit stride in its last dimension")
+    B, Hq, D = q.shape
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if k_cache.dtype != q.dtype and k_cache.dtype not in _FP8:
+        raise ValueError(f"k_cache dtype must be q's ({q.dtype}) or fp8, got {k_cache.dtype}")
+    shapes = {}
+    for name, cache, kind in (("k_cache", k_cache, "k"), ("v_cache", v_cache, "v")):
+        want_dim = 5 if layout is Layout.VLLM and kind == "k" else 4
+        if cache.dim() != want_dim:
+            raise ValueError(f"{name} must be {want_dim}-D in the {layout.value} layout, got {tuple(cache.shape)}")
+        shapes[name] = tuple(to_nhd(cache[:0], layout, kind).shape[1:])  # (block_size, heads, head_dim)
+        if cache.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cache.device}")
+    if shapes["k_cache"] != shapes["v_cache"]:
+        raise ValueError(f"k_cache and v_cache disagree: (block_size, heads, head_dim) {shapes['k_cache']} "
+                         f"vs {shapes['v_cache']}")
+    block_size, hkv, hd = shapes["k_cache"]
+    if hd != D:
+        raise ValueError(f"q head_dim {D} does not match the caches' head_dim {hd}")
+    if hkv == 0 or Hq % hkv:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of the caches' kv heads ({hkv})")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be int32 of shape [{B}, max_blocks], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens must be int32 of shape [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_table.device != q.device or seq_lens.device != q.device:
+        raise ValueError(f"block_table and seq_lens must be on q's device {q.device}")
+    if block_table.stride(1) != 1:
+        raise ValueError("block_table must have unit stride in its last dimension")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
+                            or out.device != q.device):
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} with unit last stride, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return B, Hq, D, hkv, block_size
+
+
+def _scale_arg(name, value, device):
+    """(pointer or None, float) for a k/v scale given as a float or a one-element fp32 tensor."""
+    if value is None:
+        return None, 1.0
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
+            raise ValueError(f"{name} must be a float or a one-element fp32 tensor on {device}, got "
+                             f"{value.dtype} {tuple(value.shape)} on {value.device}")
+        return value.reshape(1), 1.0
+    return None, float(value)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: Layout | str,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    max_seq_len: int | None = None,
+    **launch,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged K/V cache.
+
+    Args:
+        q: ``[B, Hq, D]`` fp16/bf16/fp32 queries (one token per sequence).
+        k_cache: one layer's K cache in ``layout`` (``workbench.layout``), dtype q's or fp8
+            (e4m3fn / e5m2); any block stride (padded blocks are fine), unit stride inside a row.
+        v_cache: the V cache, same layout and dtype.
+        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
+        block_table: ``[B, max_blocks]`` int32, physical block of each logical block.
+        seq_lens: ``[B]`` int32 context lengths (ragged; 0 gives zeros).
+        sm_scale: softmax scale, default ``1 / sqrt(D)``.
+        num_splits: split-KV chunks per sequence; ``None`` asks :func:`decode_config`.
+        out: optional ``[B, Hq, D]`` output buffer (q's dtype).
+        k_scale, v_scale: dequantization scales (read = stored * scale), floats or one-element
+            fp32 tensors (no host sync); default 1.
+        max_seq_len: ``max(seq_lens)`` if the caller knows it. Without it the wrapper reads
+            ``seq_lens`` on the host (a device sync, not allowed inside CUDA-graph capture) and
+            also checks the lengths against the block table.
+        **launch: overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
+            ``use_dot``.
+
+    Returns:
+        ``[B, Hq, D]`` in q's dtype.
+    """
+    layout = Layout.parse(layout)
+    B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out)
+    bad = set(launch) - set(_LAUNCH_KEYS)
+    if bad:
+        raise ValueError(f"launch options must be among {_LAUNCH_KEYS}, got {sorted(bad)}")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if B else 0
+        if B and int(seq_lens.min()) < 0:
+            raise ValueError("seq_lens must be non-negative")
+        if max_seq_len > block_table.shape[1] * block_size:
+            raise ValueError(f"seq_lens max {max_seq_len} exceeds block_table capacity "
+                             f"{block_table.shape[1]} blocks x {block_size} tokens")
+    elif max_seq_len < 0:
+        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if B == 0:
+        return out
+    group = Hq // hkv
+    interp = _interpreted()
+    cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), kv_dtype=k_cache.dtype,
+                        num_sms=0 if interp else _num_sms(q.device))
+    cfg.update(launch)
+    if num_splits is not None:
+        if int(num_splits) < 1:
+            raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+        cfg["num_splits"] = int(num_splits)
+    block_n = int(cfg["BLOCK_N"])
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"BLOCK_N must be a power of two >= 16, got {block_n}")
+    use_dot = bool(cfg["use_dot"])
+    chunk = triton.cdiv(triton.cdiv(max(max_seq_len, 1), cfg["num_splits"]), block_n) * block_n
+    splits = max(1, triton.cdiv(max_seq_len, chunk))  # no split starts past the longest sequence
+
+    ka = addressing(k_cache, layout, "k")
+    va = addressing(v_cache, layout, "v")
+    v_trans = layout is Layout.VLLM
+    if ka.s_d != 1 or (va.s_tok if v_trans else va.s_d) != 1:
+        raise ValueError("k_cache/v_cache rows must be contiguous (unit stride in the last dimension)")
+    block_d = triton.next_power_of_2(D)
+    kx = ka.x if layout is Layout.VLLM else block_d
+    g_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    ks_ptr, ks_val = _scale_arg("k_scale", k_scale, q.device)
+    vs_ptr, vs_val = _scale_arg("v_scale", v_scale, q.device)
+    scale_ptr = ks_ptr is not None or vs_ptr is not None
+    if scale_ptr:  # both through pointers: one code path
+        ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=q.device)
+        vs_ptr = vs_ptr if vs_ptr is not None else torch.full((1,), vs_val, device=q.device)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+
+    split = splits > 1
+    if split:
+        o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse = out  # unused
+    _paged_decode_kernel[(splits, hkv, B)](
+        q, k_cache, v_cache, block_table, seq_lens, out, o_part, lse,
+        ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        ka.s_blk, ka.s_tok, ka.s_head, ka.s_dgrp,
+        va.s_blk, va.s_tok, va.s_head, va.s_d if v_trans else 1,
+        chunk, splits,
+        G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
+        V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
+        SPLIT=split, SCALE_PTR=scale_ptr,
+        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+    )
+    if split:
+        _decode_reduce_kernel[(Hq, B)](
+            o_part, lse, seq_lens, out, out.stride(0), out.stride(1), chunk, splits,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+def _interpreted() -> bool:
+    from workbench.backend import is_interpreted
+
+    return is_interpreted()

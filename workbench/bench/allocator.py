@@ -1,0 +1,81 @@
+"""Allocator throughput on the CPU: ``python -m workbench bench allocator [--out DIR] [--seconds S]``.
+
+Measures, in pure Python (no GPU involved):
+- block allocate+free pairs per second, in batches of 1, 16 and 256 blocks (a decode step
+  allocates one block per sequence now and then; a prefill allocates many at once);
+- fork + free of a 4096-token sequence (256 blocks of 16) per second;
+- prefix lookup: adding a 4096-token prompt whose first 4080 tokens are cached (hash chain
+  of 255 blocks, reuse without copying), then freeing it, per second; and the same with
+  prefix caching off (all blocks allocated fresh), for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable
+
+from workbench.allocator import BlockManager, BlockPool
+from workbench.bench import harness
+
+
+def rate(fn: Callable[[], int], seconds: float) -> float:
+    """Operations per second: ``fn`` does a batch and returns how many operations it did."""
+    fn()  # warm up
+    done, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        done += fn()
+    return done / elapsed
+
+
+def measure(seconds: float = 1.0) -> list[dict]:
+    rows = []
+    pool = BlockPool(num_pages=100_000, page_tokens=16)
+
+    for batch in (1, 16, 256):
+        def pairs(batch=batch):
+            for _ in range(64):
+                pool.decref(16, pool.allocate(16, batch))
+            return 64 * batch
+
+        rows.append({"op": "allocate+free", "batch_blocks": batch, "per_second": rate(pairs, seconds)})
+
+    prompt = list(range(4096))
+    m = BlockManager(pool)
+    m.add("parent", prompt)
+
+    def fork_free():
+        m.fork("parent", "child")
+        m.free("child")
+        return 1
+
+    rows.append({"op": "fork+free (4096 tokens, 256 blocks)", "batch_blocks": 256,
+                 "per_second": rate(fork_free, seconds)})
+
+    for caching in (True, False):
+        m2 = BlockManager(pool, prefix_caching=caching)
+
+        def add_free(m2=m2):
+            m2.add("req", prompt)
+            m2.free("req")
+            return 1
+
+        name = "prefix hit add+free" if caching else "add+free, prefix caching off"
+        rows.append({"op": f"{name} (4096 tokens)", "batch_blocks": 256, "per_second": rate(add_free, seconds)})
+    m.check_invariants()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench bench allocator", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None, help="folder for the JSON (default data/results)")
+    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    args = parser.parse_args(argv)
+    meta = harness.machine_meta()
+    meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # this benchmark never touches a GPU
+    rows = measure(args.seconds)
+    harness.print_table(rows, ["op", "batch_blocks", "per_second"])
+    path = harness.write_results("allocator", rows, meta, args.out)
+    print(f"wrote {path}")
+    return 0

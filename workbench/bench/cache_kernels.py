@@ -1,0 +1,302 @@
+"""Benchmark of the cache-side kernels: write-to-cache (prefill, decode step, fp8) and block copy.
+
+``python -m workbench bench cache_kernels [--smoke] [--out DIR]``. On CUDA: the copy bandwidth
+first, then (a) a prefill write (64 x 512 tokens, 8 kv heads, head_dim 128, fp16, 16-token
+blocks on a randomly permuted pool) in every layout, our kernel in a few launch variants vs torch
+indexing, plus an fp8 write; (b) decode-step writes of 64/128/256 tokens timed plain and from a
+CUDA graph; (c) block copies (4096 pairs in a 4 GiB pool, and a 64-pair copy-on-write) vs torch
+indexing. Each of ours is checked against the reference on the same data before it is timed.
+``--smoke`` runs tiny shapes (interpreter on a CPU, compiled on a GPU), correctness only; times are
+the wall-clock of one call, flagged ``timing="wall"``, with no bandwidth figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import workbench
+from workbench.bench import harness
+from workbench.kernels import copy_blocks, write_kv
+from workbench.kernels.reference import copy_blocks_ref, quant_code_distance, write_kv_ref
+from workbench.kernels.write import default_launch
+from workbench.layout import Layout, block_shape
+
+COLUMNS = [
+    "workload", "impl", "variant", "layout", "block_size", "kv_dtype", "tokens", "time_us", "time_us_graph",
+    "gbps", "frac_copy_bw", "rel_err", "ok",
+]
+KV_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+            torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2", torch.int8: "int8"}
+
+
+# ----------------------------------------------------------------------------- the storage model
+def block_stride(layout: Layout | str, block_size: int, num_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Elements from one block to the next: the block's elements rounded up to 128 bytes."""
+    elem = dtype.itemsize
+    numel = math.prod(block_shape(layout, "k", block_size, num_heads, head_dim, elem))
+    return -(-numel * elem // 128) * 128 // elem
+
+
+def make_pool(
+    num_layers: int, num_blocks: int, layout: Layout | str, block_size: int, num_heads: int, head_dim: int,
+    dtype: torch.dtype, device, seed: int = 0,
+) -> torch.Tensor:
+    """The cache's one buffer ``[num_layers, 2, num_blocks, block_stride]``, filled with random bytes (poison)."""
+    stride = block_stride(layout, block_size, num_heads, head_dim, dtype)
+    pool = torch.empty((num_layers, 2, num_blocks, stride), dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = pool.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=device, generator=g))
+    return pool
+
+
+def layer_views(
+    pool: torch.Tensor, layer: int, layout: Layout | str, block_size: int, num_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's K and V caches: ``as_strided`` views of ``pool[layer, 0]`` and ``pool[layer, 1]``
+    in the layout's block shape, block stride = the pool's (padded) stride, inner dims contiguous."""
+    views = []
+    for kind in ("k", "v"):
+        shape = block_shape(layout, kind, block_size, num_heads, head_dim, pool.element_size())
+        inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+        base = pool[layer, 0 if kind == "k" else 1]
+        views.append(base.as_strided((pool.shape[2], *shape), (pool.stride(2), *inner), base.storage_offset()))
+    return views[0], views[1]
+
+
+# ----------------------------------------------------------------------------- measuring
+@dataclass
+class Ctx:
+    timed: bool  # compiled on a GPU and not --smoke: time with CUDA events (else one wall-clock call)
+    copy_bw: float | None
+
+
+def _checked_time(ctx: Ctx, fn: Callable[[], object], check: Callable[[], tuple[float, bool]], graph: bool):
+    """Run ``fn`` once, ``check`` its output, then time it: ``(rel_err, ok, time_us, time_us_graph)``.
+
+    Untimed (``--smoke``, or the interpreter) the time is the wall-clock of that one checked call.
+    """
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = 1e6 * (time.perf_counter() - t0)
+    err, ok = check()
+    if not ctx.timed:
+        return err, ok, wall, None
+    t, tg = harness.time_us(fn), None
+    if graph:
+        try:
+            tg = harness.time_us_graph(fn)
+        except Exception as e:  # noqa: BLE001  (an implementation that cannot be captured still gets its plain time)
+            print(f"cache_kernels: CUDA graph timing failed: {type(e).__name__}: {e}")
+    return err, ok, t, tg
+
+
+def _row(ctx: Ctx, nbytes: int, t: float, tg: float | None, **cols) -> dict:
+    gbps = nbytes / (t * 1e-6) / 1e9 if ctx.timed else None
+    gbps_graph = nbytes / (tg * 1e-6) / 1e9 if (ctx.timed and tg) else None
+    return {
+        **cols, "time_us": t, "time_us_graph": tg, "bytes": nbytes, "gbps": gbps, "gbps_graph": gbps_graph,
+        "frac_copy_bw": gbps / ctx.copy_bw if (gbps and ctx.copy_bw) else None,
+        "timing": "cuda-events" if ctx.timed else "wall",
+    }
+
+
+def _compare(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """(rel_err, ok) of two pools: 0.0 when bit-exact; for 1-byte quantized codes the max code distance
+    (ok up to 1: a midpoint rounded the other way); otherwise harness.rel_err of the values."""
+    if torch.equal(got.view(torch.uint8), ref.view(torch.uint8)):
+        return 0.0, True
+    if got.element_size() == 1 and got.dtype != torch.uint8:
+        d = int(quant_code_distance(got, ref).max())
+        return float(d), d <= 1
+    return harness.rel_err(got.float(), ref.float()), False
+
+
+# ----------------------------------------------------------------------------- (a), (b) writes
+def _slots_prefill(num_seqs: int, seq_len: int, block_size: int, num_blocks: int, device, seed: int):
+    """Slot mapping of ``num_seqs`` sequences of ``seq_len`` tokens, pages from a random permutation."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = -(-seq_len // block_size)
+    pages = torch.randperm(num_blocks, generator=g)[: num_seqs * per_seq].view(num_seqs, per_seq)
+    pos = torch.arange(seq_len)
+    slots = pages[:, pos // block_size] * block_size + pos % block_size  # [num_seqs, seq_len]
+    return slots.reshape(-1).to(torch.int32).to(device)
+
+
+def _slots_decode(tokens: int, block_size: int, num_blocks: int, device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(torch.int32).to(device)
+
+
+def _write_rows(ctx: Ctx, workload: str, layout: Layout, kv_dtype: torch.dtype, slots: torch.Tensor,
+                key: torch.Tensor, value: torch.Tensor, num_blocks: int, block_size: int,
+                variants: list, graph: bool, torch_peer: bool) -> list[dict]:
+    tokens, heads, head_dim = key.shape
+    dev = key.device
+    pool0 = make_pool(1, num_blocks, layout, block_size, heads, head_dim, kv_dtype, dev, seed=1)
+    quant = kv_dtype.itemsize == 1
+    scale = torch.tensor([0.02], dtype=torch.float32, device=dev) if quant else None
+    ref = pool0.clone()
+    write_kv_ref(key, value, *layer_views(ref, 0, layout, block_size, heads, head_dim), layout, slots, scale, scale)
+    n_valid = int((slots >= 0).sum())
+    nbytes = n_valid * heads * head_dim * 2 * (key.element_size() + kv_dtype.itemsize) + slots.numel() * 4
+    base = {"workload": workload, "layout": layout.value, "block_size": block_size,
+            "kv_dtype": KV_NAMES[kv_dtype], "tokens": tokens, "heads": heads, "head_dim": head_dim}
+    rows = []
+    auto = default_launch(tokens, heads, head_dim, block_size, layout)
+    for bt, warps in [auto, *[v for v in variants if tuple(v) != auto]]:
+        pool = pool0.clone()
+        kc, vc = layer_views(pool, 0, layout, block_size, heads, head_dim)
+
+        def fn(kc=kc, vc=vc, bt=bt, warps=warps):
+            write_kv(key, value, kc, vc, layout, slots, scale, scale, tokens_per_program=bt, num_warps=warps,
+                     validate=False)
+
+        err, ok, t, tg = _checked_time(ctx, fn, lambda pool=pool: _compare(pool, ref), graph)
+        variant = f"bt{bt}-w{warps}" + ("-auto" if (bt, warps) == auto else "")
+        rows.append(_row(ctx, nbytes, t, tg, **base, impl="triton", variant=variant, tokens_per_program=bt,
+                         num_warps=warps, rel_err=err, ok=ok))
+        del pool
+    if torch_peer and layout is Layout.NHD:
+        pool = pool0.clone()
+        flat = layer_views(pool, 0, layout, block_size, heads, head_dim)
+        flat = [c.view(-1, heads, head_dim) for c in flat]  # the bench geometry has unpadded blocks
+        idx = slots.long()
+        if quant:
+            qmax = torch.finfo(kv_dtype).max
+
+            def peer():
+                flat[0][idx] = (key.float() / scale).clamp(-qmax, qmax).to(kv_dtype)
+                flat[1][idx] = (value.float() / scale).clamp(-qmax, qmax).to(kv_dtype)
+        else:
+
+            def peer():
+                flat[0][idx] = key
+                flat[1][idx] = value
+
+        err, ok, t, tg = _checked_time(ctx, peer, lambda: _compare(pool, ref), graph)
+        rows.append(_row(ctx, nbytes, t, tg, **base, impl="torch-index", variant="view(-1,H,D)[slots]=x",
+                         rel_err=err, ok=ok))
+    return rows
+
+
+# ----------------------------------------------------------------------------- (c) block copy
+def _copy_rows(ctx: Ctx, workload: str, pool0: torch.Tensor, block_size: int, pairs: int, variants: list,
+               graph: bool, seed: int) -> list[dict]:
+    num_layers, _, num_blocks, _ = pool0.shape
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g)
+    src, dst = perm[:pairs].to(pool0.device), perm[pairs : 2 * pairs].to(pool0.device)  # distinct sets
+    ref = pool0.clone()
+    copy_blocks_ref(ref, src, dst)
+    block_bytes = pool0.shape[3] * pool0.element_size()
+    nbytes = 2 * pairs * num_layers * 2 * block_bytes
+    base = {"workload": workload, "layout": "any", "block_size": block_size, "kv_dtype": KV_NAMES[pool0.dtype],
+            "tokens": None, "pairs": pairs, "num_layers": num_layers, "block_bytes": block_bytes}
+    rows = []
+    pool = pool0.clone()
+    for variant in [None, *variants]:
+        kw = {} if variant is None else dict(zip(("rows_per_program", "step_bytes", "num_warps"), variant,
+                                                  strict=True))
+        pool.copy_(pool0)
+
+        def fn(kw=kw):
+            copy_blocks(pool, src, dst, validate=False, **kw)
+
+        err, ok, t, tg = _checked_time(ctx, fn, lambda: _compare(pool, ref), graph)
+        name = "auto" if variant is None else "r{}-s{}-w{}".format(*variant)
+        rows.append(_row(ctx, nbytes, t, tg, **base, impl="triton", variant=name, rel_err=err, ok=ok, **kw))
+    src_l, dst_l = src.long(), dst.long()
+    peers = {
+        "torch-index": lambda: pool.__setitem__((slice(None), slice(None), dst_l), pool[:, :, src_l]),
+        "torch-index_copy_": lambda: pool.index_copy_(2, dst_l, pool.index_select(2, src_l)),
+    }
+    for name, peer in peers.items():
+        pool.copy_(pool0)
+        err, ok, t, tg = _checked_time(ctx, peer, lambda: _compare(pool, ref), graph)
+        rows.append(_row(ctx, nbytes, t, tg, **base, impl=name, variant="", rel_err=err, ok=ok))
+    return rows
+
+
+# ----------------------------------------------------------------------------- driver
+@dataclass
+class Sizes:
+    num_seqs: int
+    seq_len: int
+    heads: int
+    head_dim: int
+    block_size: int
+    decode_tokens: tuple[int, ...]
+    copy_layers: int
+    copy_blocks: int
+    copy_pairs: tuple[int, ...]
+
+
+FULL = Sizes(64, 512, 8, 128, 16, (64, 128, 256), 8, 8192, (4096, 64))
+SMOKE = Sizes(2, 12, 2, 64, 16, (3,), 2, 16, (4, 2))
+WRITE_VARIANTS = [(8, 2), (16, 4), (16, 8), (32, 8)]
+DECODE_VARIANTS = [(1, 1), (4, 2)]
+COPY_VARIANTS = [(1, 4096, 4), (1, 16384, 8), (2, 8192, 4)]
+
+
+def run(sizes: Sizes, ctx: Ctx, device) -> list[dict]:
+    rows: list[dict] = []
+    s = sizes
+    tokens = s.num_seqs * s.seq_len
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(tokens, 2, s.heads, s.head_dim, generator=g).to(torch.float16).to(device)
+    key, value = kv[:, 0], kv[:, 1]  # non-contiguous in T, as a fused projection's output would be
+    blocks_needed = s.num_seqs * -(-s.seq_len // s.block_size)
+    num_blocks = blocks_needed + blocks_needed // 4  # a pool somewhat larger than needed
+    slots = _slots_prefill(s.num_seqs, s.seq_len, s.block_size, num_blocks, device, seed=2)
+    for layout in Layout:  # (a) prefill
+        rows += _write_rows(ctx, "prefill", layout, torch.float16, slots, key, value, num_blocks, s.block_size,
+                            WRITE_VARIANTS, graph=True, torch_peer=True)
+        rows += _write_rows(ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key, value, num_blocks,
+                            s.block_size, [], graph=True, torch_peer=True)
+    for n in s.decode_tokens:  # (b) decode step: one token per sequence, random slots
+        dslots = _slots_decode(n, s.block_size, num_blocks, device, seed=n)
+        for layout in Layout:
+            rows += _write_rows(ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n], value[:n], num_blocks,
+                                s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
+    pool = make_pool(s.copy_layers, s.copy_blocks, "nhd", s.block_size, s.heads, s.head_dim, torch.float16,
+                     device, seed=3)
+    for pairs in s.copy_pairs:  # (c) block copy
+        # graph replay only for the small (copy-on-write sized) copy: the big one is not launch-bound
+        rows += _copy_rows(ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS, graph=pairs < 1024,
+                           seed=pairs)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench bench cache_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works on a CPU)")
+    parser.add_argument("--out", default=None, help="folder for the JSON results (default data/results)")
+    args = parser.parse_args(argv)
+    device = workbench.device()
+    on_gpu = device.type == "cuda" and not workbench.is_interpreted()
+    if not on_gpu and not args.smoke:
+        print("cache_kernels: needs a CUDA GPU (compiled Triton); use --smoke for a CPU correctness run")
+        return 2
+    timed = on_gpu and not args.smoke
+    ctx = Ctx(timed=timed, copy_bw=harness.copy_bandwidth_gbps() if timed else None)
+    if ctx.copy_bw:
+        print(f"copy bandwidth: {ctx.copy_bw:.0f} GB/s")
+    rows = run(SMOKE if args.smoke else FULL, ctx, device)
+    meta = harness.machine_meta()
+    extra = {"copy_bw_gbps": ctx.copy_bw, "smoke": args.smoke, "backend": "interpreter" if not on_gpu else "cuda"}
+    harness.print_table(rows, COLUMNS)
+    path = harness.write_results("cache_kernels", rows, meta, args.out, extra=extra)
+    print(f"results: {path}")
+    bad = [r for r in rows if not r["ok"]]
+    for r in bad:
+        print(f"MISMATCH: {r['workload']} {r['impl']} {r['variant']} {r['layout']} rel_err={r['rel_err']}")
+    return 1 if bad else 0

@@ -1,0 +1,333 @@
+"""Paged decode attention on the GPU: ours against SDPA, gather-then-SDPA and FlexAttention paged.
+
+``python -m workbench bench decode [--smoke] [--quick] [--out DIR]``
+
+Per workload W1-W5 (fp16, 16-token pages, NHD, fragmented pool): a few launch variants of
+``paged_decode`` (the heuristic's pick first) and the peers the H200 image has:
+
+- ``sdpa_contiguous``: ``scaled_dot_product_attention`` on a contiguous ``[B, Hkv, L, D]`` cache,
+  ``enable_gqa=True``. The ragged W5 pads every sequence to the longest and passes a boolean
+  mask (which rules out the flash backend: the "masked path" of DESIGN.md section 3).
+- ``gather_sdpa``: naive paging: index the pages into a contiguous tensor, then SDPA (timed together).
+- ``flex_paged``: ``torch.compile(flex_attention)`` with a block mask converted by
+  ``torch.nn.attention.experimental._paged_attention.PagedAttention`` from the page table,
+  on the ``[1, Hkv, pages * page_size, D]`` cache that class expects.
+
+A peer that fails becomes a row with an ``error`` field. Every row carries ``time_us`` (median,
+``do_bench``), ``time_us_graph`` (CUDA-graph replay), ``gbps`` and ``frac_copy_bw`` against the
+copy bandwidth measured in the same run, and ``rel_err`` against a float32 reference computed on
+the GPU from the contiguous cache; ours rows also carry ``x_<peer>`` = peer time / our time.
+Then sweeps on W1 (layouts x page sizes x fp16/bf16; block-stride alignment) and W2
+(``num_stages``). ``--smoke`` runs tiny workloads through the interpreter (correctness only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+from pathlib import Path
+
+import torch
+
+import workbench  # noqa: F401  (backend first)
+from workbench.bench import harness
+from workbench.bench.workloads import WORKLOADS, PagedKV, Workload, build_paged, bytes_moved, contiguous_kv
+from workbench.kernels import decode_config, paged_decode
+from workbench.kernels.reference import paged_decode_ref
+
+COLUMNS = ["workload", "impl", "variant", "layout", "block_size", "kv_dtype", "time_us", "time_us_graph", "gbps",
+           "frac_copy_bw", "frac_copy_bw_graph", "rel_err", "x_sdpa_contiguous", "x_gather_sdpa", "x_flex_paged"]
+PEERS = ("sdpa_contiguous", "gather_sdpa", "flex_paged")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def ref_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 8) -> torch.Tensor:
+    """Float32 decode attention on a contiguous ``[B, Hkv, L, D]`` cache, a few sequences at a time."""
+    B, Hq, D = q.shape
+    hkv, L = k.shape[1], k.shape[2]
+    out = torch.empty((B, Hq, D), dtype=torch.float32, device=q.device)
+    pos = torch.arange(L, device=q.device)
+    lens_t = torch.tensor(lens, device=q.device)
+    for b0 in range(0, B, chunk):
+        b1 = min(B, b0 + chunk)
+        qq = q[b0:b1].float().view(b1 - b0, hkv, Hq // hkv, D)
+        s = torch.einsum("bhgd,bhld->bhgl", qq, k[b0:b1].float()) / math.sqrt(D)
+        s = s.masked_fill((pos[None, :] >= lens_t[b0:b1, None])[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # an empty sequence gives zeros
+        out[b0:b1] = torch.einsum("bhgl,bhld->bhgd", p, v[b0:b1].float()).reshape(b1 - b0, Hq, D)
+    return out
+
+
+def _time(fn, rep_ms: float, graph: bool) -> tuple[float, float | None, str | None]:
+    t = harness.time_us(fn, rep_ms=rep_ms)
+    if not graph:
+        return t, None, None
+    try:
+        return t, harness.time_us_graph(fn, rep_ms=rep_ms), None
+    except Exception as err:  # noqa: BLE001  (a peer that cannot be captured keeps its eager time)
+        return t, None, f"graph: {type(err).__name__}: {str(err)[:120]}"
+
+
+def _sdpa_mask(p: PagedKV) -> torch.Tensor | None:
+    if min(p.lens) == p.max_seq_len:
+        return None
+    pos = torch.arange(p.max_seq_len, device=p.q.device)
+    return (pos[None, :] < p.seq_lens[:, None].long())[:, None, None, :]  # [B, 1, 1, L]
+
+
+def peer_fns(p: PagedKV, k: torch.Tensor, v: torch.Tensor) -> dict:
+    """name -> zero-argument callable returning ``[B, Hq, D]`` (or an Exception if it cannot be built)."""
+    import torch.nn.functional as F
+
+    qs = p.q.unsqueeze(2)  # [B, Hq, 1, D]
+    mask = _sdpa_mask(p)
+    fns = {"sdpa_contiguous": lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, enable_gqa=True)}
+
+    nblk = p.block_table.shape[1]
+    idx = p.block_table.long()
+
+    def gather_sdpa():
+        B = idx.shape[0]
+        kk = p.k_cache[idx].reshape(B, nblk * p.block_size, *p.k_cache.shape[2:])[:, : p.max_seq_len]
+        vv = p.v_cache[idx].reshape(B, nblk * p.block_size, *p.v_cache.shape[2:])[:, : p.max_seq_len]
+        return F.scaled_dot_product_attention(qs, kk.transpose(1, 2), vv.transpose(1, 2), attn_mask=mask,
+                                              enable_gqa=True)
+
+    fns["gather_sdpa"] = gather_sdpa if p.layout.value == "nhd" else ValueError("gather_sdpa needs nhd")
+    try:
+        fns["flex_paged"] = _flex_fn(p)
+    except Exception as err:  # noqa: BLE001
+        fns["flex_paged"] = err
+    return fns
+
+
+def _flex_fn(p: PagedKV):
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    dev = p.q.device
+    B, nblk = p.block_table.shape
+    n_pages = p.k_cache.shape[0]
+    pa = PagedAttention(n_pages, p.block_size, B, device=str(dev))
+    for b, n in enumerate(p.blocks_per_seq):
+        pages = p.block_table[b, :n].long()
+        pa.page_table[b, :n] = pages
+        pa.physical_to_logical[b, pages] = torch.arange(n, device=dev)
+        pa.capacity[b] = n * p.block_size
+    lens = p.seq_lens.long()
+
+    def logical(b, h, q_idx, kv_idx):
+        return kv_idx < lens[b]
+
+    bm = create_block_mask(logical, B, None, 1, nblk * p.block_size, device=dev, BLOCK_SIZE=p.block_size)
+    cbm = pa.convert_logical_block_mask(bm, kv_len=lens)
+    kf = p.k_cache.permute(2, 0, 1, 3).reshape(1, p.k_cache.shape[2], -1, p.k_cache.shape[3])  # copy
+    vf = p.v_cache.permute(2, 0, 1, 3).reshape(1, p.v_cache.shape[2], -1, p.v_cache.shape[3])
+    flex = torch.compile(flex_attention, fullgraph=True)
+    qs = p.q.unsqueeze(2)
+    return lambda: flex(qs, kf, vf, block_mask=cbm, enable_gqa=True)
+
+
+def ours_fn(p: PagedKV, cfg: dict, out: torch.Tensor):
+    launch = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages", "use_dot") if k in cfg}
+    return lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.layout, p.block_table, p.seq_lens, out=out,
+                                num_splits=cfg.get("num_splits"), max_seq_len=p.max_seq_len, **launch)
+
+
+def variants(w: Workload, base: dict, tune: bool) -> list[tuple[str, dict]]:
+    """(name, config) pairs to time: the heuristic's pick first, then single changes to it."""
+    s = base["num_splits"]
+    out = [("heuristic", dict(base))]
+    alts = [("splits/2", {"num_splits": max(1, s // 2)}), ("splits*2", {"num_splits": s * 2}),
+            ("warps8", {"num_warps": 8}), ("dot" if not base["use_dot"] else "nodot", {"use_dot": not base["use_dot"]})]
+    if tune:
+        alts += [("splits*4", {"num_splits": s * 4}), ("BLOCK_N32", {"BLOCK_N": 32}), ("BLOCK_N128", {"BLOCK_N": 128}),
+                 ("stages2", {"num_stages": 2}), ("stages4", {"num_stages": 4}),
+                 ("BLOCK_N128-warps8", {"BLOCK_N": 128, "num_warps": 8})]
+    seen = {tuple(sorted(base.items()))}
+    for name, change in alts:
+        cfg = {**base, **change}
+        key = tuple(sorted(cfg.items()))
+        if key not in seen:
+            seen.add(key)
+            out.append((name, cfg))
+    return out
+
+
+def _row(w, impl, variant, p, kv_dtype_name, nbytes, copy_gbps, t, tg, err, cfg=None, extra=None):
+    row = {"workload": w.key, "workload_name": w.name, "impl": impl, "variant": variant, "layout": p.layout.value,
+           "block_size": p.block_size, "kv_dtype": kv_dtype_name, "time_us": t, "time_us_graph": tg,
+           "bytes": nbytes, "copy_gbps": copy_gbps, "rel_err": err}
+    if t:
+        row["gbps"] = nbytes / (t * 1e-6) / 1e9
+        row["frac_copy_bw"] = row["gbps"] / copy_gbps if copy_gbps else None
+    if tg:
+        row["frac_copy_bw_graph"] = nbytes / (tg * 1e-6) / 1e9 / copy_gbps if copy_gbps else None
+    if cfg:
+        row.update({k: cfg[k] for k in ("BLOCK_N", "num_splits", "num_warps", "num_stages", "use_dot")})
+    row.update(extra or {})
+    return row
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _config(p: PagedKV, kv_dtype: torch.dtype) -> dict:
+    w_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, Hq, D = p.q.shape
+    hkv = p.k_cache.shape[2] if p.layout.value == "nhd" else p.k_cache.shape[1]
+    return decode_config(B, hkv, Hq // hkv, D, p.block_size, p.max_seq_len, kv_dtype=kv_dtype, num_sms=w_sms)
+
+
+def run_main(w: Workload, copy_gbps: float, tune: bool, rep_ms: float) -> list[dict]:
+    """Peers and our variants on one workload (fp16, 16-token pages, NHD)."""
+    p = build_paged(w, layout="nhd", block_size=16, kv_dtype=torch.float16, device="cuda")
+    k, v = contiguous_kv(p)
+    ref = ref_fp32(p.q, k, v, p.lens)
+    nbytes = bytes_moved(w, 2, 2)
+    rows, peer_t = [], {}
+    for name, fn in peer_fns(p, k, v).items():
+        if isinstance(fn, Exception):
+            rows.append(_row(w, name, "", p, "fp16", nbytes, copy_gbps, None, None, None,
+                             extra={"error": f"{type(fn).__name__}: {str(fn)[:200]}"}))
+            continue
+        try:
+            got = fn().squeeze(2)
+            err = harness.rel_err(got, ref)
+            t, tg, gerr = _time(fn, rep_ms, graph=True)
+            peer_t[name] = t
+            rows.append(_row(w, name, "", p, "fp16", nbytes, copy_gbps, t, tg, err,
+                             extra={"error": gerr} if gerr else None))
+        except Exception as e:  # noqa: BLE001  (a peer failure is a row, not a crash)
+            rows.append(_row(w, name, "", p, "fp16", nbytes, copy_gbps, None, None, None,
+                             extra={"error": f"{type(e).__name__}: {str(e)[:200]}"}))
+        print_row(rows[-1])
+        _free()
+    out = torch.empty_like(p.q)
+    base = _config(p, torch.float16)
+    for name, cfg in variants(w, base, tune):
+        fn = ours_fn(p, cfg, out)
+        try:
+            out.fill_(float("nan"))
+            fn()
+            err = harness.rel_err(out, ref)
+            t, tg, _ = _time(fn, rep_ms, graph=True)
+            extra = {f"x_{peer}": pt / t for peer, pt in peer_t.items()}
+            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, t, tg, err, cfg, extra))
+        except Exception as e:  # noqa: BLE001  (e.g. a variant out of shared memory)
+            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, None, None, None, cfg,
+                             {"error": f"{type(e).__name__}: {str(e)[:200]}"}))
+        print_row(rows[-1])
+    del p, k, v, ref, out
+    _free()
+    return rows
+
+
+def run_sweep_point(w, copy_gbps, rep_ms, *, sweep, layout="nhd", block_size=16, kv="fp16", pad=0, change=None):
+    """Our heuristic config (plus ``change``) on one cache variant; rel_err vs float32 on the contiguous cache."""
+    kv_dtype = DTYPES[kv]
+    p = build_paged(w, layout=layout, block_size=block_size, kv_dtype=kv_dtype, device="cuda", block_stride_pad=pad)
+    out = torch.empty_like(p.q)
+    cfg = {**_config(p, kv_dtype), **(change or {})}
+    extra = {"sweep": sweep, "block_stride_pad": pad}
+    try:
+        fn = ours_fn(p, cfg, out)
+        out.fill_(float("nan"))
+        fn()
+        k, v = contiguous_kv(p, dtype=torch.float16 if kv_dtype.itemsize == 1 else None)
+        err = harness.rel_err(out, ref_fp32(p.q, k, v, p.lens))
+        del k, v
+        _free()
+        t, tg, _ = _time(fn, rep_ms, graph=True)
+        row = _row(w, "ours", sweep, p, kv, bytes_moved(w, kv_dtype.itemsize, p.q.element_size()), copy_gbps, t, tg,
+                   err, cfg, extra)
+    except Exception as e:  # noqa: BLE001
+        row = _row(w, "ours", sweep, p, kv, 0, copy_gbps, None, None, None, cfg,
+                   {**extra, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+    print_row(row)
+    del p, out
+    _free()
+    return row
+
+
+def print_row(row: dict) -> None:
+    keys = ["workload", "impl", "variant", "layout", "block_size", "kv_dtype", "block_stride_pad", "BLOCK_N",
+            "num_splits", "num_warps", "num_stages", "use_dot", "time_us", "time_us_graph", "frac_copy_bw",
+            "frac_copy_bw_graph", "rel_err", "error"]
+    parts = []
+    for k in keys:
+        if row.get(k) is not None:
+            v = row[k]
+            parts.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
+    print(" ".join(parts), flush=True)
+
+
+def run_gpu(quick: bool, tune: bool) -> tuple[list[dict], dict]:
+    copy_gbps = harness.copy_bandwidth_gbps()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    rows = []
+    for w in WORKLOADS.values():
+        rows += run_main(w, copy_gbps, tune, rep_ms=100)
+    w1, w2 = WORKLOADS["W1"], WORKLOADS["W2"]
+    layouts = ["nhd", "hnd", "vllm"]
+    sizes = [16, 64] if quick else [8, 16, 32, 64, 128]
+    kvs = ["fp16"] if quick else ["fp16", "bf16", "fp8_e4m3"]
+    for kv in kvs:
+        for layout in layouts:
+            for bs in sizes:
+                rows.append(run_sweep_point(w1, copy_gbps, 50, sweep="layout", layout=layout, block_size=bs, kv=kv))
+    for pad in [0, 1, 8, 64]:
+        rows.append(run_sweep_point(w1, copy_gbps, 50, sweep="align", pad=pad))
+    for stages in [1, 2, 3, 4] if not quick else [2, 4]:
+        rows.append(run_sweep_point(w2, copy_gbps, 50, sweep="stages", change={"num_stages": stages}))
+    return rows, {"copy_gbps": copy_gbps}
+
+
+def run_smoke() -> list[dict]:
+    """Tiny workloads through whatever backend is active (the interpreter on a CPU): correctness only."""
+    rows = []
+    dev = workbench.device()
+    for w in WORKLOADS.values():
+        s = w.smoke()
+        for layout, bs in [("nhd", 16), ("vllm", 8)] if s.key == "W1" else [("nhd", 16)]:
+            p = build_paged(s, layout=layout, block_size=bs, device=dev, seed=1)
+            ref = paged_decode_ref(p.q, p.k_cache, p.v_cache, layout, p.block_table, p.seq_lens)
+            for splits in (1, 2):
+                got = paged_decode(p.q, p.k_cache, p.v_cache, layout, p.block_table, p.seq_lens, num_splits=splits)
+                cfg = {**decode_config(1, 1, 1, 64, bs, p.max_seq_len), "num_splits": splits}
+                rows.append(_row(s, "ours", f"splits{splits}", p, "fp16", bytes_moved(s, 2, 2), 0.0, None, None,
+                                 harness.rel_err(got, ref), cfg, {"sweep": "smoke"}))
+            if layout == "nhd":
+                k, v = contiguous_kv(p)
+                for name, fn in peer_fns(p, k, v).items():
+                    if name == "flex_paged" or isinstance(fn, Exception):
+                        continue  # flex needs torch.compile on a GPU
+                    rows.append(_row(s, name, "", p, "fp16", bytes_moved(s, 2, 2), 0.0, None, None,
+                                     harness.rel_err(fn().squeeze(2), ref), None, {"sweep": "smoke"}))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench bench decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads, correctness only (CPU interpreter)")
+    ap.add_argument("--quick", action="store_true", help="fewer sweep points")
+    ap.add_argument("--tune", action="store_true", help="time more launch variants per workload")
+    ap.add_argument("--out", type=Path, default=None, help="result folder (default data/results)")
+    args = ap.parse_args(argv)
+    meta = harness.machine_meta()
+    if args.smoke or not torch.cuda.is_available() or workbench.is_interpreted():
+        if not args.smoke:
+            print("decode bench: no compiled GPU backend; running --smoke", flush=True)
+        rows, extra = run_smoke(), {"mode": "smoke"}
+    else:
+        rows, extra = run_gpu(args.quick, args.tune)
+        extra["mode"] = "quick" if args.quick else "full"
+    harness.print_table(rows, COLUMNS)
+    path = harness.write_results("decode", rows, meta, args.out, extra=extra)
+    print(f"wrote {path}")
+    bad = [r for r in rows if r["impl"] == "ours" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)
+           and not r.get("error")]
+    return 1 if bad else 0

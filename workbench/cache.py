@@ -1,0 +1,255 @@
+"""The paged KV cache: K/V tensors for every layer, placed by a :class:`BlockManager`.
+
+Storage is one buffer per cache, ``pool`` of shape ``[num_layers, 2, num_pages, page_elems]``
+(dim 1: 0 = K, 1 = V). A page of ``page_tokens`` token slots is carved into blocks of one
+size class; block ``b`` of size class ``bs`` starts at element ``b * block_stride(bs)``
+of a layer's K (or V) plane, and :meth:`PagedKVCache.k_cache` views that plane in the
+chosen layout (``workbench.layout``) for the kernels.
+
+Alignment: the pool starts on a 128-byte boundary and every block's stride is a multiple
+of 128 bytes, so each block begins on its own L2 line / 128-byte transaction boundary.
+``page_bytes`` is ``page_tokens * heads * head_dim * elem_size`` rounded up to a multiple
+of ``128 * lcm(blocks per page)``; :attr:`PagedKVCache.padding_bytes` says what that costs
+(zero for the usual shapes, where a token's K row is already a multiple of 128 bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workbench.allocator import BlockManager, BlockPool, Placement
+from workbench.layout import Layout, block_shape
+from workbench.spec import TORCH_DTYPES
+
+ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
+
+
+@dataclass(frozen=True)
+class VllmMetadata:
+    """vLLM's paged-attention inputs for a batch of sequences (all int32)."""
+
+    block_table: torch.Tensor  # [B, max_blocks], padded with 0 (never read past seq_lens)
+    seq_lens: torch.Tensor  # [B]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class FlashInferMetadata:
+    """FlashInfer's CSR page table for a batch of sequences (all int32)."""
+
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [nnz] physical pages of every sequence, in order
+    kv_last_page_len: torch.Tensor  # [B] tokens in each sequence's last page (1..page_size)
+    page_size: int
+
+
+def _storage_dtype(kv_dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(kv_dtype, torch.dtype):
+        return kv_dtype
+    if kv_dtype not in TORCH_DTYPES or kv_dtype == "int4":
+        names = sorted(k for k in TORCH_DTYPES if k != "int4")
+        raise ValueError(f"kv_dtype must be a torch dtype or one of {names}, got {kv_dtype!r}")
+    return TORCH_DTYPES[kv_dtype]
+
+
+class PagedKVCache:
+    """K/V of ``num_layers`` layers in paged storage.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: the model's KV shape.
+        num_pages: pages of storage.
+        page_tokens: token slots per page.
+        block_sizes: block sizes a sequence may get (each divides ``page_tokens``); default ``(page_tokens,)``.
+        policy: block-size policy (``workbench.allocator.FixedBlockSize`` / ``ByExpectedLength``).
+        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
+        kv_dtype: storage dtype (name or torch dtype); fp8/int8 need ``k_scale``/``v_scale``.
+        device: default ``workbench.device()``.
+        prefix_caching: reuse cached full blocks of a matching prefix.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, *,
+                 page_tokens: int = 16, block_sizes: Sequence[int] | None = None, policy=None,
+                 layout: Layout | str = "nhd", kv_dtype: str | torch.dtype = "fp16", device=None,
+                 prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None):
+        import workbench
+
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        self.layout = Layout.parse(layout)
+        self.dtype = _storage_dtype(kv_dtype)
+        self.device = torch.device(device) if device is not None else workbench.device()
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        elem = self.dtype.itemsize
+        for bs in self.pool_sizes:  # validates the layout against head_dim / dtype early
+            block_shape(self.layout, "k", bs, num_kv_heads, head_dim, elem)
+        self.token_bytes = num_kv_heads * head_dim * elem  # one token's K (or V) in one layer
+        bpp_lcm = math.lcm(*(page_tokens // bs for bs in self.pool_sizes))
+        step = ALIGN * bpp_lcm
+        self.page_bytes = -(-page_tokens * self.token_bytes // step) * step
+        if self.page_bytes % elem:
+            raise ValueError(f"page of {self.page_bytes} bytes is not a whole number of {self.dtype} elements")
+        self.page_elems = self.page_bytes // elem
+        plane = num_pages * self.page_elems  # one layer's K (or V)
+        flat = torch.empty(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
+        self._flat = flat
+        self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
+        self._plane = plane
+        self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
+                                    (2 * plane, plane, self.page_elems, 1), self._base)
+
+    # ---- geometry ------------------------------------------------------------------
+    @property
+    def pool_sizes(self) -> tuple[int, ...]:
+        return self.manager.pool.block_sizes
+
+    def block_stride(self, block_size: int) -> int:
+        """Elements from one block of this size class to the next (a multiple of 128 bytes)."""
+        return self.page_elems // self.manager.pool.blocks_per_page(block_size)
+
+    @property
+    def padding_bytes(self) -> dict[int, int]:
+        """Per size class: bytes of alignment padding per block (K or V plane, one layer)."""
+        return {bs: self.block_stride(bs) * self.dtype.itemsize - bs * self.token_bytes for bs in self.pool_sizes}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.pool.numel() * self.dtype.itemsize
+
+    def blocks(self, block_size: int) -> torch.Tensor:
+        """The pool as ``[num_layers, 2, num_blocks, block_stride]`` for this size class (for block copies)."""
+        stride = self.block_stride(block_size)
+        n = self.manager.pool.num_blocks(block_size)
+        return self._flat.as_strided((self.num_layers, 2, n, stride), (2 * self._plane, self._plane, stride, 1),
+                                     self._base)
+
+    def _plane_view(self, layer: int, kind: int, block_size: int) -> torch.Tensor:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        shape = block_shape(self.layout, "kv"[kind], block_size, self.num_kv_heads, self.head_dim,
+                            self.dtype.itemsize)
+        inner = torch.empty(shape, device="meta").stride()
+        n = self.manager.pool.num_blocks(block_size)
+        offset = self._base + (2 * layer + kind) * self._plane
+        return self._flat.as_strided((n, *shape), (self.block_stride(block_size), *inner), offset)
+
+    def k_cache(self, layer: int, block_size: int | None = None) -> torch.Tensor:
+        """Layer ``layer``'s K for one size class, in the cache's layout: ``[num_blocks, *block_shape]``."""
+        return self._plane_view(layer, 0, block_size or self.pool_sizes[0])
+
+    def v_cache(self, layer: int, block_size: int | None = None) -> torch.Tensor:
+        return self._plane_view(layer, 1, block_size or self.pool_sizes[0])
+
+    # ---- sequence operations -------------------------------------------------------
+    def add(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *,
+            expected_len: int | None = None, extra_key: object = None) -> Placement:
+        """Start a sequence: ``k``, ``v`` are ``[num_layers, len(tokens), heads, head_dim]``.
+
+        Tokens found in the prefix cache are not written again (their K/V is already there).
+        """
+        self._check_kv(k, v, len(tokens))
+        placement = self.manager.add(seq_id, tokens, expected_len=expected_len, extra_key=extra_key)
+        self._apply(placement, k, v)
+        return placement
+
+    def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> Placement:
+        """Append tokens with their K/V (``[num_layers, len(tokens), heads, head_dim]``)."""
+        self._check_kv(k, v, len(tokens))
+        placement = self.manager.append(seq_id, tokens)
+        self._apply(placement, k, v)
+        return placement
+
+    def fork(self, parent_id, child_id) -> None:
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id) -> None:
+        self.manager.free(seq_id)
+
+    def copy_blocks(self, block_size: int, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy blocks ``src -> dst`` of one size class, in every layer, K and V."""
+        from workbench.kernels import copy_blocks
+
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        copy_blocks(self.blocks(block_size), src, dst)
+
+    def gather(self, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V, contiguous: each ``[num_layers, num_tokens, heads, head_dim]``."""
+        from workbench.kernels import paged_gather
+
+        bs = self.manager.block_size(seq_id)
+        table = torch.tensor([self.manager.block_table(seq_id)], dtype=torch.int32, device=self.device)
+        if table.shape[1] == 0:
+            table = torch.zeros((1, 1), dtype=torch.int32, device=self.device)
+        lens = torch.tensor([self.manager.num_tokens(seq_id)], dtype=torch.int32, device=self.device)
+        ks = [paged_gather(self.k_cache(layer, bs), self.layout, "k", table, lens) for layer in range(self.num_layers)]
+        vs = [paged_gather(self.v_cache(layer, bs), self.layout, "v", table, lens) for layer in range(self.num_layers)]
+        return torch.stack(ks), torch.stack(vs)
+
+    # ---- exports -------------------------------------------------------------------
+    def _batch(self, seq_ids: Sequence) -> int:
+        if not seq_ids:
+            raise ValueError("seq_ids must name at least one sequence")
+        sizes = {self.manager.block_size(s) for s in seq_ids}
+        if len(sizes) > 1:
+            raise ValueError(f"seq_ids must share one block size for a single batch, got sizes {sorted(sizes)}")
+        return sizes.pop()
+
+    def vllm_metadata(self, seq_ids: Sequence) -> VllmMetadata:
+        bs = self._batch(seq_ids)
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        width = max(1, max(len(t) for t in tables))
+        table = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        lens = torch.tensor([self.manager.num_tokens(s) for s in seq_ids], dtype=torch.int32)
+        return VllmMetadata(table.to(self.device), lens.to(self.device), bs)
+
+    def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """vLLM's ``slot_mapping`` (int32, ``block * block_size + offset``) for tokens ``start:end``."""
+        return torch.tensor(self.manager.slot_mapping(seq_id, start, end), dtype=torch.int32, device=self.device)
+
+    def flashinfer_metadata(self, seq_ids: Sequence) -> FlashInferMetadata:
+        bs = self._batch(seq_ids)
+        tables = [self.manager.block_table(s) for s in seq_ids]
+        indptr = torch.tensor([0, *torch.tensor([len(t) for t in tables]).cumsum(0).tolist()], dtype=torch.int32)
+        indices = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+        last = torch.tensor([(n - 1) % bs + 1 if n else 0 for n in map(self.manager.num_tokens, seq_ids)],
+                            dtype=torch.int32)
+        return FlashInferMetadata(indptr.to(self.device), indices.to(self.device), last.to(self.device), bs)
+
+    # ---- internals -----------------------------------------------------------------
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
+        want = (self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name} must be a tensor of shape {want} [layers, tokens, heads, head_dim], "
+                                 f"got {got}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
+            if not t.dtype.is_floating_point:
+                raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+    def _apply(self, placement: Placement, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy-on-write copies first, then write the new tokens' K/V through the slot mapping."""
+        from workbench.kernels import write_kv
+
+        bs = placement.block_size
+        self.copy_blocks(bs, placement.copies)
+        if not placement.slots:
+            return
+        slots = torch.tensor(placement.slots, dtype=torch.int64, device=self.device)
+        first = placement.first - (self.manager.num_tokens(placement.seq_id) - k.shape[1])  # index into k/v
+        for layer in range(self.num_layers):
+            write_kv(k[layer, first:], v[layer, first:], self.k_cache(layer, bs), self.v_cache(layer, bs),
+                     self.layout, slots, k_scale=self.k_scale, v_scale=self.v_scale)

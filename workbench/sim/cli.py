@@ -1,0 +1,155 @@
+"""Command line of the simulator: ``python -m workbench sim {fig2,seed-table,run} ...``.
+
+  fig2 [--json] [--trace T] [--seed N] [--requests N] [--allocator A] [--block-size B] [--sensitivity]
+      the vLLM paper's Figure 2 for Orca (Max/Pow2/Oracle) and vLLM, against the paper's numbers
+  seed-table [--json] [--batch N] [--gpu-gib G] [--block-size B]
+      the seed's Table 5.1 recomputed, with verdicts
+  run [--strategy S] [--trace T] [--requests N] [--model M] [--kv-gib G | --gpu-gib G] [--preemption P]
+      [--max-steps N] [--step-s S] [--max-batch N] [--json]
+      one strategy on one trace: throughput, completion rate, batch, memory shares
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from workbench.sim import strategies as st
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so main() can return 2 with a clear message."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m workbench sim", description="Serving simulator of KV-cache allocation")
+    sub = p.add_subparsers(dest="command", metavar="command", parser_class=_Parser)
+    sub.required = True
+
+    f = sub.add_parser("fig2", help="the vLLM paper's Figure 2 (memory breakdown of four systems)")
+    f.add_argument("--json", action="store_true", help="print JSON")
+    f.add_argument("--trace", default="sharegpt", help="sharegpt, alpaca or a JSONL path (default sharegpt)")
+    f.add_argument("--seed", type=int, default=None, help="regenerate the preset trace with this seed")
+    f.add_argument("--requests", type=_positive_int, default=None, help="use the first N requests")
+    f.add_argument("--allocator", choices=st.ALLOCATORS, default="buddy", help="Orca's allocator")
+    f.add_argument("--block-size", type=_positive_int, default=16, help="vLLM block size (tokens)")
+    f.add_argument("--all-steps", action="store_true", help="average over all steps, not only saturated ones")
+    f.add_argument("--sensitivity", action="store_true", help="also vary each assumption (slower)")
+
+    s = sub.add_parser("seed-table", help="the seed's Table 5.1 (LLaMA-7B, 80 GB) recomputed")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--batch", type=_positive_int, default=16, help="sequences in the cache (default 16)")
+    s.add_argument("--gpu-gib", type=_positive_float, default=80.0, help="GPU memory in GiB (default 80)")
+    s.add_argument("--block-size", type=_positive_int, default=16, help="paged block size (default 16)")
+
+    r = sub.add_parser("run", help="one strategy on one trace, summary")
+    r.add_argument("--strategy", default="vllm", help=f"one of {', '.join(st.STRATEGIES)}")
+    r.add_argument("--block-size", type=_positive_int, default=None, help="override the block size (paged)")
+    r.add_argument("--allocator", choices=st.ALLOCATORS, default=None, help="override the allocator (Orca)")
+    r.add_argument("--trace", default="sharegpt", help="sharegpt, alpaca or a JSONL path")
+    r.add_argument("--requests", type=_positive_int, default=None, help="use the first N requests")
+    r.add_argument("--model", default="llama-13b", help="model spec for bytes per token and weights")
+    r.add_argument("--kv-gib", type=_positive_float, default=None, help="KV memory in GiB (default 12)")
+    r.add_argument("--gpu-gib", type=_positive_float, default=None, help="derive the KV budget from a GPU size")
+    r.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    r.add_argument("--max-steps", type=_positive_int, default=None, help="step budget (completion rate)")
+    r.add_argument("--step-s", type=_positive_float, default=None, help="seconds per step (timed arrivals)")
+    r.add_argument("--max-batch", type=_positive_int, default=256)
+    r.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a simulator command; returns the exit status (2 on bad input, with a message on stderr)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser().parse_args(argv)
+        return {"fig2": _fig2, "seed-table": _seed_table, "run": _run}[args.command](args)
+    except SystemExit as e:  # --help prints and exits 0
+        return int(e.code or 0)
+    except ValueError as e:
+        print(f"sim: {e}", file=sys.stderr)
+        return 2
+
+
+def _fig2(args) -> int:
+    from workbench.sim import fig2
+
+    d = fig2.breakdown(args.trace, seed=args.seed, n=args.requests, allocator=args.allocator,
+                       block_size=args.block_size, saturated=not args.all_steps)
+    if args.sensitivity:
+        d["sensitivity"] = fig2.sensitivity()
+    if args.json:
+        print(json.dumps(d, indent=1))
+    else:
+        print(fig2.format_table(d))
+        if args.sensitivity:
+            print()
+            print(fig2.format_sensitivity(d["sensitivity"]))
+    return 0
+
+
+def _seed_table(args) -> int:
+    from workbench.sim import seed_table
+
+    d = seed_table.table(args.batch, gpu_gib=args.gpu_gib, block_size=args.block_size)
+    print(json.dumps(d, indent=1) if args.json else seed_table.format_table(d))
+    return 0
+
+
+def _run(args) -> int:
+    from workbench.sim import engine, traces
+    from workbench.sim.budget import kv_budget
+
+    overrides = {}
+    if args.block_size is not None:
+        cfg = st.get(args.strategy)
+        overrides["small" if isinstance(cfg, st.PagedAdaptive) else "block_size"] = args.block_size
+    if args.allocator is not None:
+        overrides["allocator"] = args.allocator
+    try:
+        cfg = st.get(args.strategy, **overrides)
+    except TypeError:
+        raise ValueError(f"strategy {args.strategy!r} has no option {sorted(overrides)}") from None
+    if args.kv_gib is not None and args.gpu_gib is not None:
+        raise ValueError("give --kv-gib or --gpu-gib, not both")
+    if args.gpu_gib is not None:
+        budget = kv_budget(args.model, args.gpu_gib)
+    else:
+        budget = kv_budget(args.model, kv_gib=12 if args.kv_gib is None else args.kv_gib)
+    trace = traces.load(args.trace)
+    if args.requests is not None and args.requests < len(trace):
+        trace = trace.head(args.requests)
+    res = engine.run(trace, cfg, budget, preemption=args.preemption, max_batch=args.max_batch,
+                     max_steps=args.max_steps, step_s=args.step_s)
+    summary = res.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        for k, v in summary.items():
+            print(f"{k:>24}: {v}")
+    return 0

@@ -1,0 +1,474 @@
+"""Allocation strategies: where each running request's KV slots come from.
+
+Contiguous (Orca-style) strategies reserve one range per request in a single address space of token slots,
+managed by a real allocator: a binary buddy allocator (what the vLLM paper assumes for Orca) or first-fit
+over a sorted list of holes. The reservation size is ``max_len`` (Orca Max), ``prompt + pow2(output)``
+(Orca Pow2: at most 2x the output, e.g. 32 slots for 25 tokens) or ``prompt + output`` (Orca Oracle).
+
+Paged strategies are an abstract model (counts of blocks, no addresses; independent of
+``workbench.allocator``): fixed blocks of ``block_size`` tokens allocated on demand (vLLM), the same with the
+seed's preallocation (``running_avg(request lengths) * safety / block_size`` blocks at admission), and the
+seed's adaptive scheme (16-token blocks while a request is short, 64-token blocks after ``switch_at``
+tokens; 16-token blocks are carved four to a 64-slot page, a slab) with optional periodic compaction.
+
+A manager holds the runtime state; a frozen config (``Contiguous``, ``Paged``, ``PagedAdaptive``) builds one
+per run, so ``workbench.sim.run`` stays a pure function of its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from workbench.sim.allocators import BuddyAllocator, FirstFitAllocator, pow2ceil
+
+
+class Seq:
+    """Runtime state of a request inside the engine (shared with the managers).
+
+    ``g`` tokens were generated before the current admission at step ``a``; after the growth of step ``s``
+    the request stores ``p + g + 1 + (s - a)`` tokens. ``cap`` slots are held for it; ``h`` is the
+    manager's handle (an address range, a block count, page lists).
+    """
+
+    __slots__ = ("idx", "p", "o", "F", "g", "a", "cap", "h", "ver")
+
+    def __init__(self, idx: int, p: int, o: int):
+        self.idx, self.p, self.o, self.F = idx, p, o, p + o
+        self.g, self.a, self.cap, self.h, self.ver = 0, 0, 0, None, 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Managers: the engine calls fits_ever / admit / grow / release / external / compact
+
+
+class Manager:
+    """Common interface. ``allocated`` counts slots taken from the pool (>= the ``cap`` held by requests)."""
+
+    block_size: int | None = None  # waste bound per request of an on-demand paged manager
+    compact_every: int | None = None
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.allocated = 0
+
+    def fits_ever(self, seq: Seq, c0: int) -> bool:  # can this request ever run to completion alone?
+        raise NotImplementedError
+
+    def admit(self, seq: Seq, c0: int) -> bool:  # hold at least c0 slots for seq (sets seq.cap, seq.h)
+        raise NotImplementedError
+
+    def grow(self, seq: Seq, c: int) -> bool:  # extend seq.cap to >= c
+        raise NotImplementedError(f"{type(self).__name__} never grows a reservation")
+
+    def release(self, seq: Seq) -> None:
+        raise NotImplementedError
+
+    def external(self, head: Seq | None) -> int:  # free slots that cannot serve `head` (None: nobody waits)
+        raise NotImplementedError
+
+    def count_free(self) -> int:  # free slots counted from the allocator's own structures (for checks)
+        raise NotImplementedError
+
+    def on_finish(self, final_len: int) -> None:
+        pass
+
+    def compact(self, running: list[tuple[Seq, int]]) -> tuple[int, list[tuple[Seq, int]]]:
+        """Copy data to reduce waste: returns (tokens copied, [(seq, old cap)] for seqs whose cap changed)."""
+        return 0, []
+
+
+class ContiguousManager(Manager):
+    def __init__(self, slots: int, reserve: str, allocator: str, max_len: int):
+        super().__init__(slots)
+        self.reserve, self.max_len = reserve, max_len
+        self.alloc = FirstFitAllocator(slots) if allocator == "first-fit" else BuddyAllocator(
+            slots, lifo=allocator == "buddy-lifo")
+
+    def size(self, seq: Seq) -> int:
+        """Slots reserved for ``seq`` at admission."""
+        if self.reserve == "max":
+            return self.max_len
+        if self.reserve == "pow2":
+            return min(self.max_len, seq.p + pow2ceil(seq.o))
+        return seq.F
+
+    def fits_ever(self, seq: Seq, c0: int) -> bool:
+        return self.alloc.fits_ever(self.size(seq))
+
+    def admit(self, seq: Seq, c0: int) -> bool:
+        size = self.size(seq)
+        handle = self.alloc.alloc(size)
+        if handle is None:
+            return False
+        seq.h, seq.cap = handle, size
+        self.allocated += self.alloc.block_slots(handle)
+        return True
+
+    def release(self, seq: Seq) -> None:
+        self.allocated -= self.alloc.block_slots(seq.h)
+        self.alloc.release(seq.h)
+        seq.h, seq.cap = None, 0
+
+    def external(self, head: Seq | None) -> int:
+        return 0 if head is None else self.alloc.unusable(self.size(head))
+
+    def count_free(self) -> int:
+        return self.alloc.count_free()
+
+
+class PagedManager(Manager):
+    """Fixed blocks of ``block_size`` slots; on demand, or with the seed's preallocation at admission."""
+
+    def __init__(self, slots: int, block_size: int, watermark: float, prealloc: tuple[float, int, float] | None):
+        super().__init__(slots)
+        self.B = block_size
+        self.total_blocks = slots // block_size
+        self.tail = slots - self.total_blocks * block_size  # slots that no block covers
+        self.free_blocks = self.total_blocks
+        self.wm = int(watermark * self.total_blocks)
+        self.prealloc = prealloc  # (safety, max_prealloc_tokens, ema_alpha) or None
+        self.avg: float | None = None
+        self.block_size = None if prealloc else block_size
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.B)
+
+    def fits_ever(self, seq: Seq, c0: int) -> bool:
+        return self._blocks(c0) <= self.total_blocks - self.wm and self._blocks(seq.F) <= self.total_blocks
+
+    def admit(self, seq: Seq, c0: int) -> bool:
+        need = self._blocks(c0)
+        if self.free_blocks - need < self.wm:
+            return False
+        want = need
+        if self.prealloc and self.avg is not None:
+            safety, max_tokens, _ = self.prealloc
+            want = max(need, self._blocks(min(max_tokens, math.ceil(self.avg * safety))))
+            if self.free_blocks - want < self.wm:
+                want = need  # not enough for the preallocation: take what the prompt needs
+        self.free_blocks -= want
+        self.allocated += want * self.B
+        seq.h, seq.cap = want, want * self.B
+        return True
+
+    def grow(self, seq: Seq, c: int) -> bool:
+        k = self._blocks(c) - seq.h
+        if k > self.free_blocks:
+            return False
+        self.free_blocks -= k
+        self.allocated += k * self.B
+        seq.h += k
+        seq.cap = seq.h * self.B
+        return True
+
+    def release(self, seq: Seq) -> None:
+        self.free_blocks += seq.h
+        self.allocated -= seq.h * self.B
+        seq.h, seq.cap = None, 0
+
+    def external(self, head: Seq | None) -> int:
+        return self.tail
+
+    def count_free(self) -> int:
+        return self.free_blocks * self.B + self.tail
+
+    def on_finish(self, final_len: int) -> None:
+        if self.prealloc:
+            alpha = self.prealloc[2]
+            self.avg = final_len if self.avg is None else (1 - alpha) * self.avg + alpha * final_len
+
+
+class AdaptiveManager(Manager):
+    """Small blocks while ``cap < switch_at``, large blocks after; small blocks are carved from large pages.
+
+    Free small sub-blocks of a carved page are external fragmentation: they can serve only the small class.
+    Compaction every ``compact_every`` steps (the seed's rule plus slab packing):
+      1. a request whose last block is large and less than half full has its valid tokens copied into
+         small blocks and the large page freed;
+      2. small blocks are packed into the fewest pages (moved from the emptiest carved pages), so whole
+         pages return to the free pool.
+    """
+
+    def __init__(self, slots: int, small: int, large: int, switch_at: int, watermark: float,
+                 compact_every: int | None):
+        super().__init__(slots)
+        self.S, self.L, self.switch_at = small, large, switch_at
+        self.per = large // small
+        pages = slots // large
+        self.tail = slots - pages * large
+        self.free_pages = list(range(pages - 1, -1, -1))  # stack of page ids
+        self.total_pages = pages
+        self.used: dict[int, int] = {}  # carved page -> small blocks in use
+        self.partial: dict[int, None] = {}  # carved pages with a free sub-block (insertion ordered)
+        self.owners: dict[int, list[Seq]] = {}  # carved page -> owners of its small blocks
+        self.free_sub = 0
+        self.wm = int(watermark * pages)
+        self.compact_every = compact_every
+        self.block_size = large  # on demand: waste < the largest block
+
+    def _plan(self, cap: int, c: int) -> tuple[int, int, int]:
+        """Small and large blocks needed to grow from ``cap`` to ``>= c``, and the new cap."""
+        ns = nl = 0
+        while cap < c:
+            if cap < self.switch_at:
+                ns += 1
+                cap += self.S
+            else:
+                nl += 1
+                cap += self.L
+        return ns, nl, cap
+
+    def _available(self, ns: int, nl: int, reserve_pages: int) -> bool:
+        pages = len(self.free_pages) - reserve_pages - nl
+        if pages < 0:
+            return False
+        from_pages = max(0, ns - self.free_sub)
+        return -(-from_pages // self.per) <= pages
+
+    def fits_ever(self, seq: Seq, c0: int) -> bool:
+        ns, nl, _ = self._plan(0, c0)
+        nsf, nlf, _ = self._plan(0, seq.F)
+        return (nl + -(-ns // self.per) <= self.total_pages - self.wm
+                and nlf + -(-nsf // self.per) <= self.total_pages)
+
+    def _alloc_small(self, seq: Seq) -> int:
+        if self.partial:
+            page = next(reversed(self.partial))
+            self.free_sub -= 1
+        else:
+            page = self.free_pages.pop()
+            self.used[page] = 0
+            self.owners[page] = []
+            self.partial[page] = None
+            self.free_sub += self.per - 1
+        self.used[page] += 1
+        self.owners[page].append(seq)
+        if self.used[page] == self.per:
+            del self.partial[page]
+        self.allocated += self.S
+        return page
+
+    def _free_small(self, seq: Seq, page: int) -> None:
+        self.used[page] -= 1
+        self.owners[page].remove(seq)
+        self.allocated -= self.S
+        if self.used[page] == 0:
+            del self.used[page], self.owners[page], self.partial[page]
+            self.free_sub -= self.per - 1
+            self.free_pages.append(page)
+        else:
+            self.partial[page] = None
+            self.free_sub += 1
+
+    def _take(self, seq: Seq, ns: int, nl: int) -> None:
+        small, large = seq.h[0], seq.h[1]
+        for _ in range(ns):
+            small.append(self._alloc_small(seq))
+            seq.h[2] = False  # last block is small
+        for _ in range(nl):
+            large.append(self.free_pages.pop())
+            self.allocated += self.L
+            seq.h[2] = True
+
+    def admit(self, seq: Seq, c0: int) -> bool:
+        ns, nl, cap = self._plan(0, c0)
+        if not self._available(ns, nl, self.wm):
+            return False
+        seq.h = [[], [], False]  # small-block pages, large pages, last block is large
+        self._take(seq, ns, nl)
+        seq.cap = cap
+        return True
+
+    def grow(self, seq: Seq, c: int) -> bool:
+        ns, nl, cap = self._plan(seq.cap, c)
+        if not self._available(ns, nl, 0):
+            return False
+        self._take(seq, ns, nl)
+        seq.cap = cap
+        return True
+
+    def release(self, seq: Seq) -> None:
+        small, large, _ = seq.h
+        for page in small:
+            self._free_small(seq, page)
+        self.free_pages.extend(large)
+        self.allocated -= self.L * len(large)
+        seq.h, seq.cap = None, 0
+
+    def external(self, head: Seq | None) -> int:
+        return self.free_sub * self.S + self.tail
+
+    def count_free(self) -> int:
+        carved_free = sum(self.per - u for u in self.used.values()) * self.S
+        return len(self.free_pages) * self.L + carved_free + self.tail
+
+    def compact(self, running: list[tuple[Seq, int]]) -> tuple[int, list[tuple[Seq, int]]]:
+        copied, changed = 0, []
+        for seq, c in running:  # 1. the seed's rule: a large tail block less than half full -> small blocks
+            small, large, last_large = seq.h
+            valid = c - (seq.cap - self.L)
+            if last_large and valid < self.L // 2:
+                old = seq.cap
+                self.free_pages.append(large.pop())
+                self.allocated -= self.L
+                k = -(-valid // self.S)
+                for _ in range(k):
+                    small.append(self._alloc_small(seq))
+                seq.h[2] = False
+                seq.cap = old - self.L + k * self.S
+                copied += valid
+                changed.append((seq, old))
+        n_small = sum(self.used.values())  # 2. pack small blocks into the fewest pages
+        keep_n = -(-n_small // self.per)
+        if len(self.used) > keep_n:
+            order = sorted(self.used, key=lambda pg: -self.used[pg])
+            keep, donors = order[:keep_n], order[keep_n:]
+            targets = [pg for pg in keep if self.used[pg] < self.per]
+            for donor in donors:
+                for seq in list(self.owners[donor]):
+                    target = targets[-1]
+                    pages = seq.h[0]
+                    pages[pages.index(donor)] = target
+                    self.owners[donor].remove(seq)
+                    self.owners[target].append(seq)
+                    self.used[donor] -= 1
+                    self.used[target] += 1
+                    copied += self.S
+                    if self.used[target] == self.per:
+                        targets.pop()
+                        del self.partial[target]
+                del self.used[donor], self.owners[donor], self.partial[donor]
+                self.free_pages.append(donor)
+            self.free_sub = sum(self.per - u for u in self.used.values())
+        return copied, changed
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Configs (frozen, hashable): build a fresh manager per run
+
+
+ALLOCATORS = ("buddy", "buddy-lifo", "first-fit")
+
+
+@dataclass(frozen=True)
+class Contiguous:
+    """One contiguous range per request.
+
+    ``reserve``: ``max`` (``max_len`` slots), ``pow2`` (``prompt + pow2ceil(output)``, at most ``max_len``) or
+    ``oracle`` (``prompt + output``). ``allocator``: ``buddy`` (address-ordered), ``buddy-lifo`` (most recently
+    freed block first) or ``first-fit``.
+    """
+
+    reserve: str = "max"
+    allocator: str = "buddy"
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.reserve not in ("max", "pow2", "oracle"):
+            raise ValueError(f"reserve must be 'max', 'pow2' or 'oracle', got {self.reserve!r}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"allocator must be one of {ALLOCATORS}, got {self.allocator!r}")
+        _check_pos("max_len", self.max_len)
+
+    @property
+    def label(self) -> str:
+        name = {"max": "Max", "pow2": "Pow2", "oracle": "Oracle"}[self.reserve]
+        return f"Orca ({name}, {self.allocator})"
+
+    def build(self, slots: int) -> Manager:
+        return ContiguousManager(slots, self.reserve, self.allocator, self.max_len)
+
+
+@dataclass(frozen=True)
+class Paged:
+    """Fixed blocks of ``block_size`` tokens, on demand; ``prealloc=True`` adds the seed's preallocation."""
+
+    block_size: int = 16
+    watermark: float = 0.01
+    prealloc: bool = False
+    safety: float = 1.2
+    max_prealloc: int = 2048
+    alpha: float = 0.05
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_pos("block_size", self.block_size)
+        _check_pos("max_len", self.max_len)
+        _check_pos("max_prealloc", self.max_prealloc)
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not self.safety > 0 or not 0 < self.alpha <= 1:
+            raise ValueError(f"need safety > 0 and 0 < alpha <= 1, got {self.safety}, {self.alpha}")
+
+    @property
+    def label(self) -> str:
+        pre = f", prealloc x{self.safety:g}" if self.prealloc else ""
+        return f"paged (B={self.block_size}{pre})"
+
+    def build(self, slots: int) -> Manager:
+        pre = (self.safety, self.max_prealloc, self.alpha) if self.prealloc else None
+        return PagedManager(slots, self.block_size, self.watermark, pre)
+
+
+@dataclass(frozen=True)
+class PagedAdaptive:
+    """The seed's adaptive blocks: ``small`` until ``switch_at`` tokens, then ``large``; optional compaction."""
+
+    small: int = 16
+    large: int = 64
+    switch_at: int = 128
+    compact_every: int | None = None
+    watermark: float = 0.01
+    max_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check_pos("small", self.small)
+        _check_pos("large", self.large)
+        _check_pos("max_len", self.max_len)
+        if self.large % self.small:
+            raise ValueError(f"large ({self.large}) must be a multiple of small ({self.small})")
+        if self.switch_at < 0 or self.switch_at % self.small:
+            raise ValueError(f"switch_at must be a non-negative multiple of small, got {self.switch_at}")
+        if self.compact_every is not None:
+            _check_pos("compact_every", self.compact_every)
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    @property
+    def label(self) -> str:
+        comp = f", compact/{self.compact_every}" if self.compact_every else ""
+        return f"paged adaptive ({self.small}/{self.large}{comp})"
+
+    def build(self, slots: int) -> Manager:
+        return AdaptiveManager(slots, self.small, self.large, self.switch_at, self.watermark, self.compact_every)
+
+
+def _check_pos(name: str, v: int) -> None:
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+Strategy = Contiguous | Paged | PagedAdaptive
+
+STRATEGIES: dict[str, Strategy] = {
+    "orca-max": Contiguous("max"),
+    "orca-pow2": Contiguous("pow2"),
+    "orca-oracle": Contiguous("oracle"),
+    "vllm": Paged(16),
+    "paged": Paged(16),
+    "paged-prealloc": Paged(16, prealloc=True),
+    "paged-adaptive": PagedAdaptive(),
+    "paged-compact": PagedAdaptive(compact_every=64),
+}
+
+
+def get(strategy: str | Strategy, **overrides) -> Strategy:
+    """A strategy config from a name in ``STRATEGIES`` (or a config), with fields overridden."""
+    if isinstance(strategy, str):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
+        strategy = STRATEGIES[strategy]
+    elif not isinstance(strategy, Contiguous | Paged | PagedAdaptive):
+        raise ValueError(f"strategy must be a name or a Contiguous/Paged/PagedAdaptive config, got {strategy!r}")
+    return replace(strategy, **overrides) if overrides else strategy
