@@ -30,20 +30,34 @@ _LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot")
 
 
 @triton.jit
-def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row offsets of the tile's tokens ``[start, start + BLOCK_N)`` in the K and V caches."""
+def _load_page(p, ASM: tl.constexpr):
+    """Block-table entries at ``p`` (all in bounds). On the GPU through inline PTX: the compiler's
+    software pipeliner cannot see this load, so it keeps K/V multi-buffered (a table load it can
+    see turns the K/V loads into a dependent chain with a single buffer)."""
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [p], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    return tl.load(p)
+
+
+@triton.jit
+def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+               ASM: tl.constexpr):
+    """Row offsets of the tile's tokens ``[start, start + BLOCK_N)`` in the K and V caches.
+
+    Tokens past ``hi`` (the end) get a valid page of the sequence, so their rows are in bounds."""
     if PAGE % BLOCK_N == 0:
         # the tile sits inside one page: one table lookup per tile
-        i_pg = tl.load(bt_row + start // PAGE).to(tl.int64)
+        i_pg = _load_page(bt_row + start // PAGE, ASM).to(tl.int64)
         o_tok = (start % PAGE) + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     elif BLOCK_N % PAGE == 0:
         # the tile covers BLOCK_N // PAGE whole pages (start is a multiple of PAGE)
         o_n = tl.arange(0, BLOCK_N)
-        i_pg = tl.load(bt_row + start // PAGE + o_n // PAGE, mask=start + o_n < hi, other=0).to(tl.int64)
+        i_pg = _load_page(bt_row + start // PAGE + tl.minimum(o_n, hi - 1 - start) // PAGE, ASM).to(tl.int64)
         o_tok = o_n % PAGE  # [BLOCK_N]
     else:
         o_n = start + tl.arange(0, BLOCK_N)
-        i_pg = tl.load(bt_row + o_n // PAGE, mask=o_n < hi, other=0).to(tl.int64)
+        i_pg = _load_page(bt_row + tl.minimum(o_n, hi - 1) // PAGE, ASM).to(tl.int64)
         o_tok = o_n % PAGE  # [BLOCK_N]
     o_krow = i_pg * s_blk_k + o_tok * s_tok_k  # [BLOCK_N] int64: pages can lie beyond 2**31 elements
     o_vrow = i_pg * s_blk_v + o_tok * s_tok_v  # [BLOCK_N]
@@ -54,7 +68,7 @@ def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.c
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D] query, unit stride in D
     k_ptr,  # K cache, any layout, addressed as blk*s_blk + tok*s_tok + head*s_head + (d // KX)*s_dgrp + d % KX
-    v_ptr,  # V cache: blk*s_blk + tok*s_tok + head*s_head + d (or, V_TRANS, + d*s_d with s_tok == 1)
+    v_ptr,  # V cache: blk*s_blk + tok*s_tok + head*s_head + d (V_TRANS: + d*s_d, with s_tok == 1)
     bt_ptr,  # [B, max_blocks] int32 block table
     lens_ptr,  # [B] int32 context lengths
     out_ptr,  # [B, Hq, D] output (used when not SPLIT)
@@ -66,8 +80,8 @@ def _paged_decode_kernel(
     s_qb, s_qh,  # q strides
     s_ob, s_oh,  # out strides
     s_bt,  # block-table row stride
-    k_s_blk, k_s_tok, k_s_head, k_s_dgrp,
-    v_s_blk, v_s_tok, v_s_head, v_s_d,
+    k_s_blk, k_s_tok, k_s_head, k_s_dgrp,  # k_s_blk in units of K_BM elements
+    v_s_blk, v_s_tok, v_s_head, v_s_d,  # v_s_blk in units of V_BM elements
     chunk,  # tokens per split, a multiple of BLOCK_N
     num_splits,
     G: tl.constexpr,  # query heads per kv head
@@ -77,11 +91,14 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile
     PAGE: tl.constexpr,  # tokens per cache block
     KX: tl.constexpr,  # key split x (BLOCK_D when K is not split)
-    V_TRANS: tl.constexpr,  # V stored [D, tokens] per block (vLLM value layout)
+    V_TRANS: tl.constexpr,  # V stored [D, tokens] per block (vLLM value layout): tokens are the fast dim
     USE_DOT: tl.constexpr,  # tensor cores (tl.dot) or broadcast-multiply + sum
     IEEE: tl.constexpr,  # dot in fp32 without TF32 (fp32 q; bf16 in the interpreter, whose bf16 dot is wrong)
     SPLIT: tl.constexpr,  # write partials for the reduce kernel
     SCALE_PTR: tl.constexpr,
+    K_BM: tl.constexpr,  # k_s_blk was divided by this power of two (keeps 16-byte alignment visible)
+    V_BM: tl.constexpr,
+    ASM: tl.constexpr,  # block-table loads through inline PTX (GPU only)
 ):
     i_s = tl.program_id(0)
     i_hk = tl.program_id(1)
@@ -120,19 +137,27 @@ def _paged_decode_kernel(
         start = i_t * BLOCK_N
         o_n = start + tl.arange(0, BLOCK_N)
         m_n = o_n < hi  # [BLOCK_N]
-        o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N)
+        o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk * K_BM, k_s_tok, v_s_blk * V_BM, v_s_tok, PAGE,
+                                    BLOCK_N, ASM)
         if BLOCK_D == HEAD_DIM:
             m_kv = m_n[:, None]
         else:
             m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(k_base + o_krow[:, None] + o_kd[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
         if V_TRANS:
-            o_vt = o_vrow[None, :] + o_d[:, None] * v_s_d  # [BLOCK_D, BLOCK_N], tokens contiguous in a page
+            # tokens run contiguously inside a page: dim 0 of the tile is the fast one
+            o_v = o_vrow[:, None] + (o_d * v_s_d)[None, :]  # [BLOCK_N, BLOCK_D]
             if PAGE % BLOCK_N == 0:  # the compiler cannot see through the table lookup: say it
-                o_vt = tl.max_contiguous(o_vt, [1, BLOCK_N])
+                o_v = tl.max_contiguous(o_v, [BLOCK_N, 1])
             elif BLOCK_N % PAGE == 0:
-                o_vt = tl.max_contiguous(o_vt, [1, PAGE])
-            b_v = tl.load(v_base + o_vt, mask=tl.trans(m_kv), other=0.0)  # [BLOCK_D, BLOCK_N]
+                o_v = tl.max_contiguous(o_v, [PAGE, 1])
+            # a mask along the token (vector) dim would break 16-byte loads: rows past the end are
+            # in bounds (see _page_rows) but may hold anything, so zero them after the load
+            if BLOCK_D == HEAD_DIM:
+                b_v = tl.load(v_base + o_v)
+            else:
+                b_v = tl.load(v_base + o_v, mask=m_d[None, :], other=0.0)
+            b_v = tl.where(m_n[:, None], b_v, 0.0)  # [BLOCK_N, BLOCK_D]
         else:
             b_v = tl.load(v_base + o_vrow[:, None] + o_d[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
 
@@ -154,18 +179,12 @@ def _paged_decode_kernel(
         b_acc = b_acc * b_alpha[:, None]
         if USE_DOT:
             b_v = b_v.to(b_q.dtype)
-            if V_TRANS:
-                b_v = tl.trans(b_v)
             if IEEE:
                 b_acc += tl.dot(b_p, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
             else:
                 b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
-        elif G_PAD == 1 and V_TRANS:
-            b_acc += tl.sum(b_p * b_v.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_D]
         elif G_PAD == 1:
             b_acc += tl.sum(tl.trans(b_p) * b_v.to(tl.float32), axis=0)[None, :]
-        elif V_TRANS:
-            b_acc += tl.sum(b_p[:, None, :] * b_v.to(tl.float32)[None, :, :], axis=2)
         else:
             b_acc += tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
         b_m = b_m_new
@@ -214,6 +233,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + i_b.to(tl.int64) * s_ob + i_h * s_oh + o_d, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
+def _pow2_factor(n: int, most: int = 16) -> int:
+    """The largest power of two <= ``most`` dividing ``n``: Triton only sees "divisible by 16",
+    so a block stride of 16 * k + 8 fp16 elements (16-byte aligned) would otherwise load 2 bytes at a time."""
+    f = 1
+    while f < most and n % (2 * f) == 0:
+        f *= 2
+    return f
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -228,24 +256,32 @@ def decode_config(
     block_size: int,
     max_seq_len: int,
     *,
+    mean_seq_len: float | None = None,
     kv_dtype: torch.dtype = torch.float16,
     num_sms: int = 0,
 ) -> dict:
     """Launch parameters for :func:`paged_decode`, chosen from the problem's shape.
 
-    Rules (GPU, ``num_sms > 0``), set from H200 measurements (docs/decode_tuning.md):
+    Rules on a GPU (``num_sms > 0``), from H200 measurements and the compiled kernels'
+    shared memory (docs/decode_tuning.md):
 
-    - ``use_dot``: tensor cores whenever ``group >= 2`` (the G query heads padded to 16
-      rows cost nothing: decode is memory bound); broadcast-multiply + sum for MHA.
-    - ``BLOCK_N``: 64 tokens for 2-byte caches (16 KB of K per tile at head_dim 128), 128
-      for 1-byte and 32 for 4-byte ones, so a tile always moves about 16 KB of K.
-    - ``num_splits``: enough programs for about ``4 * num_sms`` while each chunk keeps at
-      least ``4 * BLOCK_N`` tokens (fewer splits would leave SMs idle or a long tail,
-      more would only add partial-output traffic and a longer reduce).
-    - ``num_warps`` 4, ``num_stages`` 3 (two tiles of K and V in flight per program).
+    - ``use_dot``: always tensor cores; the G query heads of a kv head are padded to 16 rows,
+      which costs nothing in a memory-bound kernel (broadcast-multiply + sum ran 2-30x slower,
+      even for MHA).
+    - ``BLOCK_N``: the power of two giving about 16 KB of K per tile (64 tokens of fp16 at
+      head_dim 128, 128 of fp8, 32 of fp32).
+    - ``num_stages`` 3: two K/V tiles in flight per program (about 70 KB of shared memory at
+      fp16, so three programs per SM and ~190 KB in flight per SM, several times what the
+      memory system needs); ``num_warps`` 4.
+    - ``num_splits``: contexts are cut into chunks so that the batch makes about
+      ``8 * num_sms`` programs of equal work (``batch * kv_heads * mean_len / chunk``), each
+      chunk at least ``4 * BLOCK_N`` tokens; a ragged batch (mean < 0.9 max) halves the chunk,
+      since its short sequences give short programs. Fewer programs leave a long tail, more
+      add partial outputs and pipeline prologues.
 
-    The seed's ``block_size = L2 / (2 * head_dim * dtype_size)`` names a page size, not a
-    tile: a tile only needs enough bytes in flight, and the benchmark sweeps page sizes.
+    ``block_size`` (the page size) does not change the choice: a tile may span pages or sit
+    inside one. The seed's ``block_size = L2 / (2 * head_dim * dtype_size)`` is a page-size
+    rule, not a tile rule; the benchmark sweeps page sizes instead.
 
     On the CPU interpreter (``num_sms == 0``) a fixed small configuration: ``BLOCK_N`` 32,
     at most 2 splits.
@@ -253,18 +289,22 @@ def decode_config(
     Returns:
         dict with ``BLOCK_N``, ``num_splits``, ``num_warps``, ``num_stages``, ``use_dot``.
     """
-    elem = torch.empty((), dtype=kv_dtype).element_size()
     if num_sms <= 0:
         block_n = 32
         return {"BLOCK_N": block_n, "num_splits": min(2, max(1, triton.cdiv(max_seq_len, block_n))),
-                "num_warps": 4, "num_stages": 1, "use_dot": group >= 2}
+                "num_warps": 4, "num_stages": 1, "use_dot": True}
+    elem = torch.empty((), dtype=kv_dtype).element_size()
     tile = 16384 // (elem * triton.next_power_of_2(head_dim))  # tokens in 16 KB of K
     block_n = max(16, min(128, 1 << (tile.bit_length() - 1) if tile > 0 else 16))
-    programs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(4 * num_sms, programs)
-    most = max(1, max_seq_len // (4 * block_n))
-    return {"BLOCK_N": block_n, "num_splits": max(1, min(want, most)), "num_warps": 4, "num_stages": 3,
-            "use_dot": group >= 2}
+    max_seq_len = max(1, max_seq_len)
+    mean = min(float(mean_seq_len or max_seq_len), max_seq_len)
+    work = batch * num_kv_heads * mean  # token-heads to read
+    chunk = triton.cdiv(int(work / (8 * num_sms)) + 1, block_n) * block_n
+    if mean < 0.9 * max_seq_len:
+        chunk = triton.cdiv(chunk // 2, block_n) * block_n
+    chunk = max(chunk, 4 * block_n)
+    return {"BLOCK_N": block_n, "num_splits": triton.cdiv(max_seq_len, chunk), "num_warps": 4, "num_stages": 3,
+            "use_dot": True}
 
 
 def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
@@ -336,6 +376,7 @@ def paged_decode(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     max_seq_len: int | None = None,
+    mean_seq_len: float | None = None,
     **launch,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V cache.
@@ -355,7 +396,8 @@ def paged_decode(
             fp32 tensors (no host sync); default 1.
         max_seq_len: ``max(seq_lens)`` if the caller knows it. Without it the wrapper reads
             ``seq_lens`` on the host (a device sync, not allowed inside CUDA-graph capture) and
-            also checks the lengths against the block table.
+            also checks the lengths against the block table (and takes their mean).
+        mean_seq_len: mean of ``seq_lens``, a hint for the split heuristic (ragged batches).
         **launch: overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
             ``use_dot``.
 
@@ -369,6 +411,7 @@ def paged_decode(
         raise ValueError(f"launch options must be among {_LAUNCH_KEYS}, got {sorted(bad)}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
+        mean_seq_len = float(seq_lens.float().mean()) if B else 0.0
         if B and int(seq_lens.min()) < 0:
             raise ValueError("seq_lens must be non-negative")
         if max_seq_len > block_table.shape[1] * block_size:
@@ -382,8 +425,8 @@ def paged_decode(
         return out
     group = Hq // hkv
     interp = _interpreted()
-    cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), kv_dtype=k_cache.dtype,
-                        num_sms=0 if interp else _num_sms(q.device))
+    cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), mean_seq_len=mean_seq_len,
+                        kv_dtype=k_cache.dtype, num_sms=0 if interp else _num_sms(q.device))
     cfg.update(launch)
     if num_splits is not None:
         if int(num_splits) < 1:
@@ -401,6 +444,7 @@ def paged_decode(
     v_trans = layout is Layout.VLLM
     if ka.s_d != 1 or (va.s_tok if v_trans else va.s_d) != 1:
         raise ValueError("k_cache/v_cache rows must be contiguous (unit stride in the last dimension)")
+    k_bm, v_bm = _pow2_factor(ka.s_blk), _pow2_factor(va.s_blk)
     block_d = triton.next_power_of_2(D)
     kx = ka.x if layout is Layout.VLLM else block_d
     g_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
@@ -423,12 +467,13 @@ def paged_decode(
         ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        ka.s_blk, ka.s_tok, ka.s_head, ka.s_dgrp,
-        va.s_blk, va.s_tok, va.s_head, va.s_d if v_trans else 1,
+        ka.s_blk // k_bm, ka.s_tok, ka.s_head, ka.s_dgrp,
+        va.s_blk // v_bm, va.s_tok, va.s_head, va.s_d if v_trans else 1,
         chunk, splits,
         G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
         V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
         SPLIT=split, SCALE_PTR=scale_ptr,
+        K_BM=k_bm, V_BM=v_bm, ASM=not interp,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if split:

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_allocator import snapshot
 from workbench.kernels.reference import paged_gather_ref
 
+import workbench
 from workbench.allocator import ByExpectedLength, OutOfBlocks
 from workbench.cache import ALIGN, PagedKVCache
 from workbench.layout import Layout
@@ -34,7 +35,9 @@ def kv_for(tokens, start=0):
     """``[layers, len(tokens), heads, dim]`` K and V for tokens at positions ``start...``."""
     pos = torch.arange(start, start + len(tokens))
     t = torch.tensor(tokens, dtype=torch.long)
-    return K_TABLE[t, pos].transpose(0, 1).contiguous(), V_TABLE[t, pos].transpose(0, 1).contiguous()
+    dev = workbench.device()
+    return (K_TABLE[t, pos].transpose(0, 1).contiguous().to(dev),
+            V_TABLE[t, pos].transpose(0, 1).contiguous().to(dev))
 
 
 def gather_ref(cache: PagedKVCache, seq_id):
@@ -148,7 +151,7 @@ def test_bad_input_leaves_cache_unchanged():
     with pytest.raises(ValueError, match="share one block size"):
         c2 = PagedKVCache(1, 1, 16, num_pages=4, page_tokens=8, block_sizes=[2, 8],
                           policy=ByExpectedLength(2, 8, threshold=4))
-        one = torch.randn(1, 1, 1, 16).half()
+        one = torch.randn(1, 1, 1, 16).half().to(workbench.device())
         c2.add("s", [1], one, one, expected_len=2)
         c2.add("l", [1], one, one, expected_len=50)
         c2.vllm_metadata(["s", "l"])

@@ -115,7 +115,8 @@ def test_decode_config_shapes():
         assert set(cfg) == {"BLOCK_N", "num_splits", "num_warps", "num_stages", "use_dot"}
     assert decode_config(8, 8, 4, 128, 16, 32768, num_sms=132)["num_splits"] > 1
     assert decode_config(256, 8, 4, 128, 16, 512, num_sms=132)["num_splits"] == 1
-    assert decode_config(32, 32, 1, 128, 16, 2048, num_sms=132)["use_dot"] is False
+    assert decode_config(8, 8, 4, 128, 16, 8192, mean_seq_len=3000, num_sms=132)["num_splits"] > \
+        decode_config(8, 8, 4, 128, 16, 8192, num_sms=132)["num_splits"]  # ragged: smaller chunks
 
 
 def test_decode_rejects_bad_input(device):

@@ -100,6 +100,7 @@ class PagedKVCache:
         plane = num_pages * self.page_elems  # one layer's K (or V)
         flat = torch.empty(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
         self._flat = flat
+        self.device = flat.device  # "cuda" -> "cuda:0": the exact device, for comparisons
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),

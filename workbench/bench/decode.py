@@ -124,15 +124,18 @@ def _flex_fn(p: PagedKV):
     cbm = pa.convert_logical_block_mask(bm, kv_len=lens)
     kf = p.k_cache.permute(2, 0, 1, 3).reshape(1, p.k_cache.shape[2], -1, p.k_cache.shape[3])  # copy
     vf = p.v_cache.permute(2, 0, 1, 3).reshape(1, p.v_cache.shape[2], -1, p.v_cache.shape[3])
-    flex = torch.compile(flex_attention, fullgraph=True)
+    torch._dynamo.reset()  # one static compile per workload: a dynamic recompile leaves the decode path
+    flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
     qs = p.q.unsqueeze(2)
     return lambda: flex(qs, kf, vf, block_mask=cbm, enable_gqa=True)
 
 
 def ours_fn(p: PagedKV, cfg: dict, out: torch.Tensor):
     launch = {k: cfg[k] for k in ("BLOCK_N", "num_warps", "num_stages", "use_dot") if k in cfg}
+    mean = sum(p.lens) / max(1, len(p.lens))
     return lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.layout, p.block_table, p.seq_lens, out=out,
-                                num_splits=cfg.get("num_splits"), max_seq_len=p.max_seq_len, **launch)
+                                num_splits=cfg.get("num_splits"), max_seq_len=p.max_seq_len, mean_seq_len=mean,
+                                **launch)
 
 
 def variants(w: Workload, base: dict, tune: bool) -> list[tuple[str, dict]]:
@@ -140,11 +143,10 @@ def variants(w: Workload, base: dict, tune: bool) -> list[tuple[str, dict]]:
     s = base["num_splits"]
     out = [("heuristic", dict(base))]
     alts = [("splits/2", {"num_splits": max(1, s // 2)}), ("splits*2", {"num_splits": s * 2}),
-            ("warps8", {"num_warps": 8}), ("dot" if not base["use_dot"] else "nodot", {"use_dot": not base["use_dot"]})]
+            ("BLOCK_N32-stages4", {"BLOCK_N": 32, "num_stages": 4})]
     if tune:
-        alts += [("splits*4", {"num_splits": s * 4}), ("BLOCK_N32", {"BLOCK_N": 32}), ("BLOCK_N128", {"BLOCK_N": 128}),
-                 ("stages2", {"num_stages": 2}), ("stages4", {"num_stages": 4}),
-                 ("BLOCK_N128-warps8", {"BLOCK_N": 128, "num_warps": 8})]
+        alts += [("stages4", {"num_stages": 4}), ("stages2", {"num_stages": 2}), ("BLOCK_N32", {"BLOCK_N": 32}),
+                 ("warps8", {"num_warps": 8}), ("BLOCK_N128-stages2", {"BLOCK_N": 128, "num_stages": 2})]
     seen = {tuple(sorted(base.items()))}
     for name, change in alts:
         cfg = {**base, **change}
@@ -176,10 +178,11 @@ def _free():
 
 
 def _config(p: PagedKV, kv_dtype: torch.dtype) -> dict:
-    w_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     B, Hq, D = p.q.shape
     hkv = p.k_cache.shape[2] if p.layout.value == "nhd" else p.k_cache.shape[1]
-    return decode_config(B, hkv, Hq // hkv, D, p.block_size, p.max_seq_len, kv_dtype=kv_dtype, num_sms=w_sms)
+    return decode_config(B, hkv, Hq // hkv, D, p.block_size, p.max_seq_len, mean_seq_len=sum(p.lens) / B,
+                         kv_dtype=kv_dtype, num_sms=sms)
 
 
 def run_main(w: Workload, copy_gbps: float, tune: bool, rep_ms: float) -> list[dict]:
@@ -274,12 +277,14 @@ def run_gpu(quick: bool, tune: bool) -> tuple[list[dict], dict]:
     w1, w2 = WORKLOADS["W1"], WORKLOADS["W2"]
     layouts = ["nhd", "hnd", "vllm"]
     sizes = [16, 64] if quick else [8, 16, 32, 64, 128]
-    kvs = ["fp16"] if quick else ["fp16", "bf16", "fp8_e4m3"]
+    kvs = ["fp16"] if quick else ["fp16", "bf16"]
     for kv in kvs:
         for layout in layouts:
             for bs in sizes:
                 rows.append(run_sweep_point(w1, copy_gbps, 50, sweep="layout", layout=layout, block_size=bs, kv=kv))
-    for pad in [0, 1, 8, 64]:
+    for layout in ["nhd", "vllm"]:  # fp8 storage: half the bytes
+        rows.append(run_sweep_point(w1, copy_gbps, 50, sweep="fp8", layout=layout, kv="fp8_e4m3"))
+    for pad in [0, 1, 8, 64]:  # elements added to the 32 KB block stride: 128-byte aligned, 2-byte, 16-byte, 128-byte
         rows.append(run_sweep_point(w1, copy_gbps, 50, sweep="align", pad=pad))
     for stages in [1, 2, 3, 4] if not quick else [2, 4]:
         rows.append(run_sweep_point(w2, copy_gbps, 50, sweep="stages", change={"num_stages": stages}))
@@ -310,6 +315,22 @@ def run_smoke() -> list[dict]:
     return rows
 
 
+def summary(rows: list[dict]) -> None:
+    """Per workload: the heuristic's row, the best of ours, and each peer (fraction of copy bandwidth)."""
+    main_rows = [r for r in rows if not r.get("sweep") and r.get("time_us")]
+    for key in dict.fromkeys(r["workload"] for r in main_rows):
+        rs = [r for r in main_rows if r["workload"] == key]
+        ours = [r for r in rs if r["impl"] == "ours"]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["time_us"])
+        heur = next((r for r in ours if r["variant"] == "heuristic"), best)
+        peers = "  ".join(f"{r['impl']} {r['frac_copy_bw']:.3f}" for r in rs if r["impl"] != "ours")
+        print(f"{key}: heuristic {heur['frac_copy_bw']:.3f} (graph {heur.get('frac_copy_bw_graph') or 0:.3f}), "
+              f"best {best['variant']} {best['frac_copy_bw']:.3f} (graph {best.get('frac_copy_bw_graph') or 0:.3f}) "
+              f"| {peers}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workbench bench decode", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, correctness only (CPU interpreter)")
@@ -326,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, extra = run_gpu(args.quick, args.tune)
         extra["mode"] = "quick" if args.quick else "full"
     harness.print_table(rows, COLUMNS)
+    summary(rows)
     path = harness.write_results("decode", rows, meta, args.out, extra=extra)
     print(f"wrote {path}")
     bad = [r for r in rows if r["impl"] == "ours" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)

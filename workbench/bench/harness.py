@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def machine_meta() -> dict[str, str]:
     """GPU, versions, commit and date: stamped on every result file and row."""
     import triton
 
-    commit = _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
+    # The GPU machine gets the working tree without .git: pass WORKBENCH_COMMIT there.
+    commit = os.environ.get("WORKBENCH_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
+    if "WORKBENCH_COMMIT" not in os.environ and _git("status", "--porcelain", "--untracked-files=no"):
         commit += "-dirty"
     cuda = torch.cuda.is_available()
     return {
