@@ -72,6 +72,9 @@ class Block:
 class _SizeClass:
     """The blocks of one block size: descriptor arrays indexed by block id, LRU free queue."""
 
+    __slots__ = ("block_size", "blocks_per_page", "ref", "valid", "key", "last_access", "free", "pages",
+                 "free_in_page", "cached")
+
     def __init__(self, block_size: int, blocks_per_page: int, num_pages: int):
         self.block_size = block_size
         self.blocks_per_page = blocks_per_page
@@ -167,19 +170,23 @@ class BlockPool:
             raise OutOfBlocks(f"need {n} blocks of {block_size} tokens, {self._available(c)} available")
         self._clock += 1
         clock, out = self._clock, []
-        free, ref, valid, last, key = c.free, c.ref, c.valid, c.last_access, c.key
-        free_in_page, bpp = c.free_in_page, c.blocks_per_page
+        free, key = c.free, c.key
         for _ in range(n):
-            # Clean memory first: carve a fresh page rather than evict a cached block.
-            if not free or (key[next(iter(free))] is not None and self._uncarved):
+            if not free:
                 self._carve(c)
             bid = free.popitem(last=False)[0]
             if key[bid] is not None:
-                self._evict(c, bid)
-            ref[bid] = 1
-            valid[bid] = 0
-            last[bid] = clock
-            free_in_page[bid // bpp] -= 1
+                if self._uncarved:  # clean memory first: carve a fresh page rather than evict
+                    free[bid] = None
+                    free.move_to_end(bid, last=False)
+                    self._carve(c)
+                    bid = free.popitem(last=False)[0]
+                else:
+                    self._evict(c, bid)
+            c.ref[bid] = 1
+            c.valid[bid] = 0
+            c.last_access[bid] = clock
+            c.free_in_page[bid // c.blocks_per_page] -= 1
             out.append(bid)
         return out
 
@@ -196,17 +203,18 @@ class BlockPool:
         """One user fewer; at zero the block joins the free queue's tail (staying cached if it was)."""
         c = self._classes.get(block_size) or self._cls(block_size)
         ids = list(ids)
-        ref, free, last, free_in_page, bpp = c.ref, c.free, c.last_access, c.free_in_page, c.blocks_per_page
-        if min((ref[bid] for bid in ids), default=1) <= 0:
-            raise ValueError(f"blocks {[b for b in ids if ref[b] <= 0]} of size {block_size} are not in use")
+        ref = c.ref
+        for bid in ids:
+            if ref[bid] <= 0:
+                raise ValueError(f"block {bid} of size {block_size} is not in use")
         self._clock += 1
         clock = self._clock
         for bid in ids:
             ref[bid] -= 1
             if ref[bid] == 0:
-                free[bid] = None
-                last[bid] = clock
-                free_in_page[bid // bpp] += 1
+                c.free[bid] = None
+                c.last_access[bid] = clock
+                c.free_in_page[bid // c.blocks_per_page] += 1
 
     def evict(self, n: int | None = None) -> int:
         """Forget up to ``n`` (default all) cached free blocks, oldest first; returns how many."""
