@@ -13,8 +13,8 @@ Per workload W1-W5 (fp16, 16-token pages, NHD, fragmented pool): a few launch va
   ``torch.nn.attention.experimental._paged_attention.PagedAttention`` from the page table,
   on the ``[1, Hkv, pages * page_size, D]`` cache that class expects.
 
-A peer that fails becomes a row with an ``error`` field. Every row carries ``time_us`` (median,
-``do_bench``), ``time_us_graph`` (CUDA-graph replay), ``gbps`` and ``frac_copy_bw`` against the
+A peer that fails becomes a row with an ``error`` field. Every row carries ``time_us`` (the lower of
+two ``do_bench`` medians), ``time_us_graph`` (CUDA-graph replay), ``gbps`` and ``frac_copy_bw`` against the
 copy bandwidth measured in the same run, and ``rel_err`` against a float32 reference computed on
 the GPU from the contiguous cache; ours rows also carry ``x_<peer>`` = peer time / our time.
 Then sweeps on W1 (layouts x page sizes x fp16/bf16; block-stride alignment) and W2
@@ -60,7 +60,9 @@ def ref_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
 
 
 def _time(fn, rep_ms: float, graph: bool) -> tuple[float, float | None, str | None]:
-    t = harness.time_us(fn, rep_ms=rep_ms)
+    # the lower of two medians: a host-side hiccup was seen to inflate one eager median by up to 25%
+    # while the CUDA-graph time of the same call stayed put (docs/decode_tuning.md)
+    t = min(harness.time_us(fn, rep_ms=rep_ms) for _ in range(2))
     if not graph:
         return t, None, None
     try:
@@ -143,10 +145,10 @@ def variants(w: Workload, base: dict, tune: bool) -> list[tuple[str, dict]]:
     s = base["num_splits"]
     out = [("heuristic", dict(base))]
     alts = [("splits/2", {"num_splits": max(1, s // 2)}), ("splits*2", {"num_splits": s * 2}),
-            ("BLOCK_N32-stages4", {"BLOCK_N": 32, "num_stages": 4})]
+            ("BLOCK_N64-stages3", {"BLOCK_N": 64, "num_stages": 3})]
     if tune:
-        alts += [("stages4", {"num_stages": 4}), ("stages2", {"num_stages": 2}), ("BLOCK_N32", {"BLOCK_N": 32}),
-                 ("warps8", {"num_warps": 8}), ("BLOCK_N128-stages2", {"BLOCK_N": 128, "num_stages": 2})]
+        alts += [("stages3", {"num_stages": 3}), ("stages4", {"num_stages": 4}), ("stages5", {"num_stages": 5}),
+                 ("BLOCK_N64-stages4", {"BLOCK_N": 64, "num_stages": 4}), ("warps8", {"num_warps": 8})]
     seen = {tuple(sorted(base.items()))}
     for name, change in alts:
         cfg = {**base, **change}
@@ -192,6 +194,21 @@ def run_main(w: Workload, copy_gbps: float, tune: bool, rep_ms: float) -> list[d
     ref = ref_fp32(p.q, k, v, p.lens)
     nbytes = bytes_moved(w, 2, 2)
     rows, peer_t = [], {}
+    out = torch.empty_like(p.q)
+    base = _config(p, torch.float16)
+    for name, cfg in variants(w, base, tune):  # ours first: a peer's compile must not disturb our timing
+        fn = ours_fn(p, cfg, out)
+        try:
+            out.fill_(float("nan"))
+            fn()
+            err = harness.rel_err(out, ref)
+            t, tg, _ = _time(fn, rep_ms, graph=True)
+            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, t, tg, err, cfg))
+        except Exception as e:  # noqa: BLE001  (e.g. a variant out of shared memory)
+            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, None, None, None, cfg,
+                             {"error": f"{type(e).__name__}: {str(e)[:200]}"}))
+        print_row(rows[-1])
+    ours_rows = list(rows)
     for name, fn in peer_fns(p, k, v).items():
         if isinstance(fn, Exception):
             rows.append(_row(w, name, "", p, "fp16", nbytes, copy_gbps, None, None, None,
@@ -209,21 +226,9 @@ def run_main(w: Workload, copy_gbps: float, tune: bool, rep_ms: float) -> list[d
                              extra={"error": f"{type(e).__name__}: {str(e)[:200]}"}))
         print_row(rows[-1])
         _free()
-    out = torch.empty_like(p.q)
-    base = _config(p, torch.float16)
-    for name, cfg in variants(w, base, tune):
-        fn = ours_fn(p, cfg, out)
-        try:
-            out.fill_(float("nan"))
-            fn()
-            err = harness.rel_err(out, ref)
-            t, tg, _ = _time(fn, rep_ms, graph=True)
-            extra = {f"x_{peer}": pt / t for peer, pt in peer_t.items()}
-            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, t, tg, err, cfg, extra))
-        except Exception as e:  # noqa: BLE001  (e.g. a variant out of shared memory)
-            rows.append(_row(w, "ours", name, p, "fp16", nbytes, copy_gbps, None, None, None, cfg,
-                             {"error": f"{type(e).__name__}: {str(e)[:200]}"}))
-        print_row(rows[-1])
+    for r in ours_rows:
+        if r.get("time_us"):
+            r.update({f"x_{peer}": pt / r["time_us"] for peer, pt in peer_t.items()})
     del p, k, v, ref, out
     _free()
     return rows
