@@ -50,6 +50,11 @@ def test_unknown_subcommand_prints_usage_and_fails():
     assert "usage:" in out.stderr and "frobnicate" in out.stderr
 
 
+def test_unknown_benchmark_lists_the_real_ones():
+    out = _run("bench", "workloads")
+    assert out.returncode == 2 and "allocator, cache_kernels, decode" in out.stderr
+
+
 def test_core_imports_without_ui_libraries():
     """The GPU image has no plotly/ipywidgets/jupyter: the core must not need them."""
     code = (

@@ -50,21 +50,13 @@ def cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
-def _submodules(package: str) -> list[str]:
-    import importlib
-    import pkgutil
-
-    pkg = importlib.import_module(package)
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")
-                  and m.name != "harness")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    names = _submodules("workbench.bench")
+    from workbench.bench import BENCHMARKS as names
+
     if args.name not in names:
-        print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(names) or '(none yet)'}",
+        print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(names)}",
               file=sys.stderr)
         return 2
     return importlib.import_module(f"workbench.bench.{args.name}").main(args.rest) or 0
@@ -73,12 +65,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace) -> int:
     import importlib
 
-    try:
-        sim_cli = importlib.import_module("workbench.sim.cli")
-    except ModuleNotFoundError:
-        print("sim: the simulator is not built yet", file=sys.stderr)
-        return 2
-    return sim_cli.main([args.name, *args.rest]) or 0
+    return importlib.import_module("workbench.sim.cli").main([args.name, *args.rest]) or 0
 
 
 def _summary(nb) -> list[str]:

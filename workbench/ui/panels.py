@@ -92,3 +92,64 @@ def sharing_panel() -> Panel:
         return fig
 
     return Panel(controls, lambda **kw: shared_prompt(user_len=5, **kw), draw)
+
+
+def coalescing_panel(num_kv_heads: int = 8) -> Panel:
+    """Which 128-byte lines one kv head's reads touch, for a layout, block size, head_dim, dtype and alignment."""
+    from workbench.coalescing import analyze
+
+    controls = {
+        "layout": W.Dropdown(options=["nhd", "hnd", "vllm"], value="nhd", description="layout"),
+        "kind": W.ToggleButtons(options=["k", "v"], value="k", description="cache"),
+        "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=16, description="block size"),
+        "head_dim": W.SelectionSlider(options=[32, 64, 80, 96, 128, 256], value=128, description="head_dim"),
+        "kv_dtype": W.Dropdown(options=["fp32", "fp16", "bf16", "fp8_e4m3", "int8"], value="fp16",
+                               description="dtype"),
+        "pad": W.SelectionSlider(options=[0, 1, 2, 4, 8, 16, 32, 64], value=0, description="pad (elems)"),
+        "block_n": W.SelectionSlider(options=[1, 8, 16, 32, 64, 128], value=64, description="tile tokens"),
+    }
+
+    def compute(layout, kind, block_size, head_dim, kv_dtype, pad, block_n):
+        elem = int(spec.dtype_size(kv_dtype))
+        return analyze(layout, kind, block_size, num_kv_heads, head_dim, elem, pad_bytes=pad * elem, block_n=block_n)
+
+    return Panel(controls, compute, figures.coalescing_map)
+
+
+def decode_results_panel(rows: list[dict]) -> Panel:
+    """Measured decode results (``workbench.bench.results``): per-workload bars, roofline, layout and alignment
+    sweeps; eager or CUDA-graph times."""
+    from workbench.bench import results
+
+    controls = {
+        "view": W.Dropdown(options=["workloads", "roofline", "layouts", "alignment"], value="workloads",
+                           description="view"),
+        "timing": W.ToggleButtons(options=["eager", "graph"], value="eager", description="timing"),
+    }
+
+    def compute(view, timing):
+        graph = timing == "graph"
+        y = "frac_copy_bw_graph" if graph else "frac_copy_bw"
+        if view == "workloads":
+            return view, results.best_per_workload(rows, graph), graph
+        if view == "roofline":
+            return view, (results.roofline_points(results.headline_rows(rows, graph), graph),
+                          results.copy_ceiling(rows)), graph
+        sweep = results.sweep_rows(rows, "layout" if view == "layouts" else "align")
+        return view, results.with_coalescing(sweep), y
+
+    def draw(r):
+        view, data, extra = r
+        if view == "workloads":
+            return figures.decode_bars(data, graph=extra)
+        if view == "roofline":
+            return figures.roofline(data[0], data[1], results.H200_PEAK_TFLOPS_FP16)
+        if view == "layouts":
+            data = [{**row, "series": f"{row['layout']} {row['kv_dtype']}"} for row in data]
+            return figures.sweep_lines(data, "block_size", "series", y=extra, x_title="block size (tokens)")
+        data = [{**row, "pad_bytes": int(row.get("block_stride_pad") or 0) * int(spec.dtype_size(row["kv_dtype"]))}
+                for row in data]
+        return figures.sweep_lines(data, "pad_bytes", "layout", y=extra, model="model_k_line_eff",
+                                   x_title="bytes added to the block stride", model_title="model: K tile line eff.")
+
+    return Panel(controls, compute, draw)

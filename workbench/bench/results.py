@@ -1,0 +1,174 @@
+"""The decode benchmark's result rows (``data/results/decode-*.json``) shaped for tables and plots.
+
+``python -m workbench bench results [--dir DIR] [--graph]`` prints the newest run.
+
+Pure helpers over the tidy rows that :mod:`workbench.bench.decode` writes (one row per
+measurement; see that module for the columns). Rows without a time (smoke runs, failed
+peers) are dropped by :func:`load_decode`; everything else keeps its columns.
+
+Roofline of a decode step: ``4 * Hq * D * sum(context)`` FLOPs (``q.k`` and ``p.v``, two
+FLOPs per multiply-add) over the bytes it must move (the row's ``bytes``); its arithmetic
+intensity is about ``Hq / Hkv`` FLOP/byte at fp16 (1 for MHA, 4 for the GQA workloads),
+so every point sits far left of the ridge and the ceiling that matters is the copy bandwidth
+measured in the same run (``copy_gbps``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from workbench.bench.harness import load_results
+from workbench.bench.workloads import WORKLOADS
+
+# H200 SXM dense FP16/BF16 tensor-core peak: NVIDIA's datasheet gives 1,979 TFLOPS "with sparsity", half dense.
+H200_PEAK_TFLOPS_FP16 = 989.5
+
+
+def load_decode(pattern: str = "decode-*.json", results_dir: Path | str | None = None,
+                latest: bool = False) -> list[dict]:
+    """Timed rows of every matching result file (oldest file first).
+
+    Args:
+        pattern: file glob inside ``results_dir``.
+        results_dir: default ``data/results``.
+        latest: keep only the newest run (the rows sharing the last file's ``date``).
+    """
+    rows = [r for r in load_results(pattern, Path(results_dir) if results_dir else None) if r.get("time_us")]
+    if latest and rows:
+        rows = [r for r in rows if r.get("date") == rows[-1].get("date")]
+    return rows
+
+
+def decode_flops(row: dict) -> float | None:
+    """FLOPs of the row's decode step, ``4 * Hq * D * sum(context)``; None for an unknown workload."""
+    w = WORKLOADS.get(row.get("workload", ""))
+    if w is None:
+        return None
+    return 4.0 * w.num_q_heads * w.head_dim * sum(w.seq_lens())
+
+
+def _time(row: dict, graph: bool) -> float | None:
+    return row.get("time_us_graph") if graph else row.get("time_us")
+
+
+def label(row: dict) -> str:
+    """``impl`` plus what distinguishes the row (variant, layout, page size, dtype, padding)."""
+    parts = [row["impl"]]
+    if row.get("sweep"):
+        parts.append(f"{row['layout']}/bs{row['block_size']}/{row['kv_dtype']}")
+        if row.get("block_stride_pad"):
+            parts.append(f"pad{row['block_stride_pad']}")
+        if row["sweep"] == "stages":
+            parts.append(f"stages{row.get('num_stages')}")
+    elif row.get("variant"):
+        parts.append(row["variant"])
+    return " ".join(parts)
+
+
+def roofline_points(rows: Iterable[dict], graph: bool = False) -> list[dict]:
+    """One point per timed row: ``intensity`` (FLOP/byte), ``tflops``, ``gbps`` and ``frac`` of copy bandwidth.
+
+    Args:
+        rows: decode rows.
+        graph: use the CUDA-graph time (rows without one are skipped).
+    """
+    out = []
+    for r in rows:
+        t, flops = _time(r, graph), decode_flops(r)
+        if not t or flops is None or not r.get("bytes"):
+            continue
+        gbps = r["bytes"] / (t * 1e-6) / 1e9
+        out.append({"workload": r["workload"], "impl": r["impl"], "label": label(r), "sweep": r.get("sweep", ""),
+                    "intensity": flops / r["bytes"], "tflops": flops / (t * 1e-6) / 1e12, "gbps": gbps,
+                    "frac": gbps / r["copy_gbps"] if r.get("copy_gbps") else None, "time_us": t})
+    return out
+
+
+def copy_ceiling(rows: Iterable[dict]) -> float | None:
+    """Median copy bandwidth (GB/s) over the rows' runs."""
+    bw = [r["copy_gbps"] for r in rows if r.get("copy_gbps")]
+    return statistics.median(bw) if bw else None
+
+
+def best_per_workload(rows: Iterable[dict], graph: bool = False) -> dict[str, dict[str, dict]]:
+    """``{workload: {impl: fastest row}}`` over the main (non-sweep) rows, workloads in W1..W5 order."""
+    best: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        t = _time(r, graph)
+        if r.get("sweep") or not t:
+            continue
+        cur = best.setdefault(r["workload"], {}).get(r["impl"])
+        if cur is None or t < _time(cur, graph):
+            best[r["workload"]][r["impl"]] = r
+    return {k: best[k] for k in sorted(best, key=lambda k: (k not in WORKLOADS, k))}
+
+
+def headline_rows(rows: Iterable[dict], graph: bool = False) -> list[dict]:
+    """The fastest row of each implementation per workload, plus the fp8-storage sweep (the roofline's points)."""
+    rows = list(rows)
+    best = best_per_workload(rows, graph)
+    return [r for impls in best.values() for r in impls.values()] + sweep_rows(rows, "fp8")
+
+
+def frac(row: dict, graph: bool = False) -> float | None:
+    """The row's fraction of the copy bandwidth (eager or graph time)."""
+    return row.get("frac_copy_bw_graph") if graph else row.get("frac_copy_bw")
+
+
+def sweep_rows(rows: Iterable[dict], sweep: str) -> list[dict]:
+    """The rows of one sweep (``layout``, ``fp8``, ``align``, ``stages``), newest run last, sorted for plotting."""
+    keys = ("kv_dtype", "layout", "block_size", "block_stride_pad", "num_stages")
+    return sorted((r for r in rows if r.get("sweep") == sweep), key=lambda r: tuple(str(r.get(k, "")).zfill(6)
+                                                                                     for k in keys))
+
+
+def with_coalescing(rows: Sequence[dict]) -> list[dict]:
+    """Copies of the rows with the coalescing model's tile-read numbers for their K and V caches.
+
+    Adds ``model_k_line_eff``, ``model_k_sector_eff``, ``model_v_line_eff``, ``model_v_sector_eff``
+    and ``model_lane_bytes`` (the smaller of K and V), from the row's layout, page size, dtype,
+    ``block_stride_pad`` (elements) and ``BLOCK_N``.
+    """
+    from workbench.coalescing import analyze
+    from workbench.spec import dtype_size
+
+    out = []
+    for r in rows:
+        w = WORKLOADS.get(r.get("workload", ""))
+        r = dict(r)
+        if w is not None and r.get("BLOCK_N"):
+            elem = int(dtype_size(r["kv_dtype"]))
+            lanes = []
+            for kind in ("k", "v"):
+                c = analyze(r["layout"], kind, r["block_size"], w.num_kv_heads, w.head_dim, elem,
+                            pad_bytes=elem * int(r.get("block_stride_pad") or 0), block_n=int(r["BLOCK_N"]))
+                r[f"model_{kind}_line_eff"] = c.tile.line_efficiency
+                r[f"model_{kind}_sector_eff"] = c.tile.sector_efficiency
+                lanes.append(c.tile.lane_bytes)
+            r["model_lane_bytes"] = min(lanes)
+        out.append(r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workbench bench results``: print the newest decode run's summary (no GPU needed)."""
+    import argparse
+
+    from workbench.bench.harness import print_table
+
+    ap = argparse.ArgumentParser(prog="python -m workbench bench results", description=main.__doc__)
+    ap.add_argument("--dir", type=Path, default=None, help="result folder (default data/results)")
+    ap.add_argument("--graph", action="store_true", help="rank by CUDA-graph time")
+    args = ap.parse_args(argv)
+    rows = load_decode(results_dir=args.dir, latest=True)
+    if not rows:
+        print("no decode results: run `python -m workbench bench decode` on a GPU")
+        return 0
+    r0 = rows[0]
+    print(f"{r0['gpu']} {r0['date']} commit {r0['commit']}: copy bandwidth {copy_ceiling(rows):.0f} GB/s")
+    best = best_per_workload(rows, args.graph)
+    print_table([r for impls in best.values() for r in impls.values()],
+                ["workload", "impl", "variant", "time_us", "time_us_graph", "frac_copy_bw", "frac_copy_bw_graph"])
+    return 0
