@@ -135,3 +135,15 @@ def copy_blocks_ref(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     ``pool`` is ``[num_layers, 2, num_blocks, block_stride]``; a block is its whole row.
     """
     pool[:, :, dst.long()] = pool[:, :, src.long()].clone()
+
+
+def quantize_rcp_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
+    """Codes of ``x`` ``[T, H, D]`` as ``write_kv(..., quant_math="rcp")`` stores them: like
+    :func:`quantize_ref` but ``x * (1 / scale)`` (the reciprocal rounded to fp32 once) instead of
+    ``x / scale``, so a code can differ from :func:`quantize_ref`'s by one near a midpoint."""
+    s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
+    q = x.float() * (1.0 / s.float())
+    if dtype == torch.int8:
+        return q.clamp(-128, 127).round().to(torch.int8)
+    qmax = torch.finfo(dtype).max
+    return q.clamp(-qmax, qmax).to(dtype)

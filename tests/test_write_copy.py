@@ -10,9 +10,16 @@ import pytest
 import torch
 from conftest import assert_close_report
 from workbench.kernels import copy_blocks, write_kv
+from workbench.kernels import write as write_mod
 from workbench.kernels.copy import _word_view
-from workbench.kernels.reference import copy_blocks_ref, quant_code_distance, write_kv_ref
-from workbench.kernels.write import default_launch, quant_mode
+from workbench.kernels.reference import (
+    copy_blocks_ref,
+    quant_code_distance,
+    quantize_rcp_ref,
+    quantize_ref,
+    write_kv_ref,
+)
+from workbench.kernels.write import WriteConfig, default_launch, launch_config, quant_mode
 
 from workbench.bench.cache_kernels import block_stride, layer_views, make_pool
 from workbench.layout import Layout, block_shape, to_nhd
@@ -66,20 +73,32 @@ def assert_codes_match(got, ref, q, what):
         raise AssertionError(f"{what}: {int(bad.sum())} of {bad.numel()} codes differ\n" + "\n".join(rows))
 
 
-# (block_size, heads, head_dim, source dtype, cache dtype, scale: None | "tensor" | "head", mode, tokens/program)
+# (block_size, heads, head_dim, source dtype, cache dtype, scale: None | "tensor" | "head" | "odd", mode, kwargs)
 BASE = [
-    (16, 2, 128, torch.float16, torch.float16, None, "prefill", 8),
-    (1, 3, 80, torch.float32, torch.bfloat16, None, "prefill", None),  # 480 B blocks padded to 512 B
-    (8, 1, 64, torch.bfloat16, torch.float32, None, "decode", None),
-    (32, 2, 64, torch.float16, FP8, "tensor", "prefill", 16),
-    (16, 3, 80, torch.float32, torch.int8, "head", "decode", 4),
-    (8, 2, 128, torch.bfloat16, E5M2, "head", "prefill", 8),
+    (16, 2, 128, torch.float16, torch.float16, None, "prefill", dict(tokens_per_program=8)),
+    (1, 3, 80, torch.float32, torch.bfloat16, None, "prefill", {}),  # 480 B blocks padded to 512 B
+    (8, 1, 64, torch.bfloat16, torch.float32, None, "decode", {}),
+    (32, 2, 64, torch.float16, FP8, "tensor", "prefill", dict(tokens_per_program=16)),
+    (16, 3, 80, torch.float32, torch.int8, "head", "decode", dict(tokens_per_program=4)),
+    (8, 2, 128, torch.bfloat16, E5M2, "head", "prefill", dict(tokens_per_program=8)),
 ]
-CASES = [(layout, *case) for layout in Layout for case in BASE]
+# the "rows" scheme (all heads or head groups, K and V together or split) and the fast quantization math
+VARIANTS = [
+    (16, 3, 80, torch.float16, torch.float16, None, "prefill", dict(scheme="rows", tokens_per_program=8)),  # 3 of 4
+    (16, 2, 64, torch.bfloat16, FP8, "head", "prefill", dict(scheme="rows", kv_split=True, tokens_per_program=16)),
+    (8, 3, 64, torch.float32, torch.int8, "odd", "decode",
+     dict(scheme="rows", heads_per_program=2, tokens_per_program=2, quant_math="rcp")),  # a partial head group
+    (1, 2, 80, torch.float32, torch.bfloat16, None, "prefill", dict(scheme="rows", kv_split=True)),  # default tiles
+    (32, 2, 64, torch.float16, E5M2, "odd", "prefill", dict(tokens_per_program=16, quant_math="rcp")),
+    (16, 4, 64, torch.float16, FP8, "tensor", "prefill",
+     dict(scheme="rows", tokens_per_program=4, heads_per_program=2, quant_math="cast")),
+    (8, 2, 128, torch.bfloat16, torch.int8, "head", "decode", dict(tokens_per_program=4, quant_math="cast")),
+]
+CASES = [(layout, *case) for layout in Layout for case in BASE + VARIANTS]
 
 
-@pytest.mark.parametrize("layout,block_size,heads,head_dim,src_dtype,kv_dtype,scale_kind,mode,bt", CASES)
-def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, bt,
+@pytest.mark.parametrize("layout,block_size,heads,head_dim,src_dtype,kv_dtype,scale_kind,mode,kw", CASES)
+def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, kw,
                                     device):
     g = torch.Generator().manual_seed(block_size * 31 + head_dim)
     lens = [2 * block_size + 3, 7, block_size]
@@ -89,17 +108,21 @@ def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dty
     else:
         slots = decode_slots(13, block_size, num_blocks, g)
     tokens = slots.shape[0]
-    if layout is Layout.VLLM and bt and bt > 1 and block_size % bt == 0 and mode == "prefill":
+    quantized = kv_dtype.itemsize == 1
+    bt = launch_config(tokens, heads, head_dim, block_size, layout, quantized, **kw).tokens_per_program
+    if layout is Layout.VLLM and bt > 1 and block_size % bt == 0 and mode == "prefill":
         assert has_run(slots, bt), "the workload should exercise the run (token-axis) store"
     kv = (2 * torch.randn(tokens, 3, heads, head_dim, generator=g)).to(src_dtype)
     key, value = kv[:, 0], kv[:, 2]  # non-contiguous in T, unit stride in D
-    quantized = kv_dtype.itemsize == 1
     k_scale = v_scale = None
     if scale_kind == "tensor":
         k_scale, v_scale = torch.tensor(2.0**-4), torch.tensor([2.0**-3])
     elif scale_kind == "head":
         k_scale = 2.0 ** -torch.arange(2, 2 + heads, dtype=torch.float32)
         v_scale = k_scale.flip(0).contiguous()
+    elif scale_kind == "odd":  # not powers of two: x * (1 / scale) can differ from x / scale in the last bit
+        k_scale = 0.3 * (1 + torch.arange(heads, dtype=torch.float32) / 7)
+        v_scale = (0.0173 * (1 + torch.arange(heads, dtype=torch.float32) / 5)).flip(0).contiguous()
     if quantized:  # exact midpoints between codes: the kernel must round them as torch does (or one code off)
         valid = (slots >= 0).nonzero()[:, 0].tolist()
         mids = torch.tensor(MIDPOINTS).repeat(head_dim)[:head_dim]
@@ -113,7 +136,7 @@ def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dty
     pool0 = make_pool(2, num_blocks, layout, block_size, heads, head_dim, kv_dtype, device, seed=7)
     got, ref = pool0.clone(), pool0.clone()
     write_kv(key, value, *layer_views(got, 1, layout, block_size, heads, head_dim), layout, slots, k_scale, v_scale,
-             tokens_per_program=bt)
+             **kw)
     write_kv_ref(key, value, *layer_views(ref, 1, layout, block_size, heads, head_dim), layout, slots, k_scale,
                  v_scale)
     numel = math.prod(block_shape(layout, "k", block_size, heads, head_dim, kv_dtype.itemsize))
@@ -124,7 +147,7 @@ def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dty
     write_kv_ref(key, value, *layer_views(patched, 1, layout, block_size, heads, head_dim), layout, slots, k_scale,
                  v_scale)
     assert torch.equal(raw(patched), raw(ref)), "bytes outside the written slots changed"
-    what = f"{layout} bs={block_size} {src_dtype}->{kv_dtype}"
+    what = f"{layout} bs={block_size} {src_dtype}->{kv_dtype} {kw}"
     if not quantized:  # a cast is bit-exact
         assert_close_report(raw(got), raw(ref), what=what)
         return
@@ -139,6 +162,38 @@ def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dty
         rows_got = to_nhd(g_c, layout, kind)[blk, off]
         rows_ref = to_nhd(r_c, layout, kind)[blk, off]
         assert_codes_match(rows_got, rows_ref, q, f"{what} {kind}")
+        if kw.get("quant_math") == "rcp":  # and exactly the codes of x * (1 / scale)
+            assert_close_report(raw(rows_got), raw(quantize_rcp_ref(src[keep], kv_dtype, scale)), what=f"{what} {kind}")
+
+
+# fp16 values whose x * (1 / 0.3) and x / 0.3 fall on different sides of a code midpoint (found by search)
+RCP_SPECIAL = [(FP8, [0.00439453125, -0.00439453125]), (torch.int8, [2.25, 8.25, 17.25])]
+
+
+@pytest.mark.parametrize("kv_dtype,special", RCP_SPECIAL)
+def test_write_kv_rcp_differs_by_one_code_near_midpoints(kv_dtype, special, device):
+    """With scale 0.3, ``x * (1 / scale)`` and ``x / scale`` round to different codes for these fp16 values:
+    "rcp" stores the former (one code off torch's division), "exact" and "cast" the latter."""
+    heads, head_dim, bs = 1, 16, 4
+    key = torch.randn(4, heads, head_dim, generator=torch.Generator().manual_seed(0)).half()
+    key[1, 0, : len(special)] = torch.tensor(special).half()
+    key = key.to(device)
+    slots = torch.tensor([2, 0, -1, 7], device=device)
+    scale = torch.tensor([0.3], device=device)
+    pool0 = make_pool(1, 2, "nhd", bs, heads, head_dim, kv_dtype, device)
+    codes = {}
+    for qm in ("exact", "cast", "rcp"):
+        pool = pool0.clone()
+        kc, vc = layer_views(pool, 0, "nhd", bs, heads, head_dim)
+        write_kv(key, key, kc, vc, "nhd", slots, scale, scale, scheme="rows", quant_math=qm)
+        codes[qm] = kc[0, 0, 0].clone()  # slot 0 holds token 1
+    ref = quantize_rcp_ref(key[1:2], kv_dtype, scale)[0, 0]
+    exact = quantize_ref(key[1:2], kv_dtype, scale)[0, 0]
+    assert torch.equal(raw(codes["exact"]), raw(exact)) and torch.equal(raw(codes["cast"]), raw(exact))
+    assert torch.equal(raw(codes["rcp"]), raw(ref))
+    d = quant_code_distance(codes["rcp"], exact)
+    assert d[: len(special)].tolist() == [1] * len(special) and int(d[len(special):].max()) == 0
+    assert_codes_match(codes["rcp"], exact, key[1, 0].float() / scale, "rcp near midpoints")
 
 
 def test_assert_codes_match_allows_one_code_only_at_midpoints():
@@ -193,11 +248,61 @@ def test_write_kv_rejects_bad_input(device):
         ("layout", dict(layout="nope")),
         ("tokens_per_program", dict(tokens_per_program=3)),
         ("num_warps", dict(num_warps=3)),
+        ("tokens_per_program", dict(scheme="rows", tokens_per_program=0)),
+        ("scheme", dict(scheme="tile")),
+        ("quant_math", dict(k_cache=qk, v_cache=qv, k_scale=one, v_scale=one, quant_math="fast")),
+        ("heads_per_program", dict(scheme="rows", heads_per_program=3)),
+        ("kv_split", dict(kv_split=True)),  # the head scheme does K and V in one program
+        ("heads_per_program", dict(heads_per_program=2)),
     ]
     base = dict(key=key, value=key, k_cache=kc, v_cache=vc, layout="hnd", slot_mapping=slots)
     for name, change in cases:
         with pytest.raises(ValueError, match=name):
             write_kv(**{**base, **change})
+
+
+def test_write_kv_plan_cache_keeps_validation(device, monkeypatch):
+    """A repeated geometry reuses its launch plan, yet any change of shape, dtype or stride is validated again;
+    with validate=False the call does no device work of its own (no aminmax, no sync)."""
+    heads, head_dim, bs = 2, 16, 4
+    pool = make_pool(1, 4, "nhd", bs, heads, head_dim, torch.float16, device)
+    ref = pool.clone()
+    kc, vc = layer_views(pool, 0, "nhd", bs, heads, head_dim)
+    key = torch.randn(6, heads, head_dim, device=device).half()
+    slots = torch.tensor([0, 1, 2, 3, -1, 9], device=device)
+    write_kv(key, key, kc, vc, "nhd", slots, scheme="rows")
+    n = len(write_mod._PLANS)
+    key2 = torch.randn(6, heads, head_dim, device=device).half()
+    monkeypatch.setattr(torch, "aminmax", lambda *a, **k: pytest.fail("validate=False must not inspect slots"))
+    write_kv(key2, key2, kc, vc, "nhd", slots, scheme="rows", validate=False)  # same geometry: the cached plan
+    assert len(write_mod._PLANS) == n
+    write_kv_ref(key2, key2, *layer_views(ref, 0, "nhd", bs, heads, head_dim), "nhd", slots)
+    assert torch.equal(raw(pool), raw(ref))
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="key"):
+        write_kv(key.float().double(), key, kc, vc, "nhd", slots, scheme="rows")
+    with pytest.raises(ValueError, match="v_cache"):
+        write_kv(key, key, kc, vc[:3], "nhd", slots, scheme="rows")
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(key, key, kc, vc, "nhd", torch.tensor([0, 1, 2, 3, -1, 16], device=device), scheme="rows")
+
+
+def test_launch_config_table_and_heuristics(monkeypatch):
+    prefill = (32768, 8, 128, 16)
+    assert launch_config(*prefill, "nhd") == WriteConfig("head", 16, 4, 1, False, "exact")  # today's default
+    assert launch_config(*prefill, "vllm", True) == WriteConfig("head", 16, 4, 1, False, "exact")
+    assert launch_config(*prefill, "nhd", scheme="rows") == WriteConfig("rows", 8, 4, 8, False, "exact")
+    assert launch_config(*prefill, "hnd", scheme="rows", kv_split=True).kv_split
+    assert launch_config(32768, 3, 80, 16, "nhd", scheme="rows").heads_per_program == 4  # all 3 heads, masked
+    assert launch_config(*prefill, "nhd", scheme="rows", heads_per_program=64).heads_per_program == 8
+    assert launch_config(32768, 8, 128, 4, "vllm", scheme="rows", heads_per_program=1).tokens_per_program == 4
+    assert launch_config(64, 8, 128, 16, "nhd", scheme="rows").tokens_per_program == 1  # decode: many programs
+    # one line of the table switches the prefill default; decode-sized batches keep the head scheme
+    monkeypatch.setitem(write_mod.PREFILL_DEFAULTS, (Layout.NHD, False), dict(scheme="rows", num_warps=8))
+    assert launch_config(*prefill, "nhd") == WriteConfig("rows", 8, 8, 8, False, "exact")
+    assert launch_config(*prefill, "nhd", scheme="head").scheme == "head"  # a keyword beats the table
+    assert launch_config(64, 8, 128, 16, "nhd").scheme == "head"
+    assert launch_config(*prefill, "hnd").scheme == "head"
 
 
 def test_default_launch_and_quant_mode():

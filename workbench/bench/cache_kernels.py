@@ -1,9 +1,12 @@
 """Benchmark of the cache-side kernels: write-to-cache (prefill, decode step, fp8) and block copy.
 
-``python -m workbench bench cache_kernels [--smoke] [--out DIR]``. On CUDA: the copy bandwidth
-first, then (a) a prefill write (64 x 512 tokens, 8 kv heads, head_dim 128, fp16, 16-token
-blocks on a randomly permuted pool) in every layout, our kernel in a few launch variants vs torch
-indexing, plus an fp8 write; (b) decode-step writes of 64/128/256 tokens timed plain and from a
+``python -m workbench bench cache_kernels [--smoke] [--only prefill|decode|copy ...] [--out DIR]``. On
+CUDA: the copy bandwidth first, then (a) a prefill write (64 x 512 tokens, 8 kv heads, head_dim 128,
+fp16, 16-token blocks on a randomly permuted pool) in every layout: our kernel in both schemes
+(``"head"``: one head per program; ``"rows"``: all heads, loads before stores, optionally K and V in
+separate programs) over a few launch shapes, vs torch indexing and vs a plain ``copy_`` of the same
+bytes (the ceiling at this size under the same timing), plus an fp8 write with each ``quant_math``
+(``exact``, ``cast``, ``rcp``); (b) decode-step writes of 64/128/256 tokens timed plain and from a
 CUDA graph; (c) block copies (4096 pairs in a 4 GiB pool, and a 64-pair copy-on-write) vs torch
 indexing. Each of ours is checked against the reference on the same data before it is timed.
 ``--smoke`` runs tiny shapes (interpreter on a CPU, compiled on a GPU), correctness only; times are
@@ -24,13 +27,14 @@ import workbench
 from workbench.bench import harness
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels.reference import copy_blocks_ref, quant_code_distance, write_kv_ref
-from workbench.kernels.write import default_launch
+from workbench.kernels.write import WriteConfig, launch_config
 from workbench.layout import Layout, block_shape
 
 COLUMNS = [
     "workload", "impl", "variant", "layout", "block_size", "kv_dtype", "tokens", "time_us", "time_us_graph",
-    "gbps", "frac_copy_bw", "rel_err", "ok",
+    "gbps", "frac_copy_bw", "frac_peer_copy", "rel_err", "ok",
 ]
+REP_MS = 100  # per timing (plain and graph); medians of ~700 calls of a 70 us kernel
 KV_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
             torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2", torch.int8: "int8"}
 
@@ -90,10 +94,10 @@ def _checked_time(ctx: Ctx, fn: Callable[[], object], check: Callable[[], tuple[
     err, ok = check()
     if not ctx.timed:
         return err, ok, wall, None
-    t, tg = harness.time_us(fn), None
+    t, tg = harness.time_us(fn, rep_ms=REP_MS), None
     if graph:
         try:
-            tg = harness.time_us_graph(fn)
+            tg = harness.time_us_graph(fn, rep_ms=REP_MS)
         except Exception as e:  # noqa: BLE001  (an implementation that cannot be captured still gets its plain time)
             print(f"cache_kernels: CUDA graph timing failed: {type(e).__name__}: {e}")
     return err, ok, t, tg
@@ -136,9 +140,25 @@ def _slots_decode(tokens: int, block_size: int, num_blocks: int, device, seed: i
     return torch.randperm(num_blocks * block_size, generator=g)[:tokens].to(torch.int32).to(device)
 
 
+def variant_name(cfg: WriteConfig) -> str:
+    """A short label: ``bt16-w4`` (head scheme), ``rows-bt8-h8-w4[-kv2]``; ``-rcp``/``-cast`` for quant_math."""
+    if cfg.scheme == "head":
+        name = f"bt{cfg.tokens_per_program}-w{cfg.num_warps}"
+    else:
+        name = f"rows-bt{cfg.tokens_per_program}-h{cfg.heads_per_program}-w{cfg.num_warps}"
+        name += "-kv2" if cfg.kv_split else ""
+    return name + ("" if cfg.quant_math == "exact" else f"-{cfg.quant_math}")
+
+
 def _write_rows(ctx: Ctx, workload: str, layout: Layout, kv_dtype: torch.dtype, slots: torch.Tensor,
                 key: torch.Tensor, value: torch.Tensor, num_blocks: int, block_size: int,
-                variants: list, graph: bool, torch_peer: bool) -> list[dict]:
+                variants: list[dict], graph: bool, torch_peer: bool, copy_peer: torch.Tensor | None = None
+                ) -> list[dict]:
+    """Our kernel with its default launch and each of ``variants`` (write_kv keywords), then peers.
+
+    ``copy_peer``: the source tensor holding K and V; a ``copy_`` of it into a fresh tensor of the
+    cache dtype moves the same bytes as the write (its row is the ceiling at this size).
+    """
     tokens, heads, head_dim = key.shape
     dev = key.device
     pool0 = make_pool(1, num_blocks, layout, block_size, heads, head_dim, kv_dtype, dev, seed=1)
@@ -151,19 +171,20 @@ def _write_rows(ctx: Ctx, workload: str, layout: Layout, kv_dtype: torch.dtype, 
     base = {"workload": workload, "layout": layout.value, "block_size": block_size,
             "kv_dtype": KV_NAMES[kv_dtype], "tokens": tokens, "heads": heads, "head_dim": head_dim}
     rows = []
-    auto = default_launch(tokens, heads, head_dim, block_size, layout)
-    for bt, warps in [auto, *[v for v in variants if tuple(v) != auto]]:
+    shape = (tokens, heads, head_dim, block_size, layout, quant)
+    auto = launch_config(*shape)
+    configs = [auto] + [c for c in dict.fromkeys(launch_config(*shape, **v) for v in variants) if c != auto]
+    for cfg in configs:
         pool = pool0.clone()
         kc, vc = layer_views(pool, 0, layout, block_size, heads, head_dim)
+        kw = cfg._asdict()
 
-        def fn(kc=kc, vc=vc, bt=bt, warps=warps):
-            write_kv(key, value, kc, vc, layout, slots, scale, scale, tokens_per_program=bt, num_warps=warps,
-                     validate=False)
+        def fn(kc=kc, vc=vc, kw=kw):
+            write_kv(key, value, kc, vc, layout, slots, scale, scale, validate=False, **kw)
 
         err, ok, t, tg = _checked_time(ctx, fn, lambda pool=pool: _compare(pool, ref), graph)
-        variant = f"bt{bt}-w{warps}" + ("-auto" if (bt, warps) == auto else "")
-        rows.append(_row(ctx, nbytes, t, tg, **base, impl="triton", variant=variant, tokens_per_program=bt,
-                         num_warps=warps, rel_err=err, ok=ok))
+        variant = variant_name(cfg) + ("-auto" if cfg == auto else "")
+        rows.append(_row(ctx, nbytes, t, tg, **base, impl="triton", variant=variant, **kw, rel_err=err, ok=ok))
         del pool
     if torch_peer and layout is Layout.NHD:
         pool = pool0.clone()
@@ -185,6 +206,19 @@ def _write_rows(ctx: Ctx, workload: str, layout: Layout, kv_dtype: torch.dtype, 
         err, ok, t, tg = _checked_time(ctx, peer, lambda: _compare(pool, ref), graph)
         rows.append(_row(ctx, nbytes, t, tg, **base, impl="torch-index", variant="view(-1,H,D)[slots]=x",
                          rel_err=err, ok=ok))
+        del pool
+    if copy_peer is not None and layout is Layout.NHD:
+        dst = torch.empty(copy_peer.shape, dtype=kv_dtype, device=dev)
+        src = copy_peer
+        copy_bytes = src.numel() * (src.element_size() + kv_dtype.itemsize)
+
+        def copy():
+            dst.copy_(src)
+
+        _, _, t, tg = _checked_time(ctx, copy, lambda: (0.0, True), graph)
+        what = "dst.copy_(kv)" if kv_dtype == src.dtype else f"dst.copy_(kv) to {KV_NAMES[kv_dtype]} (no scale)"
+        rows.append(_row(ctx, copy_bytes, t, tg, **base, impl="torch-copy", variant=what, rel_err=0.0, ok=True))
+        del dst
     return rows
 
 
@@ -242,12 +276,39 @@ class Sizes:
 
 FULL = Sizes(64, 512, 8, 128, 16, (64, 128, 256), 8, 8192, (4096, 64))
 SMOKE = Sizes(2, 12, 2, 64, 16, (3,), 2, 16, (4, 2))
-WRITE_VARIANTS = [(8, 2), (16, 4), (16, 8), (32, 8)]
-DECODE_VARIANTS = [(1, 1), (4, 2)]
+# write_kv keywords of each variant; the default launch (launch_config) is always measured first
+WRITE_VARIANTS = [
+    *(dict(scheme="head", tokens_per_program=bt, num_warps=w) for bt, w in [(8, 2), (16, 4), (16, 8), (32, 8)]),
+    *(dict(scheme="rows", tokens_per_program=bt, num_warps=w) for bt, w in [(4, 2), (8, 4), (16, 8)]),
+    dict(scheme="rows", tokens_per_program=8, num_warps=4, kv_split=True),
+    dict(scheme="rows", tokens_per_program=16, num_warps=4, heads_per_program=2),
+    dict(scheme="rows", tokens_per_program=16, num_warps=4, heads_per_program=1),
+]
+FP8_VARIANTS = [
+    dict(scheme="head", quant_math="cast"),
+    dict(scheme="head", quant_math="rcp"),
+    dict(scheme="rows", tokens_per_program=8, num_warps=4),
+    dict(scheme="rows", tokens_per_program=8, num_warps=4, quant_math="rcp"),
+    dict(scheme="rows", tokens_per_program=16, num_warps=8, quant_math="rcp"),
+]
+DECODE_VARIANTS = [
+    dict(scheme="head", tokens_per_program=1, num_warps=1),
+    dict(scheme="head", tokens_per_program=4, num_warps=2),
+    dict(scheme="rows", tokens_per_program=1, num_warps=4),
+]
 COPY_VARIANTS = [(1, 4096, 4), (1, 16384, 8), (2, 8192, 4)]
+SECTIONS = ("prefill", "decode", "copy")
 
 
-def run(sizes: Sizes, ctx: Ctx, device) -> list[dict]:
+def _peer_fractions(rows: list[dict]) -> None:
+    """``frac_peer_copy``: a row's bandwidth over the same-size ``copy_`` of its workload (the ceiling)."""
+    peers = {r["workload"]: r["gbps"] for r in rows if r["impl"] == "torch-copy" and r["gbps"]}
+    for r in rows:
+        peer = peers.get(r["workload"])
+        r["frac_peer_copy"] = r["gbps"] / peer if (peer and r.get("gbps")) else None
+
+
+def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS) -> list[dict]:
     rows: list[dict] = []
     s = sizes
     tokens = s.num_seqs * s.seq_len
@@ -257,28 +318,52 @@ def run(sizes: Sizes, ctx: Ctx, device) -> list[dict]:
     blocks_needed = s.num_seqs * -(-s.seq_len // s.block_size)
     num_blocks = blocks_needed + blocks_needed // 4  # a pool somewhat larger than needed
     slots = _slots_prefill(s.num_seqs, s.seq_len, s.block_size, num_blocks, device, seed=2)
-    for layout in Layout:  # (a) prefill
-        rows += _write_rows(ctx, "prefill", layout, torch.float16, slots, key, value, num_blocks, s.block_size,
-                            WRITE_VARIANTS, graph=True, torch_peer=True)
-        rows += _write_rows(ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key, value, num_blocks,
-                            s.block_size, [], graph=True, torch_peer=True)
-    for n in s.decode_tokens:  # (b) decode step: one token per sequence, random slots
-        dslots = _slots_decode(n, s.block_size, num_blocks, device, seed=n)
-        for layout in Layout:
-            rows += _write_rows(ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n], value[:n], num_blocks,
-                                s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
-    pool = make_pool(s.copy_layers, s.copy_blocks, "nhd", s.block_size, s.heads, s.head_dim, torch.float16,
-                     device, seed=3)
-    for pairs in s.copy_pairs:  # (c) block copy
-        # graph replay only for the small (copy-on-write sized) copy: the big one is not launch-bound
-        rows += _copy_rows(ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS, graph=pairs < 1024,
-                           seed=pairs)
+    if "prefill" in sections:
+        for layout in Layout:  # (a) prefill
+            rows += _write_rows(ctx, "prefill", layout, torch.float16, slots, key, value, num_blocks, s.block_size,
+                                WRITE_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+            rows += _write_rows(ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key, value, num_blocks,
+                                s.block_size, FP8_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+    if "decode" in sections:
+        for n in s.decode_tokens:  # (b) decode step: one token per sequence, random slots
+            dslots = _slots_decode(n, s.block_size, num_blocks, device, seed=n)
+            for layout in Layout:
+                rows += _write_rows(ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n], value[:n],
+                                    num_blocks, s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
+    if "copy" in sections:
+        pool = make_pool(s.copy_layers, s.copy_blocks, "nhd", s.block_size, s.heads, s.head_dim, torch.float16,
+                         device, seed=3)
+        for pairs in s.copy_pairs:  # (c) block copy
+            # graph replay only for the small (copy-on-write sized) copy: the big one is not launch-bound
+            rows += _copy_rows(ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS, graph=pairs < 1024,
+                               seed=pairs)
+    _peer_fractions(rows)
     return rows
+
+
+def _summary(rows: list[dict]) -> None:
+    """The fastest of ours per (workload, layout), plain and graph-replayed, with its fractions."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if r["impl"] != "triton" or not r.get("gbps"):
+            continue
+        k = (r["workload"], r["layout"])
+        if k not in best or r["time_us"] < best[k]["time_us"]:
+            best[k] = r
+    if best:
+        print("\nfastest triton variant per workload and layout (plain median):")
+        for (w, lay), r in best.items():
+            tg = r["time_us_graph"]
+            peer = r.get("frac_peer_copy")
+            print(f"  {w:12s} {lay:5s} {r['variant']:28s} {r['time_us']:8.1f} us  graph {tg or float('nan'):8.1f} us"
+                  f"  frac_copy_bw {r['frac_copy_bw']:.3f}" + (f"  frac_peer_copy {peer:.3f}" if peer else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench bench cache_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works on a CPU)")
+    parser.add_argument("--only", action="append", choices=SECTIONS, default=None,
+                        help="run only these sections (repeatable; default all)")
     parser.add_argument("--out", default=None, help="folder for the JSON results (default data/results)")
     args = parser.parse_args(argv)
     device = workbench.device()
@@ -290,12 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Ctx(timed=timed, copy_bw=harness.copy_bandwidth_gbps() if timed else None)
     if ctx.copy_bw:
         print(f"copy bandwidth: {ctx.copy_bw:.0f} GB/s")
-    rows = run(SMOKE if args.smoke else FULL, ctx, device)
+    t0 = time.perf_counter()
+    rows = run(SMOKE if args.smoke else FULL, ctx, device, tuple(args.only or SECTIONS))
     meta = harness.machine_meta()
-    extra = {"copy_bw_gbps": ctx.copy_bw, "smoke": args.smoke, "backend": "interpreter" if not on_gpu else "cuda"}
+    extra = {"copy_bw_gbps": ctx.copy_bw, "smoke": args.smoke, "backend": "interpreter" if not on_gpu else "cuda",
+             "sections": list(args.only or SECTIONS), "wall_s": round(time.perf_counter() - t0, 1)}
     harness.print_table(rows, COLUMNS)
+    _summary(rows)
     path = harness.write_results("cache_kernels", rows, meta, args.out, extra=extra)
-    print(f"results: {path}")
+    print(f"results: {path}  ({extra['wall_s']} s)")
     bad = [r for r in rows if not r["ok"]]
     for r in bad:
         print(f"MISMATCH: {r['workload']} {r['impl']} {r['variant']} {r['layout']} rel_err={r['rel_err']}")
