@@ -11,6 +11,12 @@ so every program does about the same work; a ragged batch's short sequences simp
 have fewer chunks and their extra programs exit at once). Each chunk writes its
 normalized partial output and log2-sum-exp; a second small kernel combines them.
 
+The vLLM split layout (key ``[blocks, heads, D // x, block_size, x]``, value ``[blocks, heads, D,
+block_size]``): the key tile is read per d-group as runs of a page's tokens (x elements each, back to
+back), so a warp reads whole runs, and permuted in registers to the ``[D, BLOCK_N]`` operand; the value
+tile has tokens as its fast axis. The loop then takes whole tiles only: a mask along the value's vector
+axis would break its 16-byte copies, so the partial last tile is done after the loop, masked.
+
 A sequence of length 0 gives an output of zeros.
 """
 
@@ -26,7 +32,7 @@ from workbench.layout import Layout, addressing, to_nhd
 
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-_LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot")
+_LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d")
 
 
 @triton.jit
@@ -65,6 +71,121 @@ def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.c
 
 
 @triton.jit
+def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+                 k_s_blk, k_s_tok, k_s_dgrp, v_s_blk, v_s_tok, v_s_d,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+                 KX: tl.constexpr, V_TRANS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                 K3D: tl.constexpr, MASKED: tl.constexpr, V_ALIGN: tl.constexpr, G_PAD: tl.constexpr,
+                 ASM: tl.constexpr):
+    """One tile of tokens ``[start, start + BLOCK_N)``: scores, online-softmax update, ``acc += p @ v``.
+
+    ``MASKED``: the tile may run past ``hi`` (otherwise every token is valid and nothing is masked).
+    Returns the updated ``(b_m [G_PAD], b_l [G_PAD], b_acc [G_PAD, BLOCK_D])``."""
+    o_n = start + tl.arange(0, BLOCK_N)
+    m_n = o_n < hi  # [BLOCK_N]
+    o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N, ASM)
+    if K3D:
+        # the split key, per d-group: a page's tokens are back-to-back x-element (16-byte) chunks, so
+        # the tile is [D // x, pages, run] with runs of RUN tokens * x contiguous elements: lanes walk
+        # the runs and a warp reads whole ones, whatever order the compiler gives the other two dims
+        NPG: tl.constexpr = BLOCK_N // PAGE if BLOCK_N > PAGE else 1  # pages per tile
+        RUN: tl.constexpr = BLOCK_N // NPG  # tokens per run
+        o_g3 = tl.arange(0, BLOCK_D // KX)
+        o_p3 = tl.arange(0, NPG)
+        o_j3 = tl.arange(0, RUN * KX)  # token j // x of the run, element j % x
+        if NPG == 1:
+            i_pg3 = _load_page(bt_row + start // PAGE, ASM).to(tl.int64)
+            o_run = i_pg3 * k_s_blk + (start % PAGE) * KX + tl.zeros([1], dtype=tl.int64)  # [1]
+        else:
+            i_pg3 = _load_page(bt_row + tl.minimum(start // PAGE + o_p3, (hi - 1) // PAGE), ASM).to(tl.int64)
+            o_run = i_pg3 * k_s_blk  # [NPG] runs start at a page
+        p_k3 = k_base + (o_g3 * k_s_dgrp)[:, None, None] + o_run[None, :, None] + o_j3[None, None, :]
+        m_g3 = (o_g3 < HEAD_DIM // KX)[:, None, None]
+        if MASKED:
+            m_k3 = (start + o_p3 * RUN)[None, :, None] + (o_j3 // KX)[None, None, :] < hi
+            if BLOCK_D != HEAD_DIM:
+                m_k3 = m_k3 & m_g3
+            b_k3 = tl.load(p_k3, mask=m_k3, other=0.0)  # [BLOCK_D // KX, NPG, RUN * KX]
+        elif BLOCK_D == HEAD_DIM:
+            b_k3 = tl.load(p_k3)
+        else:
+            b_k3 = tl.load(p_k3, mask=m_g3, other=0.0)
+        b_k3 = tl.reshape(b_k3, (BLOCK_D // KX, BLOCK_N, KX))
+        b_kt = tl.reshape(tl.permute(b_k3, (0, 2, 1)), (BLOCK_D, BLOCK_N))  # [BLOCK_D, BLOCK_N] (k transposed)
+    else:
+        o_kd = (o_d // KX) * k_s_dgrp + o_d % KX  # [BLOCK_D] 16-byte runs of x elements
+        p_k = k_base + o_krow[:, None] + o_kd[None, :]
+        if MASKED:
+            b_k = tl.load(p_k, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif BLOCK_D == HEAD_DIM:
+            b_k = tl.load(p_k)
+        else:
+            b_k = tl.load(p_k, mask=m_d[None, :], other=0.0)
+    if V_TRANS:
+        # tokens run contiguously inside a page: dim 0 of the tile is the fast one
+        o_v = o_vrow[:, None] + (o_d * v_s_d)[None, :]  # [BLOCK_N, BLOCK_D]
+        # the compiler cannot see through the table lookup: say it. Runs of BLOCK_N (or PAGE) tokens
+        # start at a multiple of BLOCK_N in a page (or at a page): aligned like the block and channel strides
+        if PAGE % BLOCK_N == 0:
+            o_v = tl.multiple_of(tl.max_contiguous(o_v, [BLOCK_N, 1]), [V_ALIGN, 1])
+        elif BLOCK_N % PAGE == 0:
+            o_v = tl.multiple_of(tl.max_contiguous(o_v, [PAGE, 1]), [V_ALIGN, 1])
+        # a mask along the token (vector) dim would break 16-byte loads: rows past the end are
+        # in bounds (see _page_rows) but may hold anything, so zero them after the load
+        if BLOCK_D == HEAD_DIM:
+            b_v = tl.load(v_base + o_v)
+        else:
+            b_v = tl.load(v_base + o_v, mask=m_d[None, :], other=0.0)
+        if MASKED:
+            b_v = tl.where(m_n[:, None], b_v, 0.0)  # [BLOCK_N, BLOCK_D]
+    else:
+        p_v = v_base + o_vrow[:, None] + o_d[None, :]
+        if MASKED:
+            b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        elif BLOCK_D == HEAD_DIM:
+            b_v = tl.load(p_v)
+        else:
+            b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
+
+    if K3D:
+        b_kt = b_kt.to(b_q.dtype)
+        if IEEE:
+            b_s = tl.dot(b_q, b_kt, input_precision="ieee")  # [G_PAD, BLOCK_N]
+        else:
+            b_s = tl.dot(b_q, b_kt)
+    elif USE_DOT:
+        b_k = b_k.to(b_q.dtype)
+        if IEEE:
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [G_PAD, BLOCK_N]
+        else:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+    elif G_PAD == 1:  # MHA: plain 2-D products, no 3-D broadcast
+        b_s = tl.sum(b_q * b_k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        b_s = tl.sum(b_q[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, BLOCK_N]
+    if MASKED:
+        b_s = tl.where(m_n[None, :], b_s * s_scale, float("-inf"))
+    else:
+        b_s = b_s * s_scale
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # finite: every tile holds a valid token
+    b_alpha = tl.exp2(b_m - b_m_new)  # [G_PAD]
+    b_p = tl.exp2(b_s - b_m_new[:, None])  # [G_PAD, BLOCK_N]
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None]
+    if USE_DOT:
+        b_v = b_v.to(b_q.dtype)
+        if IEEE:
+            b_acc += tl.dot(b_p, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
+        else:
+            b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
+    elif G_PAD == 1:
+        b_acc += tl.sum(tl.trans(b_p) * b_v.to(tl.float32), axis=0)[None, :]
+    else:
+        b_acc += tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D] query, unit stride in D
     k_ptr,  # K cache, any layout, addressed as blk*s_blk + tok*s_tok + head*s_head + (d // KX)*s_dgrp + d % KX
@@ -80,8 +201,8 @@ def _paged_decode_kernel(
     s_qb, s_qh,  # q strides
     s_ob, s_oh,  # out strides
     s_bt,  # block-table row stride
-    k_s_blk, k_s_tok, k_s_head, k_s_dgrp,  # k_s_blk in units of K_BM elements
-    v_s_blk, v_s_tok, v_s_head, v_s_d,  # v_s_blk in units of V_BM elements
+    k_s_blk, k_s_tok, k_s_head, k_s_dgrp,  # each in units of its K_*M elements (see _stride_split)
+    v_s_blk, v_s_tok, v_s_head, v_s_d,  # each in units of its V_*M elements
     chunk,  # tokens per split, a multiple of BLOCK_N
     num_splits,
     G: tl.constexpr,  # query heads per kv head
@@ -97,8 +218,16 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,  # write partials for the reduce kernel
     SCALE_PTR: tl.constexpr,
     K_BM: tl.constexpr,  # k_s_blk was divided by this power of two (keeps 16-byte alignment visible)
+    K_TM: tl.constexpr,  # ... k_s_tok by this one (the split key's token stride is x = 8: not "divisible by 16")
+    K_HM: tl.constexpr,
+    K_GM: tl.constexpr,
     V_BM: tl.constexpr,
+    V_TM: tl.constexpr,
+    V_HM: tl.constexpr,
+    V_DM: tl.constexpr,  # v_s_d (the vLLM value's channel stride = block_size, 8 for 8-token pages)
+    V_ALIGN: tl.constexpr,  # min(V_BM, V_DM): alignment of a page's V run (V_TRANS)
     ASM: tl.constexpr,  # block-table loads through inline PTX (GPU only)
+    K3D: tl.constexpr,  # split key read as [D // x, pages, run * x] tiles (lanes along tokens), then permuted
 ):
     i_s = tl.program_id(0)
     i_hk = tl.program_id(1)
@@ -125,69 +254,27 @@ def _paged_decode_kernel(
     if IEEE or not USE_DOT:
         b_q = b_q.to(tl.float32)
 
-    k_base = k_ptr + i_hk.to(tl.int64) * k_s_head
-    v_base = v_ptr + i_hk.to(tl.int64) * v_s_head
+    k_base = k_ptr + i_hk.to(tl.int64) * (k_s_head * K_HM)
+    v_base = v_ptr + i_hk.to(tl.int64) * (v_s_head * V_HM)
     bt_row = bt_ptr + i_b.to(tl.int64) * s_bt
-    o_kd = (o_d // KX) * k_s_dgrp + o_d % KX  # [BLOCK_D] 16-byte runs of x elements
 
     b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([G_PAD], dtype=tl.float32)
     b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-    for i_t in range(lo // BLOCK_N, tl.cdiv(hi, BLOCK_N)):
-        start = i_t * BLOCK_N
-        o_n = start + tl.arange(0, BLOCK_N)
-        m_n = o_n < hi  # [BLOCK_N]
-        o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk * K_BM, k_s_tok, v_s_blk * V_BM, v_s_tok, PAGE,
-                                    BLOCK_N, ASM)
-        if BLOCK_D == HEAD_DIM:
-            m_kv = m_n[:, None]
-        else:
-            m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(k_base + o_krow[:, None] + o_kd[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if V_TRANS:
-            # tokens run contiguously inside a page: dim 0 of the tile is the fast one
-            o_v = o_vrow[:, None] + (o_d * v_s_d)[None, :]  # [BLOCK_N, BLOCK_D]
-            if PAGE % BLOCK_N == 0:  # the compiler cannot see through the table lookup: say it
-                o_v = tl.max_contiguous(o_v, [BLOCK_N, 1])
-            elif BLOCK_N % PAGE == 0:
-                o_v = tl.max_contiguous(o_v, [PAGE, 1])
-            # a mask along the token (vector) dim would break 16-byte loads: rows past the end are
-            # in bounds (see _page_rows) but may hold anything, so zero them after the load
-            if BLOCK_D == HEAD_DIM:
-                b_v = tl.load(v_base + o_v)
-            else:
-                b_v = tl.load(v_base + o_v, mask=m_d[None, :], other=0.0)
-            b_v = tl.where(m_n[:, None], b_v, 0.0)  # [BLOCK_N, BLOCK_D]
-        else:
-            b_v = tl.load(v_base + o_vrow[:, None] + o_d[None, :], mask=m_kv, other=0.0)  # [BLOCK_N, BLOCK_D]
-
-        if USE_DOT:
-            b_k = b_k.to(b_q.dtype)
-            if IEEE:
-                b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [G_PAD, BLOCK_N]
-            else:
-                b_s = tl.dot(b_q, tl.trans(b_k))
-        elif G_PAD == 1:  # MHA: plain 2-D products, no 3-D broadcast
-            b_s = tl.sum(b_q * b_k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
-        else:
-            b_s = tl.sum(b_q[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, BLOCK_N]
-        b_s = tl.where(m_n[None, :], b_s * s_scale, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # finite: every tile holds a valid token
-        b_alpha = tl.exp2(b_m - b_m_new)  # [G_PAD]
-        b_p = tl.exp2(b_s - b_m_new[:, None])  # [G_PAD, BLOCK_N]
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
-        b_acc = b_acc * b_alpha[:, None]
-        if USE_DOT:
-            b_v = b_v.to(b_q.dtype)
-            if IEEE:
-                b_acc += tl.dot(b_p, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
-            else:
-                b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
-        elif G_PAD == 1:
-            b_acc += tl.sum(tl.trans(b_p) * b_v.to(tl.float32), axis=0)[None, :]
-        else:
-            b_acc += tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
-        b_m = b_m_new
+    # V_TRANS: the loop takes whole tiles only (no token mask, so the V copies feed the dot straight
+    # from shared memory); the partial last tile follows it, masked
+    i_end = hi // BLOCK_N if V_TRANS else tl.cdiv(hi, BLOCK_N)
+    for i_t in range(lo // BLOCK_N, i_end):
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not V_TRANS, V_ALIGN, G_PAD, ASM)
+    if V_TRANS:
+        if hi % BLOCK_N != 0:
+            b_m, b_l, b_acc = _attend_tile(
+                b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+                k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM)
 
     b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
     b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]
@@ -240,6 +327,13 @@ def _pow2_factor(n: int, most: int = 16) -> int:
     while f < most and n % (2 * f) == 0:
         f *= 2
     return f
+
+
+def _stride_split(stride: int) -> tuple[int, int]:
+    """``(stride // f, f)`` with ``f = _pow2_factor(stride)``: the kernel multiplies ``f`` back as a
+    constexpr, so the alignment it implies stays visible to Triton's vectorizer."""
+    f = _pow2_factor(stride)
+    return stride // f, f
 
 
 def _num_sms(device: torch.device) -> int:
@@ -403,7 +497,8 @@ def paged_decode(
             also checks the lengths against the block table (and takes their mean).
         mean_seq_len: mean of ``seq_lens``, a hint for the split heuristic (ragged batches).
         **launch: overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
-            ``use_dot``.
+            ``use_dot``; and ``k3d`` (default True): the vLLM split key read in page runs (see
+            ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower).
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.
@@ -446,11 +541,20 @@ def paged_decode(
     ka = addressing(k_cache, layout, "k")
     va = addressing(v_cache, layout, "v")
     v_trans = layout is Layout.VLLM
+    if block_size == 1:  # the token stride of a size-1 dim is arbitrary (torch keeps the source's)
+        ka, va = ka._replace(s_tok=0), va._replace(s_tok=1 if v_trans else 0)
     if ka.s_d != 1 or (va.s_tok if v_trans else va.s_d) != 1:
         raise ValueError("k_cache/v_cache rows must be contiguous (unit stride in the last dimension)")
-    k_bm, v_bm = _pow2_factor(ka.s_blk), _pow2_factor(va.s_blk)
+    # every stride split into (stride / f, f) with f its power-of-two factor, f a constexpr
+    k_split = [_stride_split(s) for s in (ka.s_blk, ka.s_tok, ka.s_head, ka.s_dgrp)]
+    v_split = [_stride_split(s) for s in (va.s_blk, va.s_tok, va.s_head, va.s_d if v_trans else 1)]
+    k_strides, k_mult = [s for s, _ in k_split], [f for _, f in k_split]
+    v_strides, v_mult = [s for s, _ in v_split], [f for _, f in v_split]
     block_d = triton.next_power_of_2(D)
     kx = ka.x if layout is Layout.VLLM else block_d
+    # [D // x, pages, run] key tiles need a page's x-chunks back to back and whole pages or whole tiles
+    k3d = (bool(cfg.get("k3d", True)) and layout is Layout.VLLM and use_dot and (block_size == 1 or ka.s_tok == kx)
+           and (block_size % block_n == 0 or block_n % block_size == 0))
     g_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
     ks_ptr, ks_val = _scale_arg("k_scale", k_scale, q.device)
     vs_ptr, vs_val = _scale_arg("v_scale", v_scale, q.device)
@@ -471,13 +575,14 @@ def paged_decode(
         ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        ka.s_blk // k_bm, ka.s_tok, ka.s_head, ka.s_dgrp,
-        va.s_blk // v_bm, va.s_tok, va.s_head, va.s_d if v_trans else 1,
+        *k_strides, *v_strides,
         chunk, splits,
         G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
         V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
         SPLIT=split, SCALE_PTR=scale_ptr,
-        K_BM=k_bm, V_BM=v_bm, ASM=not interp,
+        K_BM=k_mult[0], K_TM=k_mult[1], K_HM=k_mult[2], K_GM=k_mult[3],
+        V_BM=v_mult[0], V_TM=v_mult[1], V_HM=v_mult[2], V_DM=v_mult[3],
+        V_ALIGN=min(v_mult[0], v_mult[3]), ASM=not interp, K3D=k3d,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
     if split:

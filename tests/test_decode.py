@@ -85,6 +85,38 @@ def test_decode_matches_reference(layout, block_size, hkv, group, head_dim, dtyp
     assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), "an empty sequence must give zeros"
 
 
+VLLM_LENS = [64, 37, 0, 129, 96]  # whole 32-token tiles (no tail) and odd tails; one empty
+
+VLLM_CASES = [
+    # block_size, head_dim, dtype, num_splits, pad, BLOCK_N, k3d
+    (1, 64, torch.float16, 2, 0, None, True),  # one token per page: every row from another block
+    (8, 80, torch.bfloat16, 1, 8, None, True),  # 16-byte aligned block stride; head_dim not a power of two
+    (16, 128, torch.float16, 3, 64, None, True),
+    (64, 64, torch.float32, 2, 3, 16, True),  # misaligned block stride; tiles inside a page; x = 4
+    (16, 80, torch.float16, 1, 0, 64, False),  # 2-D key tiles
+    (8, 128, torch.bfloat16, 2, 1, None, False),
+    (64, 128, torch.bfloat16, 1, 0, None, True),
+    (16, 128, torch.float16, 2, 8, 64, True),  # four pages per tile
+    (24, 64, torch.float16, 2, 0, None, True),  # page neither divides nor is divided by BLOCK_N: 2-D key tiles
+]
+
+
+@pytest.mark.parametrize("block_size,head_dim,dtype,num_splits,pad,block_n,k3d", VLLM_CASES)
+def test_decode_vllm_split_key(block_size, head_dim, dtype, num_splits, pad, block_n, k3d, device):
+    """The vLLM split layout: key tiles read as [D // x, pages, run * x] (k3d) or [BLOCK_N, D]; whole tiles
+    unmasked, the partial last tile masked."""
+    q, k, v, table, lens = make_case("vllm", block_size, 2, 4, head_dim, dtype, VLLM_LENS, device,
+                                     seed=block_size + head_dim, pad=pad)
+    ref = paged_decode_ref(q, k, v, "vllm", table, lens)
+    launch = {"BLOCK_N": block_n} if block_n else {}
+    got = paged_decode(q, k, v, "vllm", table, lens, num_splits=num_splits, out=poison_like(q), k3d=k3d, **launch)
+    err = rel_err(got, ref)
+    print(f"vllm bs={block_size} D={head_dim} {dtype} splits={num_splits} pad={pad} BLOCK_N={block_n} k3d={k3d}: "
+          f"rel_err {err:.2e}")
+    assert err < TOL[dtype], f"rel_err {err:.3e}"
+    assert torch.equal(got[2].float(), torch.zeros_like(got[2].float())), "an empty sequence must give zeros"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["nhd", "vllm"])
 def test_decode_fp8(layout, dtype, device):

@@ -285,17 +285,28 @@ class BlockPool:
         return len(c.free) + pages * c.blocks_per_page
 
     def _carve(self, c: _SizeClass) -> None:
-        if not self._uncarved:  # take back a fully free page from another class
-            other, page = self._reclaimable(c)[0]
-            base = page * other.blocks_per_page
-            for bid in range(base, base + other.blocks_per_page):
-                if other.key[bid] is not None:
-                    self._evict(other, bid)
-                del other.free[bid]
-            other.pages.discard(page)
-            del other.free_in_page[page]
-            self._uncarved.append(page)
-        page = self._uncarved.pop()
+        """Carve the next uncarved page for ``c``, taking back a wholly free page of another class if none."""
+        if not self._uncarved:
+            self._uncarve(*self._reclaimable(c)[0])
+        self._carve_page(c, self._uncarved[-1])
+
+    def _uncarve(self, c: _SizeClass, page: int) -> None:
+        """Return a wholly free page of ``c`` to the uncarved stock, evicting its cached blocks."""
+        for bid in range(page * c.blocks_per_page, (page + 1) * c.blocks_per_page):
+            if c.key[bid] is not None:
+                self._evict(c, bid)
+            del c.free[bid]
+            c.valid[bid] = 0
+        c.pages.discard(page)
+        del c.free_in_page[page]
+        self._uncarved.append(page)
+
+    def _carve_page(self, c: _SizeClass, page: int) -> None:
+        """Carve an uncarved ``page`` into free blocks of ``c``, at the head of its free queue."""
+        if self._uncarved[-1] == page:
+            self._uncarved.pop()
+        else:
+            self._uncarved.remove(page)
         c.pages.add(page)
         c.free_in_page[page] = c.blocks_per_page
         base = page * c.blocks_per_page
@@ -307,6 +318,154 @@ class BlockPool:
         del c.cached[hash(c.key[bid])]
         c.key[bid] = None
         self.evictions += 1
+
+    # ---- compaction support (appended; workbench.compaction plans and applies) -------
+    def carved_pages(self, block_size: int) -> list[int]:
+        """Pages carved for this size class, ascending."""
+        return sorted(self._cls(block_size).pages)
+
+    def uncarved_pages(self) -> list[int]:
+        """Pages not carved for any size class, ascending."""
+        return sorted(self._uncarved)
+
+    def page_block_size(self, page: int) -> int | None:
+        """The size class ``page`` is carved for, or None if it is uncarved."""
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        return next((bs for bs, c in self._classes.items() if page in c.pages), None)
+
+    def clone(self) -> BlockPool:
+        """An independent copy (prefix keys are shared: they are immutable tuples)."""
+        new = object.__new__(BlockPool)
+        vars(new).update(vars(self))
+        new.block_sizes = self.block_sizes
+        new._uncarved = list(self._uncarved)
+        new._classes = {}
+        for bs, c in self._classes.items():
+            d = _SizeClass.__new__(_SizeClass)
+            d.block_size, d.blocks_per_page = c.block_size, c.blocks_per_page
+            d.ref, d.valid, d.key, d.last_access = list(c.ref), list(c.valid), list(c.key), list(c.last_access)
+            d.free, d.pages = OrderedDict(c.free), set(c.pages)
+            d.free_in_page, d.cached = dict(c.free_in_page), dict(c.cached)
+            new._classes[bs] = d
+        return new
+
+    def fingerprint(self) -> int:
+        """A hash of every descriptor, queue and page assignment (equal states, equal fingerprints)."""
+        parts = [tuple(self._uncarved)]
+        for bs, c in self._classes.items():
+            parts.append((bs, tuple(c.ref), tuple(c.valid), tuple(c.key), tuple(c.free), tuple(sorted(c.pages))))
+        return hash(tuple(parts))
+
+    def take(self, block_size: int, ids: Sequence[int]) -> None:
+        """Take these specific blocks (ref count 1, no valid tokens); all or nothing.
+
+        Each must be a clean free block of this class (not in the prefix cache), or lie in an
+        uncarved page, or in a wholly free page of another class holding no cached block (that
+        page is re-carved for this class).
+        """
+        c = self._cls(block_size)
+        ids = list(ids)
+        self._check_takeable(c, ids)
+        # ---- nothing can fail below ----
+        self._carve_for(c, ids)
+        self._clock += 1
+        for bid in ids:
+            del c.free[bid]
+            c.ref[bid], c.valid[bid], c.last_access[bid] = 1, 0, self._clock
+            c.free_in_page[bid // c.blocks_per_page] -= 1
+
+    def move_blocks(self, block_size: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Move block descriptors ``src -> dst`` within one size class; all or nothing.
+
+        A ``src`` is in use (its ref count, valid tokens, prefix key and last access go to ``dst``;
+        ``src`` becomes a clean free block at the queue's tail) or a cached free block (its key and
+        its place in the LRU queue go to ``dst``). Each ``dst`` must be takeable as in :meth:`take`.
+        Sources are distinct, destinations are distinct, and no destination is a source. Block
+        tables are not the pool's: use :meth:`BlockManager.move_blocks`, and copy the K/V yourself.
+        """
+        c = self._cls(block_size)
+        moves = [(int(s), int(d)) for s, d in moves]
+        srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
+        for s in srcs:
+            self._check_id(c, s)
+            if c.ref[s] == 0 and c.key[s] is None:
+                raise ValueError(f"src block {s} of size {block_size} holds nothing (not in use, not cached)")
+        if len(set(srcs)) != len(srcs):
+            raise ValueError("moves must not repeat a src block")
+        if set(srcs) & set(dsts):
+            raise ValueError("a dst block must not also be a src block")
+        self._check_takeable(c, dsts)
+        # ---- nothing can fail below ----
+        self._carve_for(c, dsts)
+        bpp = c.blocks_per_page
+        rename = {}  # cached free src -> dst: dst takes src's place in the LRU queue
+        for s, d in moves:
+            key = c.key[s]
+            c.valid[d], c.key[d], c.last_access[d] = c.valid[s], key, c.last_access[s]
+            if key is not None:
+                c.cached[hash(key)] = d
+            c.key[s], c.valid[s] = None, 0
+            if c.ref[s]:
+                del c.free[d]
+                c.free_in_page[d // bpp] -= 1
+                c.ref[d], c.ref[s] = c.ref[s], 0
+                c.free[s] = None
+                c.free_in_page[s // bpp] += 1
+            else:
+                rename[s] = d
+        if rename:
+            taken = set(rename.values())
+            order = [rename.get(b, b) for b in c.free if b not in taken]
+            c.free = OrderedDict.fromkeys(order + list(rename))  # freed sources go to the tail
+
+    def release_pages(self, pages: Iterable[int] | None = None) -> list[int]:
+        """Return wholly free carved pages to the uncarved stock, evicting cached blocks in them.
+
+        ``pages=None`` releases every wholly free page. Afterwards the uncarved stock hands out
+        the lowest page first. Returns the released pages, ascending; all or nothing.
+        """
+        owner = {p: c for c in self._classes.values() for p in c.pages}
+        if pages is None:
+            pages = [p for p, c in owner.items() if c.free_in_page[p] == c.blocks_per_page]
+        pages = sorted(set(pages))
+        for p in pages:
+            c = owner.get(p)
+            if c is None:
+                raise ValueError(f"page {p} is not carved")
+            if c.free_in_page[p] != c.blocks_per_page:
+                raise ValueError(f"page {p} still holds blocks in use")
+        # ---- nothing can fail below ----
+        for p in pages:
+            self._uncarve(owner[p], p)
+        self._uncarved.sort(reverse=True)  # a stack: the lowest page is popped first
+        return pages
+
+    def _check_takeable(self, c: _SizeClass, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids):
+            raise ValueError("block ids to take must be distinct")
+        owner = {p: o for o in self._classes.values() if o is not c for p in o.pages}
+        for bid in ids:
+            self._check_id(c, bid)
+            page = bid // c.blocks_per_page
+            if page in c.pages:
+                if bid not in c.free or c.key[bid] is not None:
+                    raise ValueError(f"block {bid} of size {c.block_size} is not a clean free block")
+            elif page in owner:
+                o = owner[page]
+                base = page * o.blocks_per_page
+                if o.free_in_page[page] != o.blocks_per_page or any(
+                        o.key[b] is not None for b in range(base, base + o.blocks_per_page)):
+                    raise ValueError(f"block {bid} of size {c.block_size} lies in page {page}, carved for size "
+                                     f"{o.block_size} and not wholly free and clean")
+
+    def _carve_for(self, c: _SizeClass, ids: Iterable[int]) -> None:
+        """Carve the pages of ``ids`` that are not carved for ``c`` yet (taking back free pages of other classes)."""
+        for page in sorted({bid // c.blocks_per_page for bid in ids} - c.pages):
+            for o in self._classes.values():
+                if page in o.pages:  # wholly free and clean: checked
+                    self._uncarve(o, page)
+            self._carve_page(c, page)
 
 
 # ---- block-size policies ------------------------------------------------------------
@@ -557,3 +716,58 @@ class BlockManager:
         assert pool.used_slots() + pool.free_slots() == pool.num_pages * pool.page_tokens
         for sid, s in self._seqs.items():
             assert len(s.table) == math.ceil(len(s.tokens) / s.block_size), f"{sid}: table length"
+
+    # ---- compaction support (appended; workbench.compaction plans and applies) -------
+    def clone(self) -> BlockManager:
+        """An independent copy of the pool and the sequences (the policy object is shared)."""
+        new = object.__new__(BlockManager)
+        new.pool, new.policy, new.prefix_caching = self.pool.clone(), self.policy, self.prefix_caching
+        new._seqs = {sid: _Seq(s.block_size, list(s.table), list(s.tokens), list(s.hashes), s.prompt_len,
+                               s.extra_key) for sid, s in self._seqs.items()}
+        return new
+
+    def fingerprint(self) -> int:
+        """A hash of the pool's state and every sequence's block size, table and length."""
+        seqs = tuple((sid, s.block_size, tuple(s.table), len(s.tokens)) for sid, s in self._seqs.items())
+        return hash((self.pool.fingerprint(), seqs))
+
+    def move_blocks(self, block_size: int, moves: Sequence[tuple[int, int]]) -> None:
+        """:meth:`BlockPool.move_blocks`, then every block table of this size class follows the moves."""
+        moves = list(moves)
+        self.pool.move_blocks(block_size, moves)
+        rename = dict(moves)
+        for s in self._seqs.values():
+            if s.block_size == block_size:
+                s.table = [rename.get(b, b) for b in s.table]
+
+    def rehome(self, seq_id, block_size: int, blocks: Sequence[int]) -> list[int]:
+        """Move a sequence into another size class; returns its old block table.
+
+        ``blocks`` (``ceil(num_tokens / block_size)`` of them, takeable as in :meth:`BlockPool.take`)
+        become its table, its old blocks are released (a ref count down each, so shared blocks stay
+        with their other holders), and its full new blocks join the prefix cache. The K/V of token
+        ``p`` must be copied by the caller from ``old_table[p // old_bs] * old_bs + p % old_bs`` to
+        the new slot mapping. All or nothing.
+        """
+        s = self._get(seq_id)
+        pool = self.pool
+        pool._cls(block_size)
+        blocks = list(blocks)
+        n = len(s.tokens)
+        if len(blocks) != -(-n // block_size):
+            raise ValueError(f"blocks must hold {n} tokens in blocks of {block_size}: "
+                             f"{-(-n // block_size)} blocks, got {len(blocks)}")
+        pool.take(block_size, blocks)  # validates before it changes anything
+        # ---- nothing can fail below ----
+        old, old_bs = s.table, s.block_size
+        s.block_size, s.table, s.hashes = block_size, blocks, []
+        for i, bid in enumerate(blocks):
+            pool.set_valid(block_size, bid, min(block_size, n - i * block_size))
+        if self.prefix_caching:
+            for i in range(n // block_size):
+                key = pool.block_key(s.hashes[-1] if s.hashes else None,
+                                     s.tokens[i * block_size:(i + 1) * block_size], s.extra_key)
+                s.hashes.append(hash(key))
+                pool.register(block_size, blocks[i], key)
+        pool.decref(old_bs, reversed(old))
+        return old

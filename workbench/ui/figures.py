@@ -142,3 +142,155 @@ def sweep_lines(rows, x, group, y="frac_copy_bw", model=None, x_title=None, mode
         fig.update_layout(yaxis2=dict(title=model_title, overlaying="y", side="right", range=[0, 1.05]),
                           legend=dict(x=1.08))
     return fig
+
+
+# ---- fragmentation and compaction (notebook 04) ----------------------------------------------------
+SHARE_PARTS = ("token_states", "reservation", "internal", "external")
+SHARE_NAMES = {"token_states": "token states", "reservation": "reservation", "internal": "internal fragmentation",
+               "external": "external fragmentation & others"}
+SHARE_COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal": "#e76f51", "external": "#8d99ae"}
+
+
+def share_bars(rows, title=None):
+    """Stacked bars of the vLLM paper's four parts (percent of KV memory); ``rows``: ``{label: {part: %}}``
+    (a part that is None is not drawn)."""
+    fig = go.Figure()
+    labels = list(rows)
+    for part in SHARE_PARTS:
+        ys = [rows[lb].get(part) for lb in labels]
+        fig.add_bar(name=SHARE_NAMES[part], x=labels, y=ys, marker_color=SHARE_COLORS[part],
+                    text=[f"{y:.1f}" if y else "" for y in (v or 0 for v in ys)], textposition="inside")
+    fig.update_layout(barmode="stack", yaxis=dict(title="% of KV memory", range=[0, 100]), title=title,
+                      height=400, margin=dict(t=50 if title else 30), legend=dict(traceorder="normal"))
+    return fig
+
+
+def fig2_bars(d):
+    """The vLLM paper's Figure 2 beside ours: for each system a bar of ours and one of the paper's
+    (``workbench.sim.fig2.breakdown()``); the paper labels only vLLM's token states, the rest of its bar is
+    drawn as "external & others"."""
+    fig = go.Figure()
+    systems = list(d["systems"])
+    x = [[s for s in systems for _ in (0, 1)], ["ours", "paper"] * len(systems)]
+    for part in SHARE_PARTS:
+        ys = []
+        for s in systems:
+            v = d["systems"][s]
+            paper = dict(v["paper"])
+            if part == "external" and paper.get("external") is None:
+                paper["external"] = round(100 - paper["token_states"], 1)
+            ys += [v[part], paper.get(part)]
+        fig.add_bar(name=SHARE_NAMES[part], x=x, y=ys, marker_color=SHARE_COLORS[part],
+                    text=[f"{y:.1f}" if y else "" for y in (v or 0 for v in ys)], textposition="inside")
+    s = d["setup"]
+    fig.update_layout(barmode="stack", yaxis=dict(title="% of KV memory", range=[0, 100]), height=420,
+                      title=f"Where KV memory goes: {s['trace']}, {s['requests']} requests, {s['kv_gib']:g} GiB "
+                            f"({s['slots']} slots of {s['model']}); largest difference {d['max_abs_diff_pp']:.1f} pp",
+                      title_font_size=14, margin=dict(t=60))
+    return fig
+
+
+def block_size_lines(sweep, part="token_states", best=(16, 128)):
+    """``part`` (percent) against block size, one line per trace (``fragmentation.block_size_sweep``); the
+    shaded band is the range the vLLM paper found best on ShareGPT (for latency, which also counts kernel
+    efficiency)."""
+    import math
+
+    fig = go.Figure()
+    sizes = sorted({bs for t in sweep.values() for bs in t})
+    for trace, rows in sweep.items():
+        bss = sorted(rows)
+        fig.add_scatter(x=[math.log2(b) for b in bss], y=[rows[b][part] for b in bss], mode="lines+markers",
+                        name=trace, text=[f"block {b}: {rows[b][part]:.1f}%, batch {rows[b]['mean_batch']:.1f}"
+                                          for b in bss], hovertemplate="%{text}<extra>%{fullData.name}</extra>")
+    if best:
+        fig.add_vrect(x0=math.log2(best[0]), x1=math.log2(best[1]), fillcolor="#e9c46a", opacity=0.2, line_width=0,
+                      annotation_text=f"paper: best on ShareGPT ({best[0]}-{best[1]})", annotation_position="top left")
+    fig.update_layout(xaxis=dict(title="block size (tokens)", tickvals=[math.log2(b) for b in sizes],
+                                 ticktext=[str(b) for b in sizes]),
+                      yaxis=dict(title=f"{SHARE_NAMES.get(part, part)} (% of KV memory)"), height=380,
+                      margin=dict(t=30))
+    return fig
+
+
+MAP_COLORS = ("#f4f4f4", "#d9d9d9", "#a8dadc", "#e76f51", "#264653")  # uncarved, free, cached, unused, shared
+OWNER_COLORS = ("#2a9d8f", "#e9c46a", "#8ab17d", "#f4a261", "#457b9d", "#b5838d", "#90be6d", "#f9c74f",
+                "#43aa8b", "#bc6c25")
+
+
+def _map_codes(pm):
+    """Colour codes: 0-3 the free/unused states, 4 tokens of a shared block, 5+ tokens of sequence i."""
+    import numpy as np
+
+    from workbench.fragmentation import SHARED, TOKEN
+
+    code = pm.state.astype(np.int64)
+    tok = pm.state == TOKEN
+    code[tok] = np.where(pm.owner[tok] == SHARED, 4, 5 + pm.owner[tok] % len(OWNER_COLORS))
+    return code
+
+
+def _map_trace(pm, showlegend=True):
+    from workbench.fragmentation import STATES
+
+    n = len(MAP_COLORS) + len(OWNER_COLORS)
+    scale = []
+    for k, c in enumerate(MAP_COLORS + OWNER_COLORS):
+        scale += [[k / n, c], [(k + 1) / n, c]]
+    code = _map_codes(pm)
+    names = list(STATES)
+    text = [[f"page {p} ({pm.block_size[p] or 'uncarved'}), slot {s}: "
+             + (f"block {pm.block[p, s]}, " if pm.block[p, s] >= 0 else "") + names[pm.state[p, s]]
+             + (f", seq {pm.seq_ids[pm.owner[p, s]]}" if pm.owner[p, s] >= 0 else
+                ", shared" if pm.owner[p, s] == -2 else "")
+             for s in range(pm.state.shape[1])] for p in range(pm.state.shape[0])]
+    return go.Heatmap(z=code + 0.5, zmin=0, zmax=n, colorscale=scale, showscale=False, xgap=1, ygap=3, text=text,
+                      hovertemplate="%{text}<extra></extra>")
+
+
+def memory_maps(maps, titles):
+    """Pages (rows) x token slots (columns) of one or more ``fragmentation.PageMap``: grey free, light blue
+    cached, red held but unused, dark shared tokens, other colours the tokens of each sequence; thin white
+    lines are block boundaries."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=len(maps), subplot_titles=titles, horizontal_spacing=0.06)
+    for i, pm in enumerate(maps, start=1):
+        fig.add_trace(_map_trace(pm), row=1, col=i)
+        for p, bs in enumerate(pm.block_size.tolist()):
+            for x in range(bs, pm.state.shape[1], bs or pm.state.shape[1]):
+                fig.add_shape(type="line", x0=x - 0.5, x1=x - 0.5, y0=p - 0.5, y1=p + 0.5,
+                              line=dict(color="white", width=3), row=1, col=i)
+        fig.update_yaxes(autorange="reversed", tickvals=list(range(len(pm.block_size))),
+                         ticktext=[f"p{p} /{bs or '-'}" for p, bs in enumerate(pm.block_size.tolist())], row=1, col=i)
+        fig.update_xaxes(title_text="token slot in page", row=1, col=i)
+    for name, color in zip(("uncarved", "free", "cached (prefix)", "held, unused", "shared tokens",
+                            "tokens (colour = sequence)"), (*MAP_COLORS, OWNER_COLORS[0]), strict=True):
+        fig.add_scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, color=color, symbol="square"),
+                        name=name, row=1, col=1)
+    fig.update_layout(height=max(300, 26 * len(maps[0].block_size) + 140), margin=dict(t=50),
+                      legend=dict(orientation="h", y=-0.15), plot_bgcolor="white")
+    return fig
+
+
+def sim_run(r):
+    """One simulator run (``fragmentation.simulate``): the four parts, and token / free shares over steps."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], subplot_titles=(
+        "saturated average", "token states and free memory per step"))
+    for trace in share_bars({r["label"]: r["shares"]}).data:
+        fig.add_trace(trace, row=1, col=1)
+    s = r["series"]
+    stride = max(1, len(s["step"]) // 2000)  # at most ~2000 points per line
+    for name, color in (("token", SHARE_COLORS["token_states"]), ("free", "#8d99ae")):
+        fig.add_scatter(x=s["step"][::stride], y=100 * s[name][::stride], mode="lines", name=f"{name} (per step)",
+                        line=dict(color=color, width=1), row=1, col=2)
+    fig.update_yaxes(title_text="% of KV memory", range=[0, 100], row=1, col=1)
+    fig.update_yaxes(range=[0, 100], row=1, col=2)
+    fig.update_xaxes(title_text="step", row=1, col=2)
+    fig.update_layout(barmode="stack", height=420, margin=dict(t=80), title_font_size=13,
+                      title=f"{r['label']} on {r['trace']} ({r['requests']} requests, {r['slots']} slots): "
+                            f"batch {r['mean_batch']:.1f}, {r['throughput']:.3f} req/step, "
+                            f"{r['preemptions']} preemptions, {r['copied_tokens']} tokens copied by compaction")
+    return fig
