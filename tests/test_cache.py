@@ -43,8 +43,8 @@ def kv_for(tokens, start=0):
 def gather_ref(cache: PagedKVCache, seq_id):
     """An independent reader: the block table through plain torch indexing (no kernel)."""
     bs = cache.manager.block_size(seq_id)
-    table = torch.tensor([cache.manager.block_table(seq_id) or [0]], dtype=torch.int32)
-    lens = torch.tensor([cache.manager.num_tokens(seq_id)], dtype=torch.int32)
+    table = torch.tensor([cache.manager.block_table(seq_id) or [0]], dtype=torch.int32, device=cache.device)
+    lens = torch.tensor([cache.manager.num_tokens(seq_id)], dtype=torch.int32, device=cache.device)
     ks = [paged_gather_ref(cache.k_cache(i, bs), cache.layout, "k", table, lens) for i in range(LAYERS)]
     vs = [paged_gather_ref(cache.v_cache(i, bs), cache.layout, "v", table, lens) for i in range(LAYERS)]
     return torch.stack(ks), torch.stack(vs)

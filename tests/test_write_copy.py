@@ -93,6 +93,10 @@ VARIANTS = [
     (16, 4, 64, torch.float16, FP8, "tensor", "prefill",
      dict(scheme="rows", tokens_per_program=4, heads_per_program=2, quant_math="cast")),
     (8, 2, 128, torch.bfloat16, torch.int8, "head", "decode", dict(tokens_per_program=4, quant_math="cast")),
+    # the prefill defaults of PREFILL_DEFAULTS (measured fastest on the H200), forced onto small shapes
+    (16, 2, 128, torch.float16, torch.float16, None, "prefill",
+     dict(scheme="rows", tokens_per_program=16, heads_per_program=1, num_warps=4)),
+    (4, 2, 64, torch.bfloat16, torch.bfloat16, None, "prefill", dict(scheme="rows", heads_per_program=1, num_warps=4)),
 ]
 CASES = [(layout, *case) for layout in Layout for case in BASE + VARIANTS]
 
@@ -289,12 +293,13 @@ def test_write_kv_plan_cache_keeps_validation(device, monkeypatch):
 
 def test_launch_config_table_and_heuristics(monkeypatch):
     prefill = (32768, 8, 128, 16)
-    assert launch_config(*prefill, "nhd") == WriteConfig("head", 16, 4, 1, False, "exact")  # today's default
+    assert launch_config(*prefill, "nhd") == WriteConfig("rows", 16, 4, 1, False, "exact")  # the H200's pick
     assert launch_config(*prefill, "vllm", True) == WriteConfig("head", 16, 4, 1, False, "exact")
-    assert launch_config(*prefill, "nhd", scheme="rows") == WriteConfig("rows", 8, 4, 8, False, "exact")
+    assert launch_config(*prefill, "nhd", scheme="rows") == WriteConfig("rows", 16, 4, 1, False, "exact")
+    assert launch_config(*prefill, "nhd", True, scheme="rows") == WriteConfig("rows", 8, 4, 8, False, "exact")
     assert launch_config(*prefill, "hnd", scheme="rows", kv_split=True).kv_split
-    assert launch_config(32768, 3, 80, 16, "nhd", scheme="rows").heads_per_program == 4  # all 3 heads, masked
-    assert launch_config(*prefill, "nhd", scheme="rows", heads_per_program=64).heads_per_program == 8
+    assert launch_config(32768, 3, 80, 16, "nhd", True, scheme="rows").heads_per_program == 4  # all 3 heads, masked
+    assert launch_config(*prefill, "nhd", True, scheme="rows", heads_per_program=64).heads_per_program == 8
     assert launch_config(32768, 8, 128, 4, "vllm", scheme="rows", heads_per_program=1).tokens_per_program == 4
     assert launch_config(64, 8, 128, 16, "nhd", scheme="rows").tokens_per_program == 1  # decode: many programs
     # one line of the table switches the prefill default; decode-sized batches keep the head scheme
@@ -302,7 +307,8 @@ def test_launch_config_table_and_heuristics(monkeypatch):
     assert launch_config(*prefill, "nhd") == WriteConfig("rows", 8, 8, 8, False, "exact")
     assert launch_config(*prefill, "nhd", scheme="head").scheme == "head"  # a keyword beats the table
     assert launch_config(64, 8, 128, 16, "nhd").scheme == "head"
-    assert launch_config(*prefill, "hnd").scheme == "head"
+    assert launch_config(*prefill, "hnd").scheme == "rows"
+    assert launch_config(*prefill, "hnd", True).scheme == "head"  # quantized caches keep the head scheme
 
 
 def test_default_launch_and_quant_mode():
