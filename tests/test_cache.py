@@ -76,8 +76,9 @@ def test_append_fork_gather_roundtrip(layout):
     (1, 64, "fp8_e4m3", 8, [2, 8]),
 ])
 def test_every_block_is_128_byte_aligned(layout, heads, dim, dtype, page, sizes):
+    scales = {"k_scale": 1.0, "v_scale": 1.0} if dtype == "fp8_e4m3" else {}
     cache = PagedKVCache(2, heads, dim, num_pages=5, page_tokens=page, block_sizes=sizes, layout=layout,
-                         kv_dtype=dtype)
+                         kv_dtype=dtype, **scales)
     elem = cache.dtype.itemsize
     for bs in cache.pool_sizes:
         k = cache.k_cache(1, bs)
@@ -157,7 +158,7 @@ def test_bad_input_leaves_cache_unchanged():
         c2.vllm_metadata(["s", "l"])
     assert snapshot(cache.manager) == before and torch.equal(bits(cache.pool), bits(pool_before))
     for kwargs, match in [({"layout": "xyz"}, "layout"), ({"kv_dtype": "fp7"}, "kv_dtype"),
-                          ({"num_pages": 0}, "num_pages")]:
+                          ({"num_pages": 0}, "num_pages"), ({"kv_dtype": "int8"}, "k_scale and v_scale")]:
         with pytest.raises(ValueError, match=match):
             PagedKVCache(LAYERS, HEADS, DIM, **{"num_pages": 2, **kwargs})
 

@@ -86,7 +86,10 @@ class PagedKVCache:
         self.device = torch.device(device) if device is not None else workbench.device()
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
-        self.k_scale, self.v_scale = k_scale, v_scale
+        quantized = self.dtype.itemsize == 1
+        if quantized != (k_scale is not None) or quantized != (v_scale is not None):
+            raise ValueError(f"k_scale and v_scale are needed exactly for 1-byte kv_dtype, got {self.dtype} with "
+                             f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
         elem = self.dtype.itemsize
         for bs in self.pool_sizes:  # validates the layout against head_dim / dtype early
             block_shape(self.layout, "k", bs, num_kv_heads, head_dim, elem)
@@ -101,6 +104,9 @@ class PagedKVCache:
         flat = torch.empty(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
         self._flat = flat
         self.device = flat.device  # "cuda" -> "cuda:0": the exact device, for comparisons
+        # the cache owns its scales, on its own device (the write kernel reads them there)
+        self.k_scale, self.v_scale = (torch.as_tensor(sc, dtype=torch.float32, device=self.device).reshape(-1)
+                                      if sc is not None else None for sc in (k_scale, v_scale))
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
