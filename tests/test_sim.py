@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -162,6 +163,43 @@ def test_compaction_and_preallocation_change_memory_as_described(small):
     on_demand = engine.run(small, "paged", budget).average()
     pre = engine.run(small, "paged-prealloc", budget, check=True).average()
     assert pre.reservation + pre.internal > on_demand.reservation + on_demand.internal
+
+
+@dataclass(frozen=True)
+class _Spy(st.PagedAdaptive):
+    """Adaptive blocks that keep the managers they build, to read their conversion counts."""
+
+    built: list = field(default_factory=list, compare=False, repr=False)
+
+    def build(self, slots):
+        mgr = super().build(slots)
+        self.built.append(mgr)
+        return mgr
+
+
+def test_a_rehomed_request_grows_in_small_blocks_and_is_converted_once():
+    # one request: 16-slot blocks to 128 tokens, a 64-slot block at token 129 (step 118); compaction at step 128
+    # finds 11 tokens in it (< 32) and moves them to one 16-slot block; it then grows in 16-slot blocks
+    t = tr.Trace("one", (tr.Request(0, 0.0, 10, 600),))
+    cfg = _Spy(compact_every=16)
+    res = engine.run(t, cfg, slots_budget(4096), check=True)
+    assert cfg.built[0].conversions == 1 and res.copied_tokens == 11
+    waste = (res.series("reservation") + res.series("internal"))[128:]  # [steps - 128]
+    assert res.completed == 1 and waste.max() < 16, waste.max()
+
+
+@pytest.mark.parametrize("slots", [4096, 6000])
+def test_periodic_compaction_converts_each_request_at_most_once_and_never_lowers_the_token_share(small, slots):
+    budget = slots_budget(slots)
+    none = engine.run(small, st.PagedAdaptive(), budget).average(saturated=True).token
+    for every in (16, 32, 64):
+        cfg = _Spy(compact_every=every)
+        res = engine.run(small, cfg, budget, check=every == 32)
+        conversions = cfg.built[0].conversions
+        token = res.average(saturated=True).token
+        assert conversions <= len(small), (every, conversions)
+        assert token >= none, f"compact every {every}: token share {token / slots:.4f} < {none / slots:.4f} without"
+        assert res.completed == len(small)
 
 
 def test_run_rejects_bad_input(small):

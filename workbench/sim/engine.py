@@ -48,6 +48,7 @@ class Result:
         recomputed_tokens: prompt + generated tokens prefilled again after preemptions (recompute).
         swapped_bytes: bytes of token state moved to host and back (swap).
         copied_tokens: tokens copied by compaction.
+        conversions: requests whose large tail block compaction moved into small blocks.
         rows: event rows, ``metrics.ROW_FIELDS`` -> int64 arrays ``[R]`` (slots).
         finish_step: ``[n_requests]`` step each request completed at, -1 if it did not.
     """
@@ -63,6 +64,7 @@ class Result:
     recomputed_tokens: int = 0
     swapped_bytes: int = 0
     copied_tokens: int = 0
+    conversions: int = 0
     rows: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     finish_step: np.ndarray = field(default=None, repr=False)
 
@@ -100,6 +102,7 @@ class Result:
             "mean_batch": round(self.mean_batch(), 3), "peak_batch": int(self.rows["batch"].max(initial=0)),
             "preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
             "swapped_bytes": self.swapped_bytes, "copied_tokens": self.copied_tokens,
+            "conversions": self.conversions,
             "shares_pct": {k: round(v, 2) for k, v in avg.paper().items()},
             "shares_pct_saturated": {k: round(v, 2) for k, v in sat.paper().items()},
             "detail_pct": {k: round(100 * v, 2) for k, v in avg.shares().items()},
@@ -247,6 +250,7 @@ def run(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | Non
             for q, _ in seqs:
                 account(q, +1)
             res.copied_tokens += copied
+            res.conversions += len(changed)
             for q, _old in changed:
                 q.ver += 1  # reschedule its events with the new cap
                 c = q.p + q.g + 1 + (s - q.a)

@@ -185,9 +185,14 @@ class AdaptiveManager(Manager):
     Free small sub-blocks of a carved page are external fragmentation: they can serve only the small class.
     Compaction every ``compact_every`` steps (the seed's rule plus slab packing):
       1. a request whose last block is large and less than half full has its valid tokens copied into
-         small blocks and the large page freed;
+         small blocks and the large page freed, if that copies fewer tokens than it frees slots. The request
+         is then *re-homed*: it grows in small blocks from now on (also after a preemption), so it is
+         converted at most once and its tail wastes less than one small block. Without this, a running
+         request past ``switch_at`` takes a fresh large block, less than half full by construction, and a
+         short period converts it again and again (copies grow, the token share falls);
       2. small blocks are packed into the fewest pages (moved from the emptiest carved pages), so whole
          pages return to the free pool.
+    ``conversions`` counts step 1's conversions over the run (at most one per request).
     """
 
     def __init__(self, slots: int, small: int, large: int, switch_at: int, watermark: float,
@@ -206,17 +211,23 @@ class AdaptiveManager(Manager):
         self.wm = int(watermark * pages)
         self.compact_every = compact_every
         self.block_size = large  # on demand: waste < the largest block
+        self.rehomed: set[int] = set()  # request indices whose tail was re-homed: small blocks only, for good
+        self.conversions = 0
 
-    def _plan(self, cap: int, c: int) -> tuple[int, int, int]:
-        """Small and large blocks needed to grow from ``cap`` to ``>= c``, and the new cap."""
+    def _plan(self, seq: Seq, cap: int, c: int) -> tuple[int, int, int]:
+        """Small and large blocks needed to grow ``seq`` from ``cap`` to ``>= c``, and the new cap."""
+        if cap >= c:
+            return 0, 0, cap
+        if seq.idx in self.rehomed:  # re-homed: never back to large blocks
+            ns = -(-(c - cap) // self.S)
+            return ns, 0, cap + ns * self.S
         ns = nl = 0
-        while cap < c:
-            if cap < self.switch_at:
-                ns += 1
-                cap += self.S
-            else:
-                nl += 1
-                cap += self.L
+        if cap < self.switch_at:  # small blocks up to switch_at (a multiple of S), then large ones
+            ns = -(-(min(c, self.switch_at) - cap) // self.S)
+            cap += ns * self.S
+        if cap < c:
+            nl = -(-(c - cap) // self.L)
+            cap += nl * self.L
         return ns, nl, cap
 
     def _available(self, ns: int, nl: int, reserve_pages: int) -> bool:
@@ -227,8 +238,8 @@ class AdaptiveManager(Manager):
         return -(-from_pages // self.per) <= pages
 
     def fits_ever(self, seq: Seq, c0: int) -> bool:
-        ns, nl, _ = self._plan(0, c0)
-        nsf, nlf, _ = self._plan(0, seq.F)
+        ns, nl, _ = self._plan(seq, 0, c0)
+        nsf, nlf, _ = self._plan(seq, 0, seq.F)
         return (nl + -(-ns // self.per) <= self.total_pages - self.wm
                 and nlf + -(-nsf // self.per) <= self.total_pages)
 
@@ -272,7 +283,7 @@ class AdaptiveManager(Manager):
             seq.h[2] = True
 
     def admit(self, seq: Seq, c0: int) -> bool:
-        ns, nl, cap = self._plan(0, c0)
+        ns, nl, cap = self._plan(seq, 0, c0)
         if not self._available(ns, nl, self.wm):
             return False
         seq.h = [[], [], False]  # small-block pages, large pages, last block is large
@@ -281,7 +292,7 @@ class AdaptiveManager(Manager):
         return True
 
     def grow(self, seq: Seq, c: int) -> bool:
-        ns, nl, cap = self._plan(seq.cap, c)
+        ns, nl, cap = self._plan(seq, seq.cap, c)
         if not self._available(ns, nl, 0):
             return False
         self._take(seq, ns, nl)
@@ -307,18 +318,23 @@ class AdaptiveManager(Manager):
         copied, changed = 0, []
         for seq, c in running:  # 1. the seed's rule: a large tail block less than half full -> small blocks
             small, large, last_large = seq.h
-            valid = c - (seq.cap - self.L)
-            if last_large and valid < self.L // 2:
-                old = seq.cap
-                self.free_pages.append(large.pop())
-                self.allocated -= self.L
-                k = -(-valid // self.S)
-                for _ in range(k):
-                    small.append(self._alloc_small(seq))
-                seq.h[2] = False
-                seq.cap = old - self.L + k * self.S
-                copied += valid
-                changed.append((seq, old))
+            if not last_large:
+                continue
+            valid = c - (seq.cap - self.L)  # tokens in the large tail block
+            k = -(-valid // self.S)  # small blocks that take them
+            if valid >= self.L // 2 or valid >= self.L - k * self.S:  # not under half full, or copies >= freed
+                continue
+            old = seq.cap
+            self.free_pages.append(large.pop())
+            self.allocated -= self.L
+            for _ in range(k):
+                small.append(self._alloc_small(seq))
+            seq.h[2] = False
+            seq.cap = old - self.L + k * self.S
+            self.rehomed.add(seq.idx)  # grows in small blocks from now on: converted once
+            self.conversions += 1
+            copied += valid
+            changed.append((seq, old))
         n_small = sum(self.used.values())  # 2. pack small blocks into the fewest pages
         keep_n = -(-n_small // self.per)
         if len(self.used) > keep_n:
