@@ -11,6 +11,7 @@ from workbench import compaction, fragmentation
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
 from workbench.cache import PagedKVCache
 from workbench.fragmentation import CACHED, FREE, SHARED, TOKEN, UNCARVED, UNUSED
+from workbench.sim import sweeps
 
 
 def two_sizes():
@@ -120,14 +121,14 @@ def test_churn_is_seeded_and_leaves_a_consistent_cache():
 
 
 def test_simulator_helpers():
-    r = fragmentation.simulate("alpaca", "paged", 16, 12.0, n=300)
+    r = sweeps.simulate("alpaca", "paged", 16, 12.0, n=300)
     assert sum(r["shares"].values()) == pytest.approx(100, abs=0.05) and r["throughput"] > 0
     assert len(r["series"]["token"]) == r["steps"]
-    comp = fragmentation.simulate("sharegpt", "paged-adaptive", 16, 4.0, compact_every=32, n=300)
+    comp = sweeps.simulate("sharegpt", "paged-adaptive", 16, 4.0, compact_every=32, n=300)
     assert comp["label"] == "paged adaptive (16/64, compact/32)" and comp["copied_tokens"] > 0
-    sweep = fragmentation.block_size_sweep(("alpaca",), (16, 256), n=300)
+    sweep = sweeps.block_size_sweep(("alpaca",), (16, 256), n=300)
     assert sweep["alpaca"][16]["token_states"] > sweep["alpaca"][256]["token_states"]
     with pytest.raises(ValueError, match="strategy"):
-        fragmentation.sim_strategy("buddy")
+        sweeps.sim_strategy("buddy")
     with pytest.raises(ValueError, match="compact_every"):
-        fragmentation.sim_strategy("paged-adaptive", 16, -1)
+        sweeps.sim_strategy("paged-adaptive", 16, -1)

@@ -9,7 +9,7 @@
 Memory parts and their formulas: ``workbench.sim.metrics`` and ``docs/fragmentation.md``.
 """
 
-from workbench.sim import fig2, metrics, seed_table
+from workbench.sim import fig2, metrics, seed_table, sweeps
 from workbench.sim.budget import Budget, kv_budget, slots_budget
 from workbench.sim.engine import Result, run
 from workbench.sim.metrics import Breakdown
@@ -21,4 +21,4 @@ from workbench.sim.traces import load as load_trace
 
 __all__ = ["Breakdown", "Budget", "Contiguous", "Paged", "PagedAdaptive", "Request", "Result", "STRATEGIES", "Trace",
            "fig2", "generate_trace", "kv_budget", "load_trace", "metrics", "run", "seed_table", "slots_budget",
-           "strategy"]
+           "strategy", "sweeps"]

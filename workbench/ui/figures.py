@@ -191,7 +191,7 @@ def fig2_bars(d):
 
 
 def block_size_lines(sweep, part="token_states", best=(16, 128)):
-    """``part`` (percent) against block size, one line per trace (``fragmentation.block_size_sweep``); the
+    """``part`` (percent) against block size, one line per trace (``sweeps.block_size_sweep``); the
     shaded band is the range the vLLM paper found best on ShareGPT (for latency, which also counts kernel
     efficiency)."""
     import math
@@ -274,7 +274,7 @@ def memory_maps(maps, titles):
 
 
 def sim_run(r):
-    """One simulator run (``fragmentation.simulate``): the four parts, and token / free shares over steps."""
+    """One simulator run (``sweeps.simulate``): the four parts, and token / free shares over steps."""
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], subplot_titles=(

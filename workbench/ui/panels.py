@@ -156,16 +156,16 @@ def decode_results_panel(rows: list[dict]) -> Panel:
 
 
 def fragmentation_panel(num_requests: int = 2000) -> Panel:
-    """The serving simulator (``workbench.fragmentation.simulate``): trace, block size, strategy, KV budget and
+    """The serving simulator (``workbench.sim.sweeps.simulate``): trace, block size, strategy, KV budget and
     compaction period (adaptive blocks only; 0 = never) -> where the memory goes."""
-    from workbench import fragmentation
+    from workbench.sim import sweeps
 
     controls = {
         "trace": W.Dropdown(options=["sharegpt", "alpaca"], value="sharegpt", description="trace"),
-        "strategy": W.Dropdown(options=list(fragmentation.SIM_STRATEGIES), value="paged", description="strategy"),
+        "strategy": W.Dropdown(options=list(sweeps.SIM_STRATEGIES), value="paged", description="strategy"),
         "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
                                         description="block size"),
         "kv_gib": W.FloatSlider(value=12.0, min=2.0, max=40.0, step=1.0, description="budget GiB"),
         "compact_every": W.SelectionSlider(options=[0, 16, 32, 64, 128, 256], value=0, description="compact every"),
     }
-    return Panel(controls, lambda **kw: fragmentation.simulate(n=num_requests, **kw), figures.sim_run)
+    return Panel(controls, lambda **kw: sweeps.simulate(n=num_requests, **kw), figures.sim_run)
