@@ -353,6 +353,7 @@ def decode_config(
     mean_seq_len: float | None = None,
     kv_dtype: torch.dtype = torch.float16,
     num_sms: int = 0,
+    layout: Layout | str = Layout.NHD,
 ) -> dict:
     """Launch parameters for :func:`paged_decode`, chosen from the problem's shape.
 
@@ -375,9 +376,16 @@ def decode_config(
       Chunks keep at least ``4 * BLOCK_N`` tokens. On the H200 one split was 3.5% faster than
       two on W1 and 8 splits 1.5% faster than 16 on W2 (docs/decode_tuning.md).
 
-    ``block_size`` (the page size) does not change the choice: a tile may span pages or sit
-    inside one. The seed's ``block_size = L2 / (2 * head_dim * dtype_size)`` is a page-size
-    rule, not a tile rule; the benchmark sweeps page sizes instead.
+    ``block_size`` (the page size) does not change the choice, except for the vLLM layout: a
+    tile may span pages or sit inside one. The seed's ``block_size = L2 / (2 * head_dim * dtype_size)``
+    is a page-size rule, not a tile rule; the benchmark sweeps page sizes instead.
+
+    - vLLM layout, 2-byte K/V, pages of at least twice the tile, tiles of under 128 bytes per value
+      row (head_dim > 64): ``BLOCK_N`` doubled (64 at head_dim 128) and 3 stages. Its value rows (one channel of a page) are ``block_size`` tokens
+      long, so a 32-token tile reads 64-byte pieces of them: W1 read 0.91 / 0.76 of copy bandwidth
+      at 64- / 128-token pages, and 0.98 / 0.97 with 128-byte pieces, although the kernel then takes
+      200 registers (2 programs per SM). Splits are chosen as for the 32-token tile. 1-byte and
+      4-byte caches keep the rule above (unmeasured).
 
     On the CPU interpreter (``num_sms == 0``) a fixed small configuration: ``BLOCK_N`` 32,
     at most 2 splits.
@@ -401,6 +409,9 @@ def decode_config(
     target = max(target, 4 * block_n)
     splits = max(1, round(max_seq_len / target))
     tiles = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n)  # per program
+    if Layout.parse(layout) is Layout.VLLM and elem == 2 and block_n * elem < 128 and block_size >= 2 * block_n:
+        # value pieces of 128 bytes, not 64 (docs/decode_tuning.md, v4)
+        return {"BLOCK_N": 2 * block_n, "num_splits": splits, "num_warps": 4, "num_stages": 3, "use_dot": True}
     return {"BLOCK_N": block_n, "num_splits": splits, "num_warps": 4, "num_stages": 4 if tiles > 16 else 3,
             "use_dot": True}
 
@@ -525,7 +536,7 @@ def paged_decode(
     group = Hq // hkv
     interp = _interpreted()
     cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), mean_seq_len=mean_seq_len,
-                        kv_dtype=k_cache.dtype, num_sms=0 if interp else _num_sms(q.device))
+                        kv_dtype=k_cache.dtype, num_sms=0 if interp else _num_sms(q.device), layout=layout)
     cfg.update(launch)
     if num_splits is not None:
         if int(num_splits) < 1:

@@ -34,3 +34,19 @@ def test_build_paged_padded_stride():
     assert p.k_cache.stride(0) == per + 3
     used = [x for b, n in enumerate(p.blocks_per_seq) for x in p.block_table[b, :n].tolist()]
     assert len(set(used)) == len(used) and max(used) < p.k_cache.shape[0]
+
+
+def test_vllm_probe_script_smoke(tmp_path):
+    """scripts/probe_vllm_decode.py (the launch-config probe behind docs/decode_tuning.md v4.1) still runs."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, str(root / "scripts" / "probe_vllm_decode.py"), "--smoke", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (path,) = tmp_path.glob("vllm-decode-probe-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert rows and all(r["rel_err"] < 1e-2 for r in rows)

@@ -149,6 +149,11 @@ def test_decode_config_shapes():
     assert decode_config(256, 8, 4, 128, 16, 512, num_sms=132)["num_splits"] == 1
     assert decode_config(8, 8, 4, 128, 16, 8192, mean_seq_len=3000, num_sms=132)["num_splits"] > \
         decode_config(8, 8, 4, 128, 16, 8192, num_sms=132)["num_splits"]  # ragged: smaller chunks
+    # the vLLM layout's large pages take 128-byte value pieces (64-token tiles at fp16); others keep 32
+    w1 = (64, 8, 4, 128)
+    assert decode_config(*w1, 128, 4096, num_sms=132, layout="vllm")["BLOCK_N"] == 64
+    assert decode_config(*w1, 32, 4096, num_sms=132, layout="vllm")["BLOCK_N"] == 32
+    assert decode_config(*w1, 128, 4096, num_sms=132, layout="nhd")["BLOCK_N"] == 32
 
 
 def test_decode_rejects_bad_input(device):

@@ -184,7 +184,7 @@ def _config(p: PagedKV, kv_dtype: torch.dtype) -> dict:
     B, Hq, D = p.q.shape
     hkv = p.k_cache.shape[2] if p.layout.value == "nhd" else p.k_cache.shape[1]
     return decode_config(B, hkv, Hq // hkv, D, p.block_size, p.max_seq_len, mean_seq_len=sum(p.lens) / B,
-                         kv_dtype=kv_dtype, num_sms=sms)
+                         kv_dtype=kv_dtype, num_sms=sms, layout=p.layout)
 
 
 def run_main(w: Workload, copy_gbps: float, tune: bool, rep_ms: float) -> list[dict]:
