@@ -22,7 +22,9 @@ A sequence of length 0 gives an output of zeros.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -338,8 +340,13 @@ def _stride_split(stride: int) -> tuple[int, int]:
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
     return 0
+
+
+@functools.cache
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def decode_config(
@@ -533,10 +540,70 @@ def paged_decode(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:
         return out
-    group = Hq // hkv
     interp = _interpreted()
+    plan = _launch_plan(layout, B, Hq, D, hkv, block_size, q.dtype, k_cache.dtype, tuple(k_cache.shape),
+                        k_cache.stride(), tuple(v_cache.shape), v_cache.stride(), max_seq_len, mean_seq_len, num_splits,
+                        tuple(sorted(launch.items())), interp, 0 if interp else _num_sms(q.device))
+    splits, chunk, block_d = plan.splits, plan.chunk, plan.block_d
+    ks_ptr, ks_val = _scale_arg("k_scale", k_scale, q.device)
+    vs_ptr, vs_val = _scale_arg("v_scale", v_scale, q.device)
+    scale_ptr = ks_ptr is not None or vs_ptr is not None
+    if scale_ptr:  # both through pointers: one code path
+        ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=q.device)
+        vs_ptr = vs_ptr if vs_ptr is not None else torch.full((1,), vs_val, device=q.device)
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+
+    split = splits > 1
+    if split:
+        o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
+        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
+    else:
+        o_part = lse = out  # unused
+    _paged_decode_kernel[(splits, hkv, B)](
+        q, k_cache, v_cache, block_table, seq_lens, out, o_part, lse,
+        ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        *plan.k_strides, *plan.v_strides,
+        chunk, splits,
+        SPLIT=split, SCALE_PTR=scale_ptr, **plan.constexprs,
+    )
+    if split:
+        _decode_reduce_kernel[(Hq, B)](
+            o_part, lse, seq_lens, out, out.stride(0), out.stride(1), chunk, splits,
+            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+        )
+    return out
+
+
+def _interpreted() -> bool:
+    from workbench.backend import is_interpreted
+
+    return is_interpreted()
+
+
+class _DecodePlan(NamedTuple):
+    """Everything :func:`paged_decode` derives from shapes, strides and options (cached per geometry)."""
+
+    splits: int
+    chunk: int
+    block_d: int
+    k_strides: tuple
+    v_strides: tuple
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=512)
+def _launch_plan(layout, B, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, k_stride, v_shape, v_stride,
+                 max_seq_len, mean_seq_len, num_splits, launch_items, interp, num_sms) -> _DecodePlan:
+    """The launch configuration and stride arithmetic of one geometry: computed once, then a dict lookup
+    per call (the eager path of a short decode step is otherwise dominated by host time)."""
+    launch = dict(launch_items)
+    k_cache = torch.empty_strided(k_shape, k_stride, dtype=kv_dtype, device="meta")
+    v_cache = torch.empty_strided(v_shape, v_stride, dtype=kv_dtype, device="meta")
+    group = Hq // hkv
     cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), mean_seq_len=mean_seq_len,
-                        kv_dtype=k_cache.dtype, num_sms=0 if interp else _num_sms(q.device), layout=layout)
+                        kv_dtype=kv_dtype, num_sms=num_sms, layout=layout)
     cfg.update(launch)
     if num_splits is not None:
         if int(num_splits) < 1:
@@ -567,44 +634,12 @@ def paged_decode(
     k3d = (bool(cfg.get("k3d", True)) and layout is Layout.VLLM and use_dot and (block_size == 1 or ka.s_tok == kx)
            and (block_size % block_n == 0 or block_n % block_size == 0))
     g_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
-    ks_ptr, ks_val = _scale_arg("k_scale", k_scale, q.device)
-    vs_ptr, vs_val = _scale_arg("v_scale", v_scale, q.device)
-    scale_ptr = ks_ptr is not None or vs_ptr is not None
-    if scale_ptr:  # both through pointers: one code path
-        ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=q.device)
-        vs_ptr = vs_ptr if vs_ptr is not None else torch.full((1,), vs_val, device=q.device)
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-
-    split = splits > 1
-    if split:
-        o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse = out  # unused
-    _paged_decode_kernel[(splits, hkv, B)](
-        q, k_cache, v_cache, block_table, seq_lens, out, o_part, lse,
-        ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *k_strides, *v_strides,
-        chunk, splits,
+    constexprs = dict(
         G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
-        V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q.dtype == torch.float32 or (interp and q.dtype == torch.bfloat16),
-        SPLIT=split, SCALE_PTR=scale_ptr,
+        V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q_dtype == torch.float32 or (interp and q_dtype == torch.bfloat16),
         K_BM=k_mult[0], K_TM=k_mult[1], K_HM=k_mult[2], K_GM=k_mult[3],
         V_BM=v_mult[0], V_TM=v_mult[1], V_HM=v_mult[2], V_DM=v_mult[3],
         V_ALIGN=min(v_mult[0], v_mult[3]), ASM=not interp, K3D=k3d,
         num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
     )
-    if split:
-        _decode_reduce_kernel[(Hq, B)](
-            o_part, lse, seq_lens, out, out.stride(0), out.stride(1), chunk, splits,
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-        )
-    return out
-
-
-def _interpreted() -> bool:
-    from workbench.backend import is_interpreted
-
-    return is_interpreted()
+    return _DecodePlan(splits, chunk, block_d, tuple(k_strides), tuple(v_strides), constexprs)
