@@ -27,3 +27,14 @@ def test_smoke_writes_tidy_rows(tmp_path, capsys):
     assert {"triton", "torch-index"} <= {r["impl"] for r in rows}
     assert len({r["variant"] for r in rows if r["workload"] == "prefill" and r["impl"] == "triton"}) >= 3
     assert "kv_dtype" in capsys.readouterr().out  # the table was printed
+
+
+def test_fastest_row_per_key():
+    from workbench.bench.results import fastest
+
+    rows = [{"workload": "w", "layout": "nhd", "impl": "a", "time_us": 3.0},
+            {"workload": "w", "layout": "nhd", "impl": "a", "time_us": 2.0},
+            {"workload": "w", "layout": "hnd", "impl": "a", "time_us": 5.0, "time_us_graph": 1.0},
+            {"workload": "w", "layout": "hnd", "impl": "b", "time_us": None}]
+    assert [r["time_us"] for r in fastest(rows)] == [5.0, 2.0]
+    assert [r["layout"] for r in fastest(rows, graph=True)] == ["hnd"]

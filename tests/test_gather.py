@@ -59,3 +59,15 @@ def test_gather_rejects_bad_input(device):
         paged_gather(nhd, "nope", "k", table, lens)
     with pytest.raises(ValueError, match="out"):
         paged_gather(nhd, "nhd", "k", table, lens, out=torch.empty(1, device=device))
+
+
+def test_block_view_checks_the_plane():
+    from workbench.layout import block_view
+
+    plane = torch.empty(4, 256, dtype=torch.float16)  # 4 blocks padded to 512 bytes
+    v = block_view(plane, "vllm", "k", 2, 3, 40)  # 240 elements a block: [3, 5, 2, 8]
+    assert v.shape == (4, 3, 5, 2, 8) and v.stride()[0] == 256
+    with pytest.raises(ValueError, match="cannot hold"):
+        block_view(plane, "nhd", "k", 4, 2, 64)
+    with pytest.raises(ValueError, match="2-D"):
+        block_view(plane[None], "nhd", "k", 1, 1, 16)

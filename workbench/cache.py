@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.allocator import BlockManager, BlockPool, Placement
-from workbench.layout import Layout, block_shape
+from workbench.layout import Layout, block_shape, block_view
 from workbench.spec import TORCH_DTYPES
 
 ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
@@ -140,12 +140,8 @@ class PagedKVCache:
     def _plane_view(self, layer: int, kind: int, block_size: int) -> torch.Tensor:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        shape = block_shape(self.layout, "kv"[kind], block_size, self.num_kv_heads, self.head_dim,
-                            self.dtype.itemsize)
-        inner = torch.empty(shape, device="meta").stride()
-        n = self.manager.pool.num_blocks(block_size)
-        offset = self._base + (2 * layer + kind) * self._plane
-        return self._flat.as_strided((n, *shape), (self.block_stride(block_size), *inner), offset)
+        return block_view(self.blocks(block_size)[layer, kind], self.layout, "kv"[kind], block_size,
+                          self.num_kv_heads, self.head_dim)
 
     def k_cache(self, layer: int, block_size: int | None = None) -> torch.Tensor:
         """Layer ``layer``'s K for one size class, in the cache's layout: ``[num_blocks, *block_shape]``."""

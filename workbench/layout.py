@@ -125,3 +125,18 @@ def addressing(cache: torch.Tensor, layout: Layout | str, kind: str) -> Addressi
         return Addressing(st[0], st[3], st[1], st[2], st[4], cache.shape[4])
     d = cache.shape[2]
     return Addressing(st[0], st[3], st[1], d * st[2], st[2], d)
+
+
+def block_view(
+    plane: torch.Tensor, layout: Layout | str, kind: str, block_size: int, num_heads: int, head_dim: int
+) -> torch.Tensor:
+    """View a ``[num_blocks, block_stride]`` plane (each block contiguous, the stride possibly padded)
+    as ``[num_blocks, *block_shape]`` in ``layout``: one layer's K (or V) cache, as kernels take it."""
+    if plane.dim() != 2 or plane.stride(1) != 1:
+        raise ValueError(f"plane must be a 2-D [num_blocks, block_stride] view with unit inner stride, "
+                         f"got shape {tuple(plane.shape)} strides {plane.stride()}")
+    shape = block_shape(layout, kind, block_size, num_heads, head_dim, plane.element_size())
+    inner = torch.empty(shape, device="meta").stride()
+    if plane.shape[1] < (shape[0] * inner[0] if shape else 1):
+        raise ValueError(f"plane rows of {plane.shape[1]} elements cannot hold a block of shape {shape}")
+    return plane.as_strided((plane.shape[0], *shape), (plane.stride(0), *inner), plane.storage_offset())

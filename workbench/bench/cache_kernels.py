@@ -28,7 +28,7 @@ from workbench.bench import harness
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels.reference import copy_blocks_ref, quant_code_distance, write_kv_ref
 from workbench.kernels.write import WriteConfig, launch_config
-from workbench.layout import Layout, block_shape
+from workbench.layout import Layout, block_shape, block_view
 
 COLUMNS = [
     "workload", "impl", "variant", "layout", "block_size", "kv_dtype", "tokens", "time_us", "time_us_graph",
@@ -65,13 +65,8 @@ def layer_views(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's K and V caches: ``as_strided`` views of ``pool[layer, 0]`` and ``pool[layer, 1]``
     in the layout's block shape, block stride = the pool's (padded) stride, inner dims contiguous."""
-    views = []
-    for kind in ("k", "v"):
-        shape = block_shape(layout, kind, block_size, num_heads, head_dim, pool.element_size())
-        inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-        base = pool[layer, 0 if kind == "k" else 1]
-        views.append(base.as_strided((pool.shape[2], *shape), (pool.stride(2), *inner), base.storage_offset()))
-    return views[0], views[1]
+    k, v = (block_view(pool[layer, i], layout, kind, block_size, num_heads, head_dim) for i, kind in enumerate("kv"))
+    return k, v
 
 
 # ----------------------------------------------------------------------------- measuring

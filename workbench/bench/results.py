@@ -105,6 +105,20 @@ def best_per_workload(rows: Iterable[dict], graph: bool = False) -> dict[str, di
     return {k: best[k] for k in sorted(best, key=lambda k: (k not in WORKLOADS, k))}
 
 
+def fastest(rows: Iterable[dict], by: Sequence[str] = ("workload", "layout", "impl"),
+            graph: bool = False) -> list[dict]:
+    """The fastest timed row for each distinct value of the ``by`` columns, sorted by them."""
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        t = _time(r, graph)
+        if not t:
+            continue
+        key = tuple(str(r.get(c)) for c in by)
+        if key not in best or t < _time(best[key], graph):
+            best[key] = r
+    return [best[k] for k in sorted(best)]
+
+
 def headline_rows(rows: Iterable[dict], graph: bool = False) -> list[dict]:
     """The fastest row of each implementation per workload, plus the fp8-storage sweep (the roofline's points)."""
     rows = list(rows)
