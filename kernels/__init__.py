@@ -10,6 +10,6 @@ import workbench  # noqa: F401  (chooses compiled vs interpreted before any kern
 from .copy import copy_blocks
 from .decode import decode_config, paged_decode
 from .gather import paged_gather
-from .write import write_kv
+from .write import check_write_kv, write_kv
 
-__all__ = ["copy_blocks", "decode_config", "paged_decode", "paged_gather", "write_kv"]
+__all__ = ["check_write_kv", "copy_blocks", "decode_config", "paged_decode", "paged_gather", "write_kv"]

@@ -32,6 +32,8 @@ import triton.language as tl
 
 from workbench.layout import Layout, addressing, to_nhd
 
+from .validate import capturing, table_stats
+
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d")
@@ -424,6 +426,11 @@ def decode_config(
 
 
 def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise ValueError(f"out must be a tensor or None, got {type(out).__name__}")
     if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q must be a [B, Hq, D] fp16/bf16/fp32 tensor, got {getattr(q, 'dtype', type(q))} "
                          f"{tuple(getattr(q, 'shape', ()))}")
@@ -455,10 +462,14 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
                          f"{tuple(block_table.shape)}")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens must be int32 of shape [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_table.device != q.device or seq_lens.device != q.device:
-        raise ValueError(f"block_table and seq_lens must be on q's device {q.device}")
-    if block_table.stride(1) != 1:
-        raise ValueError("block_table must have unit stride in its last dimension")
+    if block_table.device != q.device:
+        raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
+    if seq_lens.device != q.device:
+        raise ValueError(f"seq_lens must be on q's device {q.device}, got {seq_lens.device}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
+    if B > 1 and seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
                             or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} with unit last stride, "
@@ -493,6 +504,7 @@ def paged_decode(
     v_scale: float | torch.Tensor | None = None,
     max_seq_len: int | None = None,
     mean_seq_len: float | None = None,
+    validate: bool = True,
     **launch,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V cache.
@@ -514,6 +526,14 @@ def paged_decode(
             ``seq_lens`` on the host (a device sync, not allowed inside CUDA-graph capture) and
             also checks the lengths against the block table (and takes their mean).
         mean_seq_len: mean of ``seq_lens``, a hint for the split heuristic (ragged batches).
+        validate: check every block id a sequence uses (the first ``ceil(seq_lens[b] / block_size)``
+            entries of row ``b``; later ones are padding, never read) lies in ``[0, num_blocks)`` and the
+            lengths in ``[0, max_blocks * block_size]``
+            (:func:`~workbench.kernels.validate.check_block_table`): one reduction and one device sync,
+            shared with the read of ``seq_lens`` when ``max_seq_len`` is None. Skipped while a CUDA graph is
+            being captured. Benchmarks and graph-capture callers pass ``validate=False`` together with
+            ``max_seq_len``: then the call does no device work besides the kernels. The kernel trusts the
+            table: an out-of-range id reads outside the cache.
         **launch: overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
             ``use_dot``; and ``k3d`` (default True): the vLLM split key read in page runs (see
             ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower).
@@ -526,16 +546,15 @@ def paged_decode(
     bad = set(launch) - set(_LAUNCH_KEYS)
     if bad:
         raise ValueError(f"launch options must be among {_LAUNCH_KEYS}, got {sorted(bad)}")
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if B else 0
-        mean_seq_len = float(seq_lens.float().mean()) if B else 0.0
-        if B and int(seq_lens.min()) < 0:
-            raise ValueError("seq_lens must be non-negative")
-        if max_seq_len > block_table.shape[1] * block_size:
-            raise ValueError(f"seq_lens max {max_seq_len} exceeds block_table capacity "
-                             f"{block_table.shape[1]} blocks x {block_size} tokens")
-    elif max_seq_len < 0:
+    if max_seq_len is not None and max_seq_len < 0:
         raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+    check_ids = validate and not capturing(q)
+    if max_seq_len is None or check_ids:  # one device sync: lengths' min/max/sum and (check_ids) the table's ids
+        num_blocks = min(k_cache.shape[0], v_cache.shape[0])
+        stats = table_stats(block_table, seq_lens, block_size, num_blocks, check_ids=check_ids)
+        if max_seq_len is None:
+            max_seq_len = stats.max
+            mean_seq_len = stats.total / B if B else 0.0
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if B == 0:

@@ -8,6 +8,8 @@ import triton.language as tl
 
 from workbench.layout import Layout, addressing, to_nhd
 
+from .validate import table_stats
+
 
 @triton.jit
 def _paged_gather_kernel(
@@ -47,22 +49,24 @@ def _paged_gather_kernel(
     tl.store(p_out, b_x, mask=m)
 
 
-def _check_table(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, device) -> None:
-    if block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be a 2-D int32 tensor, got {block_table.dtype} {tuple(block_table.shape)}")
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != block_table.shape[0]:
-        raise ValueError(
-            f"seq_lens must be int32 of shape [{block_table.shape[0]}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
-        )
-    if block_table.device != device or seq_lens.device != device:
-        raise ValueError(f"block_table and seq_lens must be on the cache's device {device}")
-    if seq_lens.numel() and int(seq_lens.min()) < 0:
-        raise ValueError("seq_lens must be non-negative")
-    if seq_lens.numel() and int(seq_lens.max()) > block_table.shape[1] * block_size:
-        raise ValueError(
-            f"seq_lens max {int(seq_lens.max())} exceeds block_table capacity "
-            f"{block_table.shape[1]} blocks x {block_size} tokens"
-        )
+def _check_table(block_table: torch.Tensor, seq_lens: torch.Tensor, device) -> None:
+    """Shapes, dtypes, strides and devices (host only; the values are :mod:`.validate`'s)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be a 2-D int32 tensor, got {getattr(block_table, 'dtype', type(block_table))} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or (
+        seq_lens.shape[0] != block_table.shape[0]
+    ):
+        raise ValueError(f"seq_lens must be int32 of shape [{block_table.shape[0]}], got "
+                         f"{getattr(seq_lens, 'dtype', type(seq_lens))} {tuple(getattr(seq_lens, 'shape', ()))}")
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on the cache's device {device}, got {block_table.device}")
+    if seq_lens.device != device:
+        raise ValueError(f"seq_lens must be on the cache's device {device}, got {seq_lens.device}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
+    if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
 
 
 def paged_gather(
@@ -72,6 +76,7 @@ def paged_gather(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Copy every sequence's tokens out of the paged cache, packed in order.
 
@@ -82,14 +87,20 @@ def paged_gather(
         block_table: ``[B, max_blocks]`` int32, physical block of each logical block.
         seq_lens: ``[B]`` int32, tokens per sequence.
         out: optional ``[sum(seq_lens), heads, head_dim]`` output buffer.
+        validate: check that every block id a sequence uses (the first ``ceil(seq_lens[b] / block_size)``
+            entries of row ``b``; later ones are padding) lies in ``[0, cache.shape[0])``
+            (:func:`~workbench.kernels.validate.check_block_table`). The wrapper reads ``seq_lens`` on the
+            host anyway (the output size), so the check shares that one device sync; benchmarks pass
+            ``validate=False`` to time the kernel alone. The lengths are range-checked either way.
 
     Returns:
         ``[sum(seq_lens), heads, head_dim]``, same dtype as the cache.
     """
     nhd_shape = to_nhd(cache[:0], layout, kind).shape  # cheap: no blocks, just the shape
     _, block_size, num_heads, head_dim = nhd_shape
-    _check_table(block_table, seq_lens, block_size, cache.device)
-    total = int(seq_lens.sum())
+    _check_table(block_table, seq_lens, cache.device)
+    stats = table_stats(block_table, seq_lens, block_size, cache.shape[0], check_ids=validate)  # the one sync
+    total = stats.total
     if out is None:
         out = torch.empty((total, num_heads, head_dim), dtype=cache.dtype, device=cache.device)
     elif out.shape != (total, num_heads, head_dim) or out.dtype != cache.dtype or not out.is_contiguous():
@@ -103,7 +114,7 @@ def paged_gather(
     torch.cumsum(seq_lens, 0, out=cu[1:])
     a = addressing(cache, layout, kind)
     block_t = 32
-    grid = (seq_lens.shape[0], triton.cdiv(int(seq_lens.max()), block_t), num_heads)
+    grid = (seq_lens.shape[0], triton.cdiv(stats.max, block_t), num_heads)
     _paged_gather_kernel[grid](
         cache, block_table, seq_lens, cu, out, block_table.stride(0),
         a.s_blk, a.s_tok, a.s_head, a.s_dgrp, a.s_d, head_dim, num_heads, block_size,

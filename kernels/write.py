@@ -644,6 +644,39 @@ def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_sc
     return _Plan(_write_rows_kernel, grid, args, consts, num_slots, s_scale_h, False)
 
 
+def _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw) -> _Plan:
+    """The launch plan of this geometry, from the per-geometry cache or made (and validated) now."""
+    metas = (_meta(key), _meta(value), _meta(k_cache), _meta(v_cache), _meta(slot_mapping))
+    plan_key = None
+    if None not in metas and isinstance(layout, str) and (k_scale is None or isinstance(k_scale, torch.Tensor)) and (
+        v_scale is None or isinstance(v_scale, torch.Tensor)
+    ):
+        plan_key = (layout, *metas, _meta(k_scale) if k_scale is not None else None,
+                    _meta(v_scale) if v_scale is not None else None, *kw.values())
+    plan = _PLANS.get(plan_key) if plan_key is not None else None
+    if plan is None:
+        plan = _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
+        if plan_key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[plan_key] = plan
+    return plan
+
+
+def check_write_kv(key, value, k_cache, v_cache, layout, k_scale=None, v_scale=None) -> None:
+    """Raise the ValueError :func:`write_kv` would raise for these tensors, without writing anything.
+
+    Everything but the slot values is checked (shapes, strides, dtypes, devices, scales), so a
+    caller can validate before it commits state (the cache checks before it allocates blocks).
+    """
+    slots = torch.empty(key.shape[0] if isinstance(key, torch.Tensor) and key.dim() else 0, dtype=torch.int64,
+                        device=k_cache.device if isinstance(k_cache, torch.Tensor) else None)
+    _cached_plan(key, value, k_cache, v_cache, layout, slots, k_scale, v_scale, dict.fromkeys(_WRITE_KEYWORDS))
+
+
+_WRITE_KEYWORDS = ("scheme", "tokens_per_program", "num_warps", "heads_per_program", "kv_split", "quant_math")
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -691,20 +724,7 @@ def write_kv(
     """
     kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
               heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
-    metas = (_meta(key), _meta(value), _meta(k_cache), _meta(v_cache), _meta(slot_mapping))
-    plan_key = None
-    if None not in metas and isinstance(layout, str) and (k_scale is None or isinstance(k_scale, torch.Tensor)) and (
-        v_scale is None or isinstance(v_scale, torch.Tensor)
-    ):
-        plan_key = (layout, *metas, _meta(k_scale) if k_scale is not None else None,
-                    _meta(v_scale) if v_scale is not None else None, *kw.values())
-    plan = _PLANS.get(plan_key) if plan_key is not None else None
-    if plan is None:
-        plan = _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
-        if plan_key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[plan_key] = plan
+    plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
     if validate and slot_mapping.numel() and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
         lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
         if lo < -1 or hi >= plan.num_slots:

@@ -24,12 +24,12 @@ def snapshot(m: BlockManager):
     """Everything the allocator holds, for 'a failed operation changed nothing' checks."""
     pool = m.pool
     classes = {
-        bs: (list(c.ref), list(c.valid), list(c.key), list(c.free), sorted(c.pages), dict(c.free_in_page),
-             dict(c.cached), list(c.last_access))
+        bs: (list(c.ref), list(c.valid), list(c.key), list(c.entry), list(c.free), sorted(c.pages),
+             dict(c.free_in_page), dict(c.cached), list(c.last_access))
         for bs, c in pool._classes.items()
     }
     return (classes, list(pool._uncarved), pool.hits, pool.misses, pool.evictions, pool._clock,
-            copy.deepcopy(m._seqs))
+            pool._next_entry, copy.deepcopy(m._seqs))
 
 
 def test_fork_shares_and_copy_on_write_copies_once():
@@ -173,6 +173,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         tokens = (SYSTEM[:8] if with_system else []) + prompt
         sid = self.next_id
         self.next_id += 1
+        if not tokens:
+            before = snapshot(self.m)
+            with pytest.raises(ValueError, match="prompt"):
+                self.m.add(sid, tokens, expected_len=expected)
+            assert snapshot(self.m) == before, "a refused add changed the allocator"
+            return
         p = self._attempt(self.m.add, sid, tokens, expected_len=expected)
         if p is not None:
             self.model[sid] = tokens

@@ -195,8 +195,48 @@ class CacheMachine(RuleBasedStateMachine):
     def add(self, prompt, shared, expected):
         toks = ([1, 2, 3, 0, 1, 2, 3, 0] if shared else []) + prompt
         sid, self.next_id = self.next_id, self.next_id + 1
-        if self._try(self.cache.add, sid, toks, *kv_for(toks), expected_len=expected):
+        if not toks:
+            self._refused(self.cache.add, sid, toks, *kv_for(toks), match="prompt")
+        elif self._try(self.cache.add, sid, toks, *kv_for(toks), expected_len=expected):
             self.model[sid] = toks
+
+    def _refused(self, fn, *args, match, **kwargs):
+        """A bad argument: ValueError naming it, and the cache exactly as before (tables, prefix map, bytes)."""
+        before, pool_before = snapshot(self.cache.manager), self.cache.pool.clone()
+        with pytest.raises(ValueError, match=match):
+            fn(*args, **kwargs)
+        assert snapshot(self.cache.manager) == before, "a refused call changed the allocator"
+        assert torch.equal(bits(self.cache.pool), bits(pool_before)), "a refused call wrote K/V"
+
+    @rule(data=st.data(), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
+          shared=st.booleans(), bad=st.sampled_from(["float64", "int", "fp8", "strided", "shape", "tokens"]))
+    def bad_write(self, data, prompt, shared, bad):
+        """K/V the write kernel refuses, for a new prompt (maybe a prefix hit) or an append: refused up front."""
+        toks = ([1, 2, 3, 0, 1, 2, 3, 0] if shared else []) + prompt
+        target = data.draw(st.sampled_from(["add", *(["append"] if self.model else [])]))
+        start = 0
+        if target == "append":
+            sid = data.draw(st.sampled_from(sorted(self.model)))
+            start = len(self.model[sid])
+            toks = toks[:max(1, MAX_POS - start)]
+        k, v = kv_for(toks, start) if start + len(toks) <= MAX_POS else kv_for([0] * len(toks))
+        if bad == "float64":
+            k = k.double()
+        elif bad == "int":
+            v = v.to(torch.int32)
+        elif bad == "fp8":
+            k = k.to(torch.float8_e4m3fn)
+        elif bad == "strided":  # head_dim not contiguous
+            v = v.transpose(2, 3).contiguous().transpose(2, 3)
+        elif bad == "shape":
+            k = k[:, :-1]
+        else:
+            toks = [float(t) + 0.5 for t in toks]
+        match = "tokens" if bad == "tokens" else ("k" if bad in ("float64", "fp8", "shape") else "v")
+        if target == "add":
+            self._refused(self.cache.add, self.next_id, toks, k, v, match=match)
+        else:
+            self._refused(self.cache.append, sid, toks, k, v, match=match)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), new=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6))

@@ -157,7 +157,7 @@ def test_stale_and_invalid_plans_change_nothing():
 
 # ---- property: a bare allocator with a model of physical memory ----------------------------
 OPS = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.lists(st.integers(0, VOCAB - 1), max_size=10), st.booleans(),
+    st.tuples(st.just("add"), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10), st.booleans(),
               st.none() | st.integers(1, 30)),
     st.tuples(st.just("append"), st.integers(0, 99), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6)),
     st.tuples(st.just("fork"), st.integers(0, 99)),

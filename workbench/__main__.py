@@ -3,8 +3,11 @@
 Commands:
   info          device, backend (compiled or interpreter), versions
   tour          execute notebooks/00_tour.ipynb headless, write reports/00_tour.html, print a summary
-  bench NAME    run the benchmark module workbench.bench.NAME (its own --help)
+  bench NAME    run the benchmark module workbench.bench.NAME (its own --help); results go to results/
+                (git-ignored) unless --out DIR
   sim NAME      run a simulator command of workbench.sim (its own --help)
+
+``main(argv)`` returns the exit status (2 for bad input, with a message and no traceback).
 """
 
 from __future__ import annotations
@@ -14,6 +17,19 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def version() -> str:
+    """The installed distribution's version, else ``workbench.__version__`` (a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kv-workbench")
+    except PackageNotFoundError:
+        import workbench
+
+        return getattr(workbench, "__version__", "unknown")
 
 
 def cmd_info(_args: argparse.Namespace) -> int:
@@ -30,16 +46,25 @@ def cmd_tour(args: argparse.Namespace) -> int:
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
+    from workbench.bench.harness import ensure_writable_dir
+
     src = Path(args.notebook)
     if not src.is_file():
-        print(f"tour: notebook not found: {src}", file=sys.stderr)
+        print(f"tour: argument --notebook: notebook not found: {src}", file=sys.stderr)
         return 2
-    nb = nbformat.read(src, as_version=4)
+    try:
+        nb = nbformat.read(src, as_version=4)
+    except Exception as e:  # noqa: BLE001  (not JSON, not a notebook, unreadable: one message, no traceback)
+        print(f"tour: argument --notebook: {src} is not a Jupyter notebook ({type(e).__name__})", file=sys.stderr)
+        return 2
+    try:  # before the notebook runs, not after
+        out_dir = ensure_writable_dir(args.out)
+    except ValueError as e:
+        print(f"tour: argument --out: {e}", file=sys.stderr)
+        return 2
     print(f"executing {src} ...", flush=True)
     NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(src.parent)}}).execute()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     html_path = out_dir / (src.stem + ".html")
     html, _ = HTMLExporter().from_notebook_node(nb)
     html_path.write_text(html, encoding="utf-8")
@@ -55,6 +80,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from workbench.bench import BENCHMARKS as names
 
+    if args.name is None:
+        print("bench: name a benchmark\n" + _listing("benchmarks", names), file=sys.stderr)
+        return 2
     if args.name not in names:
         print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(names)}",
               file=sys.stderr)
@@ -65,7 +93,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_sim(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module("workbench.sim.cli").main([args.name, *args.rest]) or 0
+    cli = importlib.import_module("workbench.sim.cli")
+    if args.name is None:
+        print("sim: name a command\n" + _listing("commands", cli.COMMANDS), file=sys.stderr)
+        return 2
+    return cli.main([args.name, *args.rest]) or 0
+
+
+def _listing(title: str, described: dict[str, str]) -> str:
+    """``title:`` then one ``name  description`` line per entry (the epilog of ``bench``/``sim --help``)."""
+    width = max(map(len, described))
+    return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in described.items())
 
 
 def _summary(nb) -> list[str]:
@@ -80,7 +118,13 @@ def _summary(nb) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from workbench.bench import BENCHMARKS
+    from workbench.bench.harness import positive_int
+    from workbench.sim.cli import COMMANDS as SIM_COMMANDS
+
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="python -m workbench", description="Paged KV-cache workbench")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     sub.required = True
     p = sub.add_parser("info", help="device, backend and versions")
@@ -88,22 +132,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tour", help="run the tour notebook headless and write an HTML report")
     p.add_argument("--notebook", default=str(ROOT / "notebooks" / "00_tour.ipynb"))
     p.add_argument("--out", default=str(ROOT / "reports"), help="folder for the HTML report")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    p.add_argument("--timeout", type=positive_int, default=600, help="seconds per cell (>= 1)")
     p.set_defaults(func=cmd_tour)
-    p = sub.add_parser("bench", help="run a benchmark (python -m workbench bench NAME --help)")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "bench", help="run a benchmark (python -m workbench bench NAME --help)", formatter_class=raw,
+        description="Run the benchmark NAME with its own options (python -m workbench bench NAME --help).",
+        epilog=_listing("benchmarks", BENCHMARKS) + "\n\nResults go to results/ (git-ignored) unless --out DIR;\n"
+        "data/results/ holds the committed runs the notebooks plot (written only by --out data/results).")
+    p.add_argument("name", nargs="?", metavar="NAME", help="one of: " + ", ".join(BENCHMARKS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's options")
     p.set_defaults(func=cmd_bench)
-    p = sub.add_parser("sim", help="run the serving simulator (python -m workbench sim NAME --help)")
-    p.add_argument("name")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = sub.add_parser(
+        "sim", help="run the serving simulator (python -m workbench sim NAME --help)", formatter_class=raw,
+        description="Run the simulator command NAME with its own options (python -m workbench sim NAME --help).",
+        epilog=_listing("commands", SIM_COMMANDS))
+    p.add_argument("name", nargs="?", metavar="NAME", help="one of: " + ", ".join(SIM_COMMANDS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
     p.set_defaults(func=cmd_sim)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run one command; returns its exit status (``--help``/``--version`` 0, bad arguments 2)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except SystemExit as e:  # argparse (and a benchmark's parser.error) exit: hand back the status
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return int(e.code or 0)
 
 
 if __name__ == "__main__":

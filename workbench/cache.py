@@ -22,8 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from workbench.allocator import BlockManager, BlockPool, Placement
+from workbench.allocator.errors import token_ids
 from workbench.layout import Layout, block_shape, block_view
 from workbench.spec import TORCH_DTYPES
+
+KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}  # the usual short names
 
 ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
 
@@ -32,7 +35,7 @@ ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
 class VllmMetadata:
     """vLLM's paged-attention inputs for a batch of sequences (all int32)."""
 
-    block_table: torch.Tensor  # [B, max_blocks], padded with 0 (never read past seq_lens)
+    block_table: torch.Tensor  # [B, max_blocks + pad_blocks], padded with 0 (a valid id, never read past seq_lens)
     seq_lens: torch.Tensor  # [B]
     block_size: int
 
@@ -48,12 +51,17 @@ class FlashInferMetadata:
 
 
 def _storage_dtype(kv_dtype: str | torch.dtype) -> torch.dtype:
+    storable = {v for k, v in TORCH_DTYPES.items() if k != "int4"}
     if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype not in storable:
+            raise ValueError(f"kv_dtype must be one of {sorted(map(str, storable))}, got {kv_dtype}")
         return kv_dtype
-    if kv_dtype not in TORCH_DTYPES or kv_dtype == "int4":
+    name = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
+    if name not in TORCH_DTYPES or name == "int4":
         names = sorted(k for k in TORCH_DTYPES if k != "int4")
-        raise ValueError(f"kv_dtype must be a torch dtype or one of {names}, got {kv_dtype!r}")
-    return TORCH_DTYPES[kv_dtype]
+        raise ValueError(f"kv_dtype must be a torch dtype or one of {names} (or the aliases "
+                         f"{sorted(KV_DTYPE_ALIASES)}), got {kv_dtype!r}")
+    return TORCH_DTYPES[name]
 
 
 class PagedKVCache:
@@ -66,20 +74,28 @@ class PagedKVCache:
         block_sizes: block sizes a sequence may get (each divides ``page_tokens``); default ``(page_tokens,)``.
         policy: block-size policy (``workbench.allocator.FixedBlockSize`` / ``ByExpectedLength``).
         layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
-        kv_dtype: storage dtype (name or torch dtype); fp8/int8 need ``k_scale``/``v_scale``.
+        kv_dtype: storage dtype (name or torch dtype; ``"fp8"`` means e4m3); fp8/int8 need
+            ``k_scale``/``v_scale``.
         device: default ``workbench.device()``.
         prefix_caching: reuse cached full blocks of a matching prefix.
+        k_scale, v_scale: fp32 dequantization scales (one element, or one per kv head) for 1-byte dtypes.
+        zero_storage: fill the storage with zeros. By default it is ``torch.empty`` (whatever the
+            allocator hands out, NaN included): kernels never read an unwritten slot, but a user who
+            exports the raw pool (``blocks()``, ``k_cache()``) sees only written slots as defined.
+
+    Every method checks its arguments before it changes anything: a bad argument raises
+    ``ValueError`` (or an allocator error) naming it, and the cache is exactly as before.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int, *,
                  page_tokens: int = 16, block_sizes: Sequence[int] | None = None, policy=None,
                  layout: Layout | str = "nhd", kv_dtype: str | torch.dtype = "fp16", device=None,
                  prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None):
+                 v_scale: torch.Tensor | None = None, zero_storage: bool = False):
         import workbench
 
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.layout = Layout.parse(layout)
         self.dtype = _storage_dtype(kv_dtype)
@@ -101,12 +117,18 @@ class PagedKVCache:
             raise ValueError(f"page of {self.page_bytes} bytes is not a whole number of {self.dtype} elements")
         self.page_elems = self.page_bytes // elem
         plane = num_pages * self.page_elems  # one layer's K (or V)
-        flat = torch.empty(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
+        alloc = torch.zeros if zero_storage else torch.empty
+        flat = alloc(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
         self._flat = flat
         self.device = flat.device  # "cuda" -> "cuda:0": the exact device, for comparisons
         # the cache owns its scales, on its own device (the write kernel reads them there)
         self.k_scale, self.v_scale = (torch.as_tensor(sc, dtype=torch.float32, device=self.device).reshape(-1)
                                       if sc is not None else None for sc in (k_scale, v_scale))
+        for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if sc is not None and (sc.numel() not in (1, num_kv_heads) or not bool(torch.isfinite(sc).all())
+                                   or not bool((sc > 0).all())):
+                raise ValueError(f"{name} must hold 1 or num_kv_heads={num_kv_heads} finite positive values, "
+                                 f"got {sc.tolist()}")
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
@@ -156,17 +178,22 @@ class PagedKVCache:
         """Start a sequence: ``k``, ``v`` are ``[num_layers, len(tokens), heads, head_dim]``.
 
         Tokens found in the prefix cache are not written again (their K/V is already there).
+        The new full blocks join the prefix cache only once their K/V is written.
         """
+        tokens = token_ids("tokens", tokens)
         self._check_kv(k, v, len(tokens))
-        placement = self.manager.add(seq_id, tokens, expected_len=expected_len, extra_key=extra_key)
-        self._apply(placement, k, v)
+        cp = self.manager.checkpoint(seq_id)
+        placement = self.manager.add(seq_id, tokens, expected_len=expected_len, extra_key=extra_key, publish=False)
+        self._write_or_undo(cp, placement, k, v)
         return placement
 
     def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> Placement:
         """Append tokens with their K/V (``[num_layers, len(tokens), heads, head_dim]``)."""
+        tokens = token_ids("tokens", tokens)
         self._check_kv(k, v, len(tokens))
-        placement = self.manager.append(seq_id, tokens)
-        self._apply(placement, k, v)
+        cp = self.manager.checkpoint(seq_id)
+        placement = self.manager.append(seq_id, tokens, publish=False)
+        self._write_or_undo(cp, placement, k, v)
         return placement
 
     def fork(self, parent_id, child_id) -> None:
@@ -176,9 +203,11 @@ class PagedKVCache:
         self.manager.free(seq_id)
 
     def copy_blocks(self, block_size: int, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy blocks ``src -> dst`` of one size class, in every layer, K and V."""
+        """Copy blocks ``src -> dst`` of one size class, in every layer, K and V (the kernel checks the ids)."""
         from workbench.kernels import copy_blocks
 
+        self.manager.pool.num_blocks(block_size)  # validates block_size
+        pairs = list(pairs)
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
@@ -200,17 +229,21 @@ class PagedKVCache:
 
     # ---- exports -------------------------------------------------------------------
     def _batch(self, seq_ids: Sequence) -> int:
-        if not seq_ids:
-            raise ValueError("seq_ids must name at least one sequence")
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence) or not seq_ids:
+            raise ValueError(f"seq_ids must be a non-empty list of sequence ids, got {seq_ids!r}")
         sizes = {self.manager.block_size(s) for s in seq_ids}
         if len(sizes) > 1:
             raise ValueError(f"seq_ids must share one block size for a single batch, got sizes {sorted(sizes)}")
         return sizes.pop()
 
-    def vllm_metadata(self, seq_ids: Sequence) -> VllmMetadata:
+    def vllm_metadata(self, seq_ids: Sequence, *, pad_blocks: int = 0) -> VllmMetadata:
+        """Block table and lengths; ``pad_blocks`` extra zero columns on the right, as vLLM's own tables
+        carry (its unified Triton kernel reads table entries a tile past a sequence's end)."""
+        if isinstance(pad_blocks, bool) or not isinstance(pad_blocks, int) or pad_blocks < 0:
+            raise ValueError(f"pad_blocks must be an int >= 0, got {pad_blocks!r}")
         bs = self._batch(seq_ids)
         tables = [self.manager.block_table(s) for s in seq_ids]
-        width = max(1, max(len(t) for t in tables))
+        width = max(1, max(len(t) for t in tables)) + pad_blocks
         table = torch.zeros((len(tables), width), dtype=torch.int32)
         for i, t in enumerate(tables):
             table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
@@ -226,12 +259,15 @@ class PagedKVCache:
         tables = [self.manager.block_table(s) for s in seq_ids]
         indptr = torch.tensor([0, *torch.tensor([len(t) for t in tables]).cumsum(0).tolist()], dtype=torch.int32)
         indices = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
-        last = torch.tensor([(n - 1) % bs + 1 if n else 0 for n in map(self.manager.num_tokens, seq_ids)],
-                            dtype=torch.int32)
+        last = torch.tensor([(n - 1) % bs + 1 for n in map(self.manager.num_tokens, seq_ids)],
+                            dtype=torch.int32)  # 1..page_size: a sequence holds at least one token
         return FlashInferMetadata(indptr.to(self.device), indices.to(self.device), last.to(self.device), bs)
 
     # ---- internals -----------------------------------------------------------------
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
+        """Everything the write kernel will check, checked now: nothing may fail after the tables change."""
+        from workbench.kernels import check_write_kv
+
         want = (self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
@@ -240,8 +276,26 @@ class PagedKVCache:
                                  f"got {got}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
-            if not t.dtype.is_floating_point:
-                raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+            if self.head_dim > 1 and t.stride(3) != 1:
+                raise ValueError(f"{name} must have unit stride in head_dim (the last dim), got strides {t.stride()}")
+        if num_tokens:
+            bs = self.pool_sizes[0]
+            try:
+                check_write_kv(k[0], v[0], self.k_cache(0, bs), self.v_cache(0, bs), self.layout.value,
+                               self.k_scale, self.v_scale)
+            except ValueError as e:
+                raise ValueError(f"k/v cannot be written to this cache: {e}") from None
+
+    def _write_or_undo(self, cp, placement: Placement, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write, then publish the new full blocks; if the write fails anyway, undo the add/append."""
+        try:
+            self._apply(placement, k, v)
+        except BaseException:
+            self.manager.restore(cp, placement)
+            raise
+        self.manager.publish(placement.seq_id)
 
     def _apply(self, placement: Placement, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy-on-write copies first, then write the new tokens' K/V through the slot mapping."""
@@ -255,4 +309,4 @@ class PagedKVCache:
         first = placement.first - (self.manager.num_tokens(placement.seq_id) - k.shape[1])  # index into k/v
         for layer in range(self.num_layers):
             write_kv(k[layer, first:], v[layer, first:], self.k_cache(layer, bs), self.v_cache(layer, bs),
-                     self.layout, slots, k_scale=self.k_scale, v_scale=self.v_scale)
+                     self.layout, slots, k_scale=self.k_scale, v_scale=self.v_scale, validate=False)

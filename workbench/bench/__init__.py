@@ -2,5 +2,11 @@
 ``python -m workbench bench <name>``; ``harness`` holds timing, bandwidth and metadata,
 ``workloads`` the decode workloads W1-W5, ``results`` the loaders the notebooks plot from."""
 
-# The modules `python -m workbench bench NAME` runs (the others are helpers).
-BENCHMARKS = ("allocator", "cache_kernels", "decode", "results")
+# The modules `python -m workbench bench NAME` runs (the others are helpers), each with the line
+# `python -m workbench bench --help` shows for it. Runs write to results/ (git-ignored) unless --out DIR.
+BENCHMARKS = {
+    "allocator": "allocator operations per second on this CPU (allocate+free, fork, prefix lookup)",
+    "cache_kernels": "GPU: write-to-cache and block-copy kernels vs torch (--smoke: tiny CPU check)",
+    "decode": "GPU: paged decode attention on W1-W5 vs SDPA, gather+SDPA, FlexAttention (--smoke: tiny CPU check)",
+    "results": "print the newest timed decode run of a result folder (no GPU needed)",
+}

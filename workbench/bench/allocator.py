@@ -69,13 +69,16 @@ def measure(seconds: float = 1.0) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbench bench allocator", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="folder for the JSON (default data/results)")
-    parser.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    parser.add_argument("--out", default=None,
+                        help="folder for the JSON (default results/, git-ignored; data/results holds the "
+                             "committed ones)")
+    parser.add_argument("--seconds", type=harness.positive_float, default=1.0, help="time per measurement (> 0)")
     args = parser.parse_args(argv)
+    out = harness.output_dir(parser, args.out)  # checked before the measurement, not after
     meta = harness.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # this benchmark never touches a GPU
     rows = measure(args.seconds)
     harness.print_table(rows, ["op", "batch_blocks", "per_second"])
-    path = harness.write_results("allocator", rows, meta, args.out)
+    path = harness.write_results("allocator", rows, meta, out, extra={"seconds": args.seconds})
     print(f"wrote {path}")
     return 0

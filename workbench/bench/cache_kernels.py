@@ -359,13 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works on a CPU)")
     parser.add_argument("--only", action="append", choices=SECTIONS, default=None,
                         help="run only these sections (repeatable; default all)")
-    parser.add_argument("--out", default=None, help="folder for the JSON results (default data/results)")
+    parser.add_argument("--out", default=None,
+                        help="folder for the JSON results (default results/, git-ignored; data/results holds the "
+                             "committed ones)")
     args = parser.parse_args(argv)
     device = workbench.device()
     on_gpu = device.type == "cuda" and not workbench.is_interpreted()
-    if not on_gpu and not args.smoke:
-        print("cache_kernels: needs a CUDA GPU (compiled Triton); use --smoke for a CPU correctness run")
+    if not args.smoke and not harness.require_gpu("cache_kernels"):
         return 2
+    out = harness.output_dir(parser, args.out)  # checked before the run, not after
     timed = on_gpu and not args.smoke
     ctx = Ctx(timed=timed, copy_bw=harness.copy_bandwidth_gbps() if timed else None)
     if ctx.copy_bw:
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
              "sections": list(args.only or SECTIONS), "wall_s": round(time.perf_counter() - t0, 1)}
     harness.print_table(rows, COLUMNS)
     _summary(rows)
-    path = harness.write_results("cache_kernels", rows, meta, args.out, extra=extra)
+    path = harness.write_results("cache_kernels", rows, meta, out, extra=extra)
     print(f"results: {path}  ({extra['wall_s']} s)")
     bad = [r for r in rows if not r["ok"]]
     for r in bad:

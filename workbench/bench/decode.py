@@ -137,7 +137,7 @@ def ours_fn(p: PagedKV, cfg: dict, out: torch.Tensor):
     mean = sum(p.lens) / max(1, len(p.lens))
     return lambda: paged_decode(p.q, p.k_cache, p.v_cache, p.layout, p.block_table, p.seq_lens, out=out,
                                 num_splits=cfg.get("num_splits"), max_seq_len=p.max_seq_len, mean_seq_len=mean,
-                                **launch)
+                                validate=False, **launch)
 
 
 def variants(w: Workload, base: dict, tune: bool) -> list[tuple[str, dict]]:
@@ -341,19 +341,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny workloads, correctness only (CPU interpreter)")
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
     ap.add_argument("--tune", action="store_true", help="time more launch variants per workload")
-    ap.add_argument("--out", type=Path, default=None, help="result folder (default data/results)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
     args = ap.parse_args(argv)
+    if not args.smoke and not harness.require_gpu("decode"):
+        return 2
+    out = harness.output_dir(ap, args.out)  # checked before the run, not after
     meta = harness.machine_meta()
-    if args.smoke or not torch.cuda.is_available() or workbench.is_interpreted():
-        if not args.smoke:
-            print("decode bench: no compiled GPU backend; running --smoke", flush=True)
+    if args.smoke:
         rows, extra = run_smoke(), {"mode": "smoke"}
     else:
         rows, extra = run_gpu(args.quick, args.tune)
         extra["mode"] = "quick" if args.quick else "full"
     harness.print_table(rows, COLUMNS)
     summary(rows)
-    path = harness.write_results("decode", rows, meta, args.out, extra=extra)
+    path = harness.write_results("decode", rows, meta, out, extra=extra)
     print(f"wrote {path}")
     bad = [r for r in rows if r["impl"] == "ours" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)
            and not r.get("error")]

@@ -4,23 +4,92 @@ Speed figures are ratios measured in one run: a kernel's achieved bandwidth over
 device-to-device copy bandwidth measured by :func:`copy_bandwidth_gbps` in the same
 process, or one implementation's time over a peer's. Results are tidy rows (one per
 measurement) written with their metadata by :func:`write_results`.
+
+Where results go: a run writes to :data:`DEFAULT_OUT` (``results/`` at the top of the checkout,
+ignored by git) unless ``--out DIR`` names another folder; the committed results the notebooks
+plot live in :data:`RESULTS` (``data/results/``) and are written there only by ``--out data/results``.
+Notebooks pick committed runs by their metadata (:func:`load_results` with ``where=``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "data" / "results"
+RESULTS = ROOT / "data" / "results"  # committed results (what the notebooks plot); loaders read here
+DEFAULT_OUT = ROOT / "results"  # where a run writes unless --out says otherwise (git-ignored)
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (``--seconds 0`` is refused, not run)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def ensure_writable_dir(path: Path | str) -> Path:
+    """Create ``path`` (and its parents) if needed and check a file can be written in it.
+
+    Called before a benchmark or notebook runs, so a bad ``--out`` fails at once, not after the work.
+    Raises ``ValueError`` with a one-line reason.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except FileExistsError:
+        raise ValueError(f"{path} exists and is not a folder") from None
+    except OSError as e:
+        raise ValueError(f"cannot write to {path}: {e.strerror or e}") from None
+    return path
+
+
+def output_dir(parser: argparse.ArgumentParser, out: Path | str | None, flag: str = "--out") -> Path:
+    """The folder a run writes to (``out``, default :data:`DEFAULT_OUT`), checked writable before the work
+    starts; a bad one ends the program through ``parser.error`` (exit 2, a message naming ``flag``)."""
+    try:
+        return ensure_writable_dir(DEFAULT_OUT if out is None else out)
+    except ValueError as e:
+        parser.error(f"argument {flag}: {e}")
+
+
+def require_gpu(bench: str) -> bool:
+    """True when kernels run compiled on a CUDA GPU; otherwise say so on stderr (the caller exits 2)."""
+    import workbench
+
+    if torch.cuda.is_available() and not workbench.is_interpreted():
+        return True
+    found = "the Triton interpreter is active" if torch.cuda.is_available() else "found none"
+    print(f"bench {bench} needs a CUDA GPU ({found}); use --smoke for a tiny CPU check", file=sys.stderr)
+    return False
 
 
 def _git(*args: str) -> str:
@@ -31,7 +100,7 @@ def _git(*args: str) -> str:
 
 
 def machine_meta() -> dict[str, str]:
-    """GPU, versions, commit and date: stamped on every result file and row."""
+    """GPU, versions, commit and date: stamped on every result file and row; ``run`` identifies this run."""
     import triton
 
     # The GPU machine gets the working tree without .git: pass WORKBENCH_COMMIT there.
@@ -48,6 +117,7 @@ def machine_meta() -> dict[str, str]:
         "python": sys.version.split()[0],
         "commit": commit,
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "run": uuid.uuid4().hex[:12],
     }
 
 
@@ -95,24 +165,90 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def write_results(
     bench: str, rows: Sequence[dict], meta: dict[str, str], out_dir: Path | None = None, extra: dict | None = None
 ) -> Path:
-    """Write ``{"meta": ..., "rows": [...]}`` as ``<bench>-<gpu>-<date>.json``; every row carries the meta columns."""
-    out_dir = Path(out_dir or RESULTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``{"meta": ..., "rows": [...]}`` as ``<bench>-<gpu>-<YYYYMMDDTHHMMSS>.json`` in ``out_dir``
+    (default :data:`DEFAULT_OUT`); every row carries the meta columns.
+
+    The file is created exclusively: another run in the same second gets ``-2``, ``-3``, ... before
+    ``.json`` instead of overwriting an earlier one. The same run (``meta["run"]``, from
+    :func:`machine_meta`) writing again, to checkpoint its progress, rewrites its own file.
+    """
+    out_dir = ensure_writable_dir(DEFAULT_OUT if out_dir is None else out_dir)
     gpu = meta["gpu"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    stamp = meta["date"].replace(":", "").replace("-", "")[:13]
-    path = out_dir / f"{bench}-{gpu}-{stamp}.json"
+    stamp = meta["date"].replace(":", "").replace("-", "")[:15]
     keep = ("gpu", "torch", "triton", "commit", "date")
     tidy = [{**row, **{k: meta[k] for k in keep}} for row in rows]
-    path.write_text(json.dumps({"meta": meta, **(extra or {}), "rows": tidy}, indent=1) + "\n")
-    return path
+    text = json.dumps({"meta": meta, **(extra or {}), "rows": tidy}, indent=1) + "\n"
+    key = (bench, str(out_dir.resolve()), meta.get("run"))
+    own = _WRITTEN.get(key) if meta.get("run") else None
+    if own is not None and own.is_file():
+        own.write_text(text)
+        return own
+    for n in range(1, 10_000):
+        path = out_dir / f"{bench}-{gpu}-{stamp}{'' if n == 1 else f'-{n}'}.json"
+        try:
+            with open(path, "x") as f:
+                f.write(text)
+        except FileExistsError:
+            continue
+        _WRITTEN[key] = path
+        return path
+    raise FileExistsError(f"no free file name for {bench}-{gpu}-{stamp} in {out_dir}")
 
 
-def load_results(pattern: str, results_dir: Path | None = None) -> list[dict]:
-    """All rows of the result files matching ``pattern`` (newest file last)."""
-    rows = []
-    for path in sorted(Path(results_dir or RESULTS).glob(pattern)):
-        rows.extend(json.loads(path.read_text())["rows"])
-    return rows
+_WRITTEN: dict[tuple, Path] = {}  # (bench, folder, run id) -> the file this process wrote for that run
+
+
+def run_info(doc: Mapping) -> dict:
+    """A result file's metadata: its ``meta`` plus the other top-level fields (``mode``, ``smoke``, ...)."""
+    return {**doc.get("meta", {}), **{k: v for k, v in doc.items() if k not in ("meta", "rows")}}
+
+
+def matches(info: Mapping, where: Mapping | None) -> bool:
+    """Whether metadata ``info`` satisfies every condition of ``where``.
+
+    Each value of ``where`` is a callable (a predicate on the field, which gets None when the field is
+    missing), a list/tuple/set of accepted values, or one value the field must equal.
+    """
+    for key, want in (where or {}).items():
+        have = info.get(key)
+        if callable(want):
+            if not want(have):
+                return False
+        elif isinstance(want, (list, tuple, set, frozenset)):
+            if have not in want:
+                return False
+        elif have != want:
+            return False
+    return True
+
+
+def load_runs(pattern: str, results_dir: Path | str | None = None, where: Mapping | None = None) -> list[dict]:
+    """The result files matching ``pattern`` whose metadata (:func:`run_info`) :func:`matches` ``where``,
+    oldest first (by their ``date``, then name): each ``{"path", "info", "rows"}``."""
+    runs = []
+    for path in Path(results_dir or RESULTS).glob(pattern):
+        doc = json.loads(path.read_text())
+        info = run_info(doc)
+        if matches(info, where):
+            runs.append({"path": path, "info": info, "rows": doc["rows"]})
+    return sorted(runs, key=lambda r: (str(r["info"].get("date", "")), r["path"].name))
+
+
+def load_results(pattern: str, results_dir: Path | str | None = None, where: Mapping | None = None,
+                 latest: bool = False) -> list[dict]:
+    """All rows of the result files matching ``pattern`` (default folder :data:`RESULTS`), oldest file first.
+
+    Args:
+        pattern: file glob inside ``results_dir``.
+        results_dir: default ``data/results`` (the committed results).
+        where: keep only files whose metadata matches (see :func:`matches`), e.g.
+            ``{"gpu": "NVIDIA H200", "mode": "full"}``.
+        latest: only the newest of the matching files.
+    """
+    runs = load_runs(pattern, results_dir, where)
+    if latest:
+        runs = runs[-1:]
+    return [row for run in runs for row in run["rows"]]
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:

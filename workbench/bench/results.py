@@ -1,6 +1,6 @@
 """The decode benchmark's result rows (``data/results/decode-*.json``) shaped for tables and plots.
 
-``python -m workbench bench results [--dir DIR] [--graph]`` prints the newest run.
+``python -m workbench bench results [--dir DIR] [--graph]`` prints the newest timed (not ``--smoke``) run.
 
 Pure helpers over the tidy rows that :mod:`workbench.bench.decode` writes (one row per
 measurement; see that module for the columns). Rows without a time (smoke runs, failed
@@ -16,7 +16,7 @@ measured in the same run (``copy_gbps``).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from workbench.bench.harness import load_results
@@ -27,18 +27,22 @@ H200_PEAK_TFLOPS_FP16 = 989.5
 
 
 def load_decode(pattern: str = "decode-*.json", results_dir: Path | str | None = None,
-                latest: bool = False) -> list[dict]:
+                latest: bool = False, where: Mapping | None = None) -> list[dict]:
     """Timed rows of every matching result file (oldest file first).
 
     Args:
         pattern: file glob inside ``results_dir``.
         results_dir: default ``data/results``.
-        latest: keep only the newest run (the rows sharing the last file's ``date``).
+        latest: keep only the newest run of those that match ``where``.
+        where: keep only files whose metadata matches (:func:`workbench.bench.harness.matches`), e.g.
+            ``{"gpu": "NVIDIA H200", "mode": "full"}`` (the committed runs the notebooks show).
     """
-    rows = [r for r in load_results(pattern, Path(results_dir) if results_dir else None) if r.get("time_us")]
-    if latest and rows:
-        rows = [r for r in rows if r.get("date") == rows[-1].get("date")]
-    return rows
+    rows = load_results(pattern, Path(results_dir) if results_dir else None, where=where, latest=latest)
+    return [r for r in rows if r.get("time_us")]
+
+
+# Runs that measured anything: smoke runs only check correctness (no times).
+TIMED = {"mode": lambda mode: mode != "smoke"}
 
 
 def decode_flops(row: dict) -> float | None:
@@ -167,7 +171,7 @@ def with_coalescing(rows: Sequence[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workbench bench results``: print the newest decode run's summary (no GPU needed)."""
+    """``python -m workbench bench results``: print the newest timed decode run's summary (no GPU needed)."""
     import argparse
 
     from workbench.bench.harness import print_table
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=None, help="result folder (default data/results)")
     ap.add_argument("--graph", action="store_true", help="rank by CUDA-graph time")
     args = ap.parse_args(argv)
-    rows = load_decode(results_dir=args.dir, latest=True)
+    rows = load_decode(results_dir=args.dir, latest=True, where=TIMED)
     if not rows:
         print("no decode results: run `python -m workbench bench decode` on a GPU")
         return 0

@@ -1,12 +1,13 @@
 """Command line of the simulator: ``python -m workbench sim {fig2,seed-table,run} ...``.
 
   fig2 [--json] [--trace T] [--seed N] [--requests N] [--allocator A] [--block-size B] [--sensitivity]
-      the vLLM paper's Figure 2 for Orca (Max/Pow2/Oracle) and vLLM, against the paper's numbers
+      the vLLM paper's Figure 2 for Orca (Max/Pow2/Oracle) and vLLM, against the paper's numbers (ShareGPT
+      only: other traces are not compared); warns when a system completes nothing
   seed-table [--json] [--batch N] [--gpu-gib G] [--block-size B]
       the seed's Table 5.1 recomputed, with verdicts
   run [--strategy S] [--trace T] [--requests N] [--model M] [--kv-gib G | --gpu-gib G] [--preemption P]
       [--max-steps N] [--step-s S] [--max-batch N] [--json]
-      one strategy on one trace: throughput, completion rate, batch, memory shares
+      one strategy on one trace: throughput, completion rate, batch, memory shares; warns when nothing completes
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import json
 import sys
 
 from workbench.sim import strategies as st
+
+# The subcommands, each with the line `python -m workbench sim --help` shows for it.
+COMMANDS = {
+    "fig2": "the vLLM paper's Figure 2 (memory breakdown of four systems) against the paper's ShareGPT bars",
+    "seed-table": "the seed's Table 5.1 (LLaMA-7B, 80 GB) recomputed, with verdicts",
+    "run": "one strategy on one trace: throughput, completion rate, batch, memory shares",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="command", parser_class=_Parser)
     sub.required = True
 
-    f = sub.add_parser("fig2", help="the vLLM paper's Figure 2 (memory breakdown of four systems)")
+    f = sub.add_parser("fig2", help=COMMANDS["fig2"])
     f.add_argument("--json", action="store_true", help="print JSON")
     f.add_argument("--trace", default="sharegpt", help="sharegpt, alpaca or a JSONL path (default sharegpt)")
     f.add_argument("--seed", type=int, default=None, help="regenerate the preset trace with this seed")
@@ -60,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--all-steps", action="store_true", help="average over all steps, not only saturated ones")
     f.add_argument("--sensitivity", action="store_true", help="also vary each assumption (slower)")
 
-    s = sub.add_parser("seed-table", help="the seed's Table 5.1 (LLaMA-7B, 80 GB) recomputed")
+    s = sub.add_parser("seed-table", help=COMMANDS["seed-table"])
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--batch", type=_positive_int, default=16, help="sequences in the cache (default 16)")
     s.add_argument("--gpu-gib", type=_positive_float, default=80.0, help="GPU memory in GiB (default 80)")
     s.add_argument("--block-size", type=_positive_int, default=16, help="paged block size (default 16)")
 
-    r = sub.add_parser("run", help="one strategy on one trace, summary")
+    r = sub.add_parser("run", help=COMMANDS["run"])
     r.add_argument("--strategy", default="vllm", help=f"one of {', '.join(st.STRATEGIES)}")
     r.add_argument("--block-size", type=_positive_int, default=None, help="override the block size (paged)")
     r.add_argument("--allocator", choices=st.ALLOCATORS, default=None, help="override the allocator (Orca)")
@@ -110,6 +118,12 @@ def _fig2(args) -> int:
         if args.sensitivity:
             print()
             print(fig2.format_sensitivity(d["sensitivity"]))
+    n = d["setup"]["requests"]
+    for name, v in d["systems"].items():
+        if not v["completed"]:
+            blocks = f" with {args.block_size}-token blocks" if name == "vLLM" else ""
+            print(f"warning: nothing fit: {name} completed none of the {n} requests in {d['setup']['slots']} "
+                  f"slots{blocks}; its bars are empty, not a result", file=sys.stderr)
     return 0
 
 
@@ -152,4 +166,12 @@ def _run(args) -> int:
     else:
         for k, v in summary.items():
             print(f"{k:>24}: {v}")
+    if not summary.get("completed"):
+        n, rejected = summary.get("requests", len(trace)), summary.get("rejected", 0)
+        if rejected:
+            print(f"warning: nothing fit: no request completed ({rejected} of {n} rejected) in a KV budget of "
+                  f"{summary.get('slots')} slots; raise --kv-gib/--gpu-gib or lower --block-size", file=sys.stderr)
+        else:
+            print(f"warning: no request completed in {summary.get('steps')} steps (of {n}); raise --max-steps",
+                  file=sys.stderr)
     return 0

@@ -176,7 +176,7 @@ def fig2_bars(d):
         ys = []
         for s in systems:
             v = d["systems"][s]
-            paper = dict(v["paper"])
+            paper = dict(v["paper"] or {})  # None: a trace the paper did not plot
             if part == "external" and paper.get("external") is None:
                 paper["external"] = round(100 - paper["token_states"], 1)
             ys += [v[part], paper.get(part)]

@@ -1,0 +1,77 @@
+"""Allocator throughput of an older commit and of the working tree, interleaved in one process.
+
+    python scripts/allocator_before_after.py REV [--seconds S] [--rounds N]
+
+Loads ``workbench/allocator.py`` (or the ``workbench/allocator/`` package) as it was at ``REV``
+through ``git show``, then runs ``workbench.bench.allocator.measure`` alternately on the old and
+the current classes, so both see the same machine state; prints the median rate of each and the
+ratio. Needs a git checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from workbench.bench import allocator as bench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git_show(rev: str, path: str) -> str | None:
+    r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+    return r.stdout if r.returncode == 0 else None
+
+
+def load_old(rev: str):
+    """The allocator module at ``rev`` (a single file or a package), imported under a private name."""
+    tmp = Path(tempfile.mkdtemp())
+    src = _git_show(rev, "workbench/allocator.py")
+    if src is not None:
+        (tmp / "old_allocator.py").write_text(src)
+        spec = importlib.util.spec_from_file_location("old_allocator", tmp / "old_allocator.py")
+    else:  # a package: copy its files and rewrite its absolute imports
+        pkg = tmp / "old_allocator"
+        pkg.mkdir()
+        names = subprocess.run(["git", "ls-tree", "--name-only", rev, "workbench/allocator/"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split()
+        for name in names:
+            text = _git_show(rev, name).replace("workbench.allocator", "old_allocator")
+            (pkg / Path(name).name).write_text(text)
+        spec = importlib.util.spec_from_file_location("old_allocator", pkg / "__init__.py",
+                                                      submodule_search_locations=[str(pkg)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_allocator"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rev", help="the older commit, e.g. HEAD or a hash")
+    ap.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
+    ap.add_argument("--rounds", type=int, default=5, help="old/new alternations")
+    args = ap.parse_args()
+    old = load_old(args.rev)
+    new = (bench.BlockPool, bench.BlockManager)
+    rates: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+    for _ in range(args.rounds):
+        for name, (pool, manager) in (("old", (old.BlockPool, old.BlockManager)), ("new", new)):
+            bench.BlockPool, bench.BlockManager = pool, manager
+            for row in bench.measure(args.seconds):
+                key = f"{row['op']} [batch {row['batch_blocks']}]"
+                rates[name].setdefault(key, []).append(row["per_second"])
+    bench.BlockPool, bench.BlockManager = new
+    print(f"{'operation':<58} {args.rev + ' /s':>14} {'now /s':>12} {'now/old':>8}")
+    for key in rates["old"]:
+        o, n = statistics.median(rates["old"][key]), statistics.median(rates["new"][key])
+        print(f"{key:<58} {o:>14,.0f} {n:>12,.0f} {n / o:>8.3f}")
+
+
+if __name__ == "__main__":
+    main()

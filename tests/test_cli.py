@@ -1,0 +1,245 @@
+"""The command line as a new user meets it: where results go, bad paths and numbers refused before any
+work, help listings, --version, no-GPU exits, and the simulator's "nothing fit" warnings.
+
+Every test runs ``workbench.__main__.main`` in-process; results go to ``tmp_path`` (the default output
+folder is pointed there too), and the committed ``data/results`` must be untouched.
+"""
+
+import json
+
+import pytest
+import torch
+
+import workbench
+from workbench.__main__ import main
+from workbench.bench import BENCHMARKS, allocator, harness, results
+from workbench.sim.cli import COMMANDS
+
+NO_GPU = not torch.cuda.is_available()
+REAL_DEFAULT_OUT = harness.DEFAULT_OUT  # before the fixture below points it at tmp_path
+
+
+def _listing(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+@pytest.fixture(autouse=True)
+def default_out(tmp_path, monkeypatch):
+    """Point the default output folder at tmp_path/results and check data/results is left alone."""
+    before = _listing(harness.RESULTS)
+    out = tmp_path / "results"
+    monkeypatch.setattr(harness, "DEFAULT_OUT", out)
+    yield out
+    assert _listing(harness.RESULTS) == before, "a run wrote into the committed data/results"
+
+
+# ------------------------------------------------------------------------------------------------ where results go
+def test_default_output_folder_is_git_ignored_and_not_the_committed_one():
+    assert REAL_DEFAULT_OUT == harness.ROOT / "results" != harness.RESULTS
+    assert "/results/" in (harness.ROOT / ".gitignore").read_text().split()
+
+
+def test_bench_writes_to_the_default_folder_and_says_where(default_out, capsys):
+    assert main(["bench", "allocator", "--seconds", "0.01"]) == 0
+    (path,) = default_out.glob("allocator-*.json")
+    assert str(path) in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    assert data["seconds"] == 0.01 and data["meta"]["gpu"].startswith("cpu-")
+
+
+def test_two_runs_never_overwrite_each_other(tmp_path):
+    meta = {"gpu": "NVIDIA H200", "torch": "t", "triton": "x", "commit": "c", "date": "2026-01-02T03:04:05Z"}
+    paths = [harness.write_results("decode", [{"i": i}], meta, tmp_path) for i in range(3)]
+    assert len(set(paths)) == 3 and [p.name for p in paths] == [
+        "decode-h200-20260102T030405.json", "decode-h200-20260102T030405-2.json", "decode-h200-20260102T030405-3.json"]
+    assert [json.loads(p.read_text())["rows"][0]["i"] for p in paths] == [0, 1, 2]
+
+
+def test_one_run_checkpointing_keeps_one_file(tmp_path):
+    meta = harness.machine_meta()  # carries this run's id
+    first = harness.write_results("probe", [{"i": 0}], meta, tmp_path)
+    again = harness.write_results("probe", [{"i": 0}, {"i": 1}], meta, tmp_path)
+    assert again == first and len(json.loads(first.read_text())["rows"]) == 2
+    other = harness.write_results("probe", [{"i": 0}], {**meta, "run": "another"}, tmp_path)
+    assert other != first and len(list(tmp_path.glob("probe-*.json"))) == 2
+
+
+def test_two_cli_runs_in_a_row_give_two_files(tmp_path):
+    for _ in range(2):
+        assert main(["bench", "allocator", "--seconds", "0.01", "--out", str(tmp_path)]) == 0
+    assert len(list(tmp_path.glob("allocator-*.json"))) == 2
+
+
+# ------------------------------------------------------------------------------------------------ refused up front
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "allocator", "--seconds", "0"], "--seconds"),
+    (["bench", "allocator", "--seconds", "-1"], "--seconds"),
+    (["bench", "allocator", "--seconds", "nan"], "--seconds"),
+    (["tour", "--timeout", "0"], "--timeout"),
+    (["tour", "--timeout", "-5"], "--timeout"),
+])
+def test_zero_or_negative_numbers_are_refused(capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _bad_dirs(tmp_path):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    return [afile, afile / "below"]
+
+
+def test_bench_bad_out_fails_before_measuring(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(allocator, "measure", lambda *a: pytest.fail("measured before checking --out"))
+    for bad in _bad_dirs(tmp_path):
+        assert main(["bench", "allocator", "--seconds", "0.01", "--out", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert "--out" in err and str(bad) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("bench", ["cache_kernels", "decode"])
+def test_bench_smoke_bad_out_fails_before_running(tmp_path, monkeypatch, capsys, bench):
+    import importlib
+
+    mod = importlib.import_module(f"workbench.bench.{bench}")
+    monkeypatch.setattr(mod, "run" if bench == "cache_kernels" else "run_smoke",
+                        lambda *a, **k: pytest.fail("ran before checking --out"))
+    assert main(["bench", bench, "--smoke", "--out", str(_bad_dirs(tmp_path)[0])]) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_tour_checks_paths_before_running_the_notebook(tmp_path, monkeypatch, capsys):
+    import nbclient
+
+    monkeypatch.setattr(nbclient.NotebookClient, "execute", lambda self: pytest.fail("executed before the checks"))
+    for bad in _bad_dirs(tmp_path):
+        assert main(["tour", "--out", str(bad)]) == 2
+        assert "--out" in capsys.readouterr().err
+    assert main(["tour", "--notebook", str(harness.ROOT / "README.md"), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a Jupyter notebook" in err and "Traceback" not in err
+    assert main(["tour", "--notebook", str(tmp_path / "missing.ipynb"), "--out", str(tmp_path)]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ GPU benchmarks
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU message")
+@pytest.mark.parametrize("bench", ["cache_kernels", "decode"])
+def test_gpu_bench_without_a_gpu_says_so_and_exits_2(default_out, capsys, bench):
+    assert main(["bench", bench]) == 2
+    captured = capsys.readouterr()
+    assert f"bench {bench} needs a CUDA GPU (found none); use --smoke" in captured.err
+    assert _listing(default_out) == []  # nothing ran, nothing written
+
+
+def test_cache_kernels_smoke_still_runs_on_a_cpu(tmp_path):
+    assert main(["bench", "cache_kernels", "--smoke", "--only", "copy", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("cache_kernels-*.json")
+    assert json.loads(path.read_text())["smoke"] is True
+
+
+# ------------------------------------------------------------------------------------------------ help and version
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert workbench.__version__ in capsys.readouterr().out
+
+
+def test_bench_help_lists_the_benchmarks(capsys):
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, text in BENCHMARKS.items():
+        assert name in out and text in out
+    assert "results/" in out
+
+
+def test_sim_help_lists_its_commands(capsys):
+    assert main(["sim", "--help"]) == 0
+    out = capsys.readouterr().out
+    for name, text in COMMANDS.items():
+        assert name in out and text in out
+
+
+@pytest.mark.parametrize("argv, needle", [(["bench"], "allocator"), (["bench", "nosuch"], "unknown benchmark"),
+                                          (["sim"], "seed-table"), (["sim", "nosuch"], "invalid choice")])
+def test_missing_or_unknown_names_exit_2(capsys, argv, needle):
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_benchmark_own_help_still_works(capsys):
+    assert main(["bench", "allocator", "--help"]) == 0
+    assert "--seconds" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ simulator warnings
+def test_sim_run_that_completes_nothing_warns(capsys):
+    assert main(["sim", "run", "--kv-gib", "0.001", "--requests", "30"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: nothing fit") and "30 of 30 rejected" in err
+
+
+def test_sim_run_that_completes_something_does_not_warn(capsys):
+    assert main(["sim", "run", "--requests", "30"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_fig2_with_a_block_larger_than_the_pool_warns(capsys):
+    assert main(["sim", "fig2", "--block-size", "100000", "--requests", "200"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: nothing fit: vLLM") and "100000-token blocks" in err
+
+
+def test_fig2_alpaca_is_not_compared_with_the_sharegpt_bars(capsys):
+    assert main(["sim", "fig2", "--trace", "alpaca", "--requests", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "ShareGPT only" in out and "largest difference" not in out and "20.4" not in out
+    assert main(["sim", "fig2", "--trace", "alpaca", "--requests", "200", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["max_abs_diff_pp"] is None and d["within_5pp"] is None and not d["setup"]["compared_with_paper"]
+    assert all(v["paper"] is None and v["diff_pp"] == {} for v in d["systems"].values())
+    assert d["systems"]["Orca (Pow2)"]["paper_batch"] == 43.24  # Figure 13 does have Alpaca
+
+
+# ------------------------------------------------------------------------------------------------ picking result files
+def _meta(gpu, date):
+    return {"gpu": gpu, "torch": "t", "triton": "x", "commit": "c", "date": date}
+
+
+def test_matches():
+    info = {"gpu": "NVIDIA H200", "mode": "full", "smoke": False}
+    assert harness.matches(info, None) and harness.matches(info, {})
+    assert harness.matches(info, {"gpu": "NVIDIA H200", "mode": ("full", "quick"), "smoke": False})
+    assert harness.matches(info, {"gpu": lambda g: "H200" in g})
+    assert not harness.matches(info, {"mode": "smoke"})
+    assert not harness.matches(info, {"missing": "x"}) and harness.matches(info, {"missing": lambda v: v is None})
+
+
+def test_notebook_selection_ignores_newer_smoke_and_cpu_runs(tmp_path):
+    row = {"workload": "W1", "impl": "ours", "time_us": 10.0}
+    gpu = harness.write_results("decode", [row], _meta("NVIDIA H200", "2026-01-01T00:00:00Z"), tmp_path,
+                                extra={"mode": "full"})
+    harness.write_results("decode", [row], _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
+    harness.write_results("decode", [row], _meta("NVIDIA H200", "2026-07-01T00:00:00Z"), tmp_path,
+                          extra={"mode": "quick"})
+    where = {"gpu": "NVIDIA H200", "mode": "full"}
+    rows = results.load_decode(results_dir=tmp_path, where=where, latest=True)
+    assert [r["date"] for r in rows] == ["2026-01-01T00:00:00Z"]
+    (run,) = harness.load_runs("decode-*.json", tmp_path, where)
+    assert run["path"] == gpu and run["info"]["mode"] == "full"
+    assert len(harness.load_results("decode-*.json", tmp_path)) == 3  # no filter: every file
+
+
+def test_committed_results_are_found_by_their_metadata():
+    """What notebooks 01 and 02 select from data/results (a non-empty, single run each)."""
+    for pattern, where in [("allocator-*.json", {"gpu": "cpu-x86_64"}),
+                           ("cache_kernels-*.json", {"gpu": "NVIDIA H200", "smoke": False}),
+                           ("decode-*.json", {"gpu": "NVIDIA H200", "mode": "full"})]:
+        rows = harness.load_results(pattern, where=where, latest=True)
+        assert rows and len({r["date"] for r in rows}) == 1, pattern
+
+
+def test_bench_results_skips_smoke_runs(tmp_path, capsys):
+    harness.write_results("decode", [{"workload": "W1", "impl": "ours", "time_us": None}],
+                          _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
+    assert main(["bench", "results", "--dir", str(tmp_path)]) == 0
+    assert "no decode results" in capsys.readouterr().out

@@ -1,0 +1,382 @@
+"""Sequences and their block tables over a :class:`~workbench.allocator.pool.BlockPool`.
+
+A sequence owns a block table (logical -> physical block id). ``fork`` shares every block
+(ref counts go up); appending into a shared, partly filled last block first copies it
+(copy-on-write) and reports the ``(src, dst)`` copy for the cache to apply. Every operation
+checks everything it needs before it changes anything: a failure raises a specific
+exception and leaves tables, counts, queues and the prefix map exactly as they were.
+
+Prefix publishing. Full blocks join the prefix cache when they are filled (``publish=True``,
+the default) or later through :meth:`BlockManager.publish`, which a cache calls only once
+their K/V is written: a prompt must never hit a block whose bytes are not there yet.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from workbench.allocator.errors import (
+    OutOfBlocks,
+    SequenceExists,
+    UnknownSequence,
+    as_index,
+    hashable,
+    token_ids,
+)
+from workbench.allocator.policies import FixedBlockSize
+from workbench.allocator.pool import BlockPool
+
+
+@dataclass
+class _Seq:
+    block_size: int
+    table: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    entries: list[int] = field(default_factory=list)  # prefix-cache entry id of each published full block
+    prompt_len: int = 0
+    extra_key: object = None
+
+    def copy(self) -> _Seq:
+        return _Seq(self.block_size, list(self.table), list(self.tokens), list(self.entries), self.prompt_len,
+                    self.extra_key)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What an add/append did: where the new tokens go and which blocks must be copied first.
+
+    ``slots[i]`` is the slot (``block_id * block_size + offset``) of token ``first + i``;
+    tokens before ``first`` were found in the prefix cache and need no write. ``copies`` are
+    ``(src, dst)`` block ids to copy before writing (copy-on-write), in the sequence's size class.
+    """
+
+    seq_id: object
+    block_size: int
+    first: int
+    slots: list[int]
+    copies: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What :meth:`BlockManager.restore` needs to undo one add/append of ``seq_id`` (see there)."""
+
+    seq_id: object
+    seq: _Seq | None  # None: the sequence did not exist
+    tail_valid: int
+    hits: int
+    misses: int
+
+
+class BlockManager:
+    """Sequences and their block tables over a :class:`BlockPool`.
+
+    Args:
+        pool: the physical blocks.
+        policy: picks each new sequence's block size (default: the pool's smallest size).
+        prefix_caching: reuse full blocks whose chained content matches.
+    """
+
+    def __init__(self, pool: BlockPool, policy=None, prefix_caching: bool = True):
+        if not isinstance(pool, BlockPool):
+            raise ValueError(f"pool must be a BlockPool, got {type(pool).__name__}")
+        self.pool = pool
+        self.policy = policy or FixedBlockSize(pool.block_sizes[0])
+        self.prefix_caching = bool(prefix_caching)
+        self._seqs: dict[object, _Seq] = {}
+
+    # ---- queries -------------------------------------------------------------------
+    def __contains__(self, seq_id: object) -> bool:
+        try:
+            return seq_id in self._seqs
+        except TypeError:
+            return False
+
+    @property
+    def seq_ids(self) -> list:
+        return list(self._seqs)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).table)
+
+    def block_size(self, seq_id) -> int:
+        return self._get(seq_id).block_size
+
+    def num_tokens(self, seq_id) -> int:
+        return len(self._get(seq_id).tokens)
+
+    def tokens(self, seq_id) -> list[int]:
+        return list(self._get(seq_id).tokens)
+
+    def locate(self, seq_id, pos: int) -> tuple[int, int]:
+        """(physical block, offset in block) of token ``pos``."""
+        s = self._get(seq_id)
+        pos = as_index("pos", pos)
+        if not 0 <= pos < len(s.tokens):
+            raise ValueError(f"pos must be in [0, {len(s.tokens)}), got {pos}")
+        return s.table[pos // s.block_size], pos % s.block_size
+
+    def slot_mapping(self, seq_id, start: int = 0, end: int | None = None) -> list[int]:
+        """Slots (``block * block_size + offset``) of tokens ``start:end``, ``0 <= start <= end <= num_tokens``."""
+        s = self._get(seq_id)
+        n = len(s.tokens)
+        start = as_index("start", start)
+        end = n if end is None else as_index("end", end)
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"start and end must satisfy 0 <= start <= end <= {n} (the sequence's tokens), "
+                             f"got start={start}, end={end}")
+        bs, table = s.block_size, s.table
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # ---- operations ----------------------------------------------------------------
+    def add(self, seq_id, prompt: Sequence[int], *, expected_len: int | None = None,
+            extra_key: object = None, publish: bool = True) -> Placement:
+        """Start a sequence with ``prompt`` tokens, reusing cached full blocks of the same prefix.
+
+        Args:
+            seq_id: any hashable id not in use.
+            prompt: at least one integer token id (a list, tuple, 1-D integer tensor or array).
+            expected_len: the sequence's expected final length (prompt + new tokens), for the policy.
+            extra_key: hashable; blocks are shared only between prompts with equal ``extra_key``
+                (a LoRA id, an image hash, a cache salt).
+            publish: make the new full blocks findable now; False defers it to :meth:`publish`.
+        """
+        hashable("seq_id", seq_id)
+        if seq_id in self._seqs:
+            raise SequenceExists(f"sequence {seq_id!r} already exists")
+        prompt = token_ids("prompt", prompt)
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if expected_len is not None:
+            if isinstance(expected_len, bool) or not isinstance(expected_len, int) or expected_len < 1:
+                raise ValueError(f"expected_len must be None or a positive int (prompt plus expected new tokens), "
+                                 f"got {expected_len!r}")
+        hashable("extra_key", extra_key)
+        bs = self.policy.choose(len(prompt), expected_len)
+        pool = self.pool
+        c = pool._cls(bs)  # validates the policy's choice
+        # Prefix hits: leading full blocks whose chained key is cached. A block holding the
+        # last prompt token is never a hit, so at least one token is computed (as engines do).
+        hits, entries = [], []
+        if self.prefix_caching:
+            cached = c.cached
+            for i in range((len(prompt) - 1) // bs):
+                bid = cached.get(pool.block_key(entries[-1] if entries else None, prompt[i * bs:(i + 1) * bs],
+                                                extra_key))
+                if bid is None:
+                    break
+                hits.append(bid)
+                entries.append(c.entry[bid])
+        need = -(-len(prompt) // bs) - len(hits)
+        hits_in_free = sum(1 for b in hits if b in c.free)
+        if need > pool._available(c) - hits_in_free:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {need} new blocks of {bs} tokens, "
+                              f"{pool._available(c) - hits_in_free} available")
+        # ---- nothing can fail below ----
+        if self.prefix_caching:
+            pool.hits += len(hits)
+            pool.misses += len(prompt) // bs - len(hits)
+        pool._incref(c, hits)
+        pool._touch(c, hits)
+        s = _Seq(bs, table=hits + pool.allocate(bs, need), prompt_len=len(prompt), extra_key=extra_key)
+        self._seqs[seq_id] = s
+        first = len(hits) * bs
+        s.tokens = prompt[:first]
+        s.entries = entries
+        return self._fill(seq_id, s, prompt[first:], first, [], publish)
+
+    def append(self, seq_id, tokens: Sequence[int], *, publish: bool = True) -> Placement:
+        """Append generated tokens; copy-on-write a shared, partly filled last block first."""
+        s = self._get(seq_id)
+        tokens = token_ids("tokens", tokens)
+        bs, n = s.block_size, len(s.tokens)
+        pool = self.pool
+        tail_shared = bool(tokens) and n % bs != 0 and pool.ref_count(bs, s.table[-1]) > 1
+        need = -(-(n + len(tokens)) // bs) - len(s.table) + (1 if tail_shared else 0)
+        if need > pool.free_blocks(bs):
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {need} new blocks of {bs} tokens, "
+                              f"{pool.free_blocks(bs)} available")
+        # ---- nothing can fail below ----
+        copies = []
+        if tail_shared:
+            (dst,) = pool.allocate(bs, 1)
+            src = s.table[-1]
+            pool.set_valid(bs, dst, pool.valid_tokens(bs, src))
+            pool.decref(bs, [src])
+            s.table[-1] = dst
+            copies.append((src, dst))
+        s.table.extend(pool.allocate(bs, need - len(copies)))
+        return self._fill(seq_id, s, tokens, n, copies, publish)
+
+    def publish(self, seq_id) -> int:
+        """Make the sequence's full blocks findable by later prompts; returns how many joined the cache."""
+        s = self._get(seq_id)
+        if not self.prefix_caching:
+            return 0
+        bs, pool = s.block_size, self.pool
+        before = pool.cached_blocks(bs)
+        for i in range(len(s.entries), len(s.tokens) // bs):  # completed blocks not yet published
+            key = pool.block_key(s.entries[-1] if s.entries else None, s.tokens[i * bs:(i + 1) * bs], s.extra_key)
+            entry = pool.register(bs, s.table[i], key)
+            if entry is None:  # the block caches other content (cannot happen for a filled table): stop the chain
+                break
+            s.entries.append(entry)
+        return pool.cached_blocks(bs) - before
+
+    def fork(self, parent_id, child_id) -> None:
+        """The child shares every block of the parent (parallel sampling, beam search)."""
+        p = self._get(parent_id)
+        hashable("child_id", child_id)
+        if child_id in self._seqs:
+            raise SequenceExists(f"sequence {child_id!r} already exists")
+        self.pool._incref(self.pool._cls(p.block_size), p.table)
+        self._seqs[child_id] = p.copy()
+
+    def free(self, seq_id) -> None:
+        """Release the sequence; its blocks go back in reverse order, so shared prefixes are evicted last."""
+        s = self._get(seq_id)
+        self.pool._decref(self.pool._cls(s.block_size), reversed(s.table))
+        self.policy.observe(len(s.tokens), s.prompt_len)
+        del self._seqs[seq_id]
+
+    # ---- undo (for a cache whose K/V write failed after the tables changed) ----------
+    def checkpoint(self, seq_id) -> Checkpoint:
+        """What :meth:`restore` needs to undo the next unpublished add or append of ``seq_id``."""
+        s = self._seqs.get(seq_id) if seq_id in self else None
+        tail = self.pool.valid_tokens(s.block_size, s.table[-1]) if s is not None and s.table else 0
+        return Checkpoint(seq_id, None if s is None else s.copy(), tail, self.pool.hits, self.pool.misses)
+
+    def restore(self, cp: Checkpoint, placement: Placement) -> None:
+        """Undo the ``add``/``append(..., publish=False)`` that returned ``placement`` after ``cp`` was taken.
+
+        Blocks it allocated go back to the head of the free queue (where allocation took them),
+        prefix hits and a copy-on-write source get their references back, tokens and hit
+        counters are as before. Not undone: cached blocks that its allocation evicted stay evicted
+        (their bytes may have been overwritten), pages it carved stay carved (and free), hit blocks
+        that were free rejoin the queue's tail. This is the safety net for a write that fails after
+        validation (a device error); bad arguments are refused before anything changes.
+        """
+        pool, s = self.pool, self._get(cp.seq_id)
+        old = cp.seq
+        old_table = old.table if old is not None else []
+        bs = s.block_size
+        changed = [i for i, b in enumerate(s.table) if i >= len(old_table) or old_table[i] != b]
+        hits = placement.first // bs if old is None else 0  # an add's leading prefix hits were not allocated
+        allocated = [s.table[i] for i in changed if i >= hits]
+        pool.incref(bs, [b for i, b in enumerate(old_table) if s.table[i] != b])  # copy-on-write sources
+        pool.decref(bs, [s.table[i] for i in changed])
+        c = pool._cls(bs)
+        for b in reversed(allocated):  # back where allocation found them
+            c.free.move_to_end(b, last=False)
+        pool.hits, pool.misses = cp.hits, cp.misses
+        if old is None:
+            del self._seqs[cp.seq_id]
+            return
+        if old.table:
+            pool.set_valid(bs, old.table[-1], cp.tail_valid)
+        self._seqs[cp.seq_id] = old
+
+    # ---- internals -----------------------------------------------------------------
+    def _get(self, seq_id) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise UnknownSequence(f"no sequence {seq_id!r}") from None
+
+    def _fill(self, seq_id, s: _Seq, new: list[int], first: int, copies: list, publish: bool) -> Placement:
+        """Record ``new`` tokens at positions ``first...`` (blocks already allocated); publish full blocks."""
+        bs, pool = s.block_size, self.pool
+        s.tokens.extend(new)
+        end = len(s.tokens)
+        slots = [s.table[p // bs] * bs + p % bs for p in range(first, end)]
+        c = pool._cls(bs)
+        for i in range(first // bs, -(-end // bs)):
+            c.valid[s.table[i]] = min(bs, end - i * bs)
+        if publish:
+            self.publish(seq_id)
+        pool._touch(c, s.table[first // bs:])
+        return Placement(seq_id, bs, first, slots, copies)
+
+    def check_invariants(self) -> None:
+        """Assert the allocator's invariants (tests call this after every step)."""
+        pool = self.pool
+        for bs, c in pool._classes.items():
+            holders = [0] * len(c.ref)
+            for s in self._seqs.values():
+                if s.block_size == bs:
+                    for b in s.table:
+                        holders[b] += 1
+            carved = {b for p in c.pages for b in range(p * c.blocks_per_page, (p + 1) * c.blocks_per_page)}
+            for b in range(len(c.ref)):
+                assert c.ref[b] == holders[b], f"block {b}/{bs}: ref {c.ref[b]} != holders {holders[b]}"
+                assert not (c.ref[b] and b in c.free), f"block {b}/{bs} is both free and in use"
+                assert (c.key[b] is None) == (c.entry[b] is None), f"block {b}/{bs}: key and entry disagree"
+                if b in carved:
+                    assert c.ref[b] or b in c.free, f"block {b}/{bs} is neither free nor in use (leaked)"
+                else:
+                    assert not c.ref[b] and b not in c.free, f"block {b}/{bs} is in an uncarved page"
+            for key, b in c.cached.items():
+                assert c.key[b] == key, f"prefix map entry {key!r} -> {b} is stale"
+            assert len(c.cached) == sum(k is not None for k in c.key), f"size {bs}: unmapped cached keys"
+            for p, nfree in c.free_in_page.items():
+                count = sum(1 for b in range(p * c.blocks_per_page, (p + 1) * c.blocks_per_page) if b in c.free)
+                assert nfree == count, f"page {p}/{bs}: free count {nfree} != {count}"
+        pages = [p for c in pool._classes.values() for p in c.pages] + pool._uncarved
+        assert sorted(pages) == list(range(pool.num_pages)), "pages lost or carved twice"
+        assert pool.used_slots() + pool.free_slots() == pool.num_pages * pool.page_tokens
+        for sid, s in self._seqs.items():
+            assert len(s.table) == math.ceil(len(s.tokens) / s.block_size), f"{sid}: table length"
+            assert len(s.entries) <= len(s.tokens) // s.block_size, f"{sid}: entries past the full blocks"
+
+    # ---- compaction support (workbench.compaction plans and applies) ----------------
+    def clone(self) -> BlockManager:
+        """An independent copy of the pool and the sequences (the policy object is shared)."""
+        new = object.__new__(BlockManager)
+        new.pool, new.policy, new.prefix_caching = self.pool.clone(), self.policy, self.prefix_caching
+        new._seqs = {sid: s.copy() for sid, s in self._seqs.items()}
+        return new
+
+    def fingerprint(self) -> int:
+        """A hash of the pool's state and every sequence's block size, table and length."""
+        seqs = tuple((sid, s.block_size, tuple(s.table), len(s.tokens), tuple(s.entries))
+                     for sid, s in self._seqs.items())
+        return hash((self.pool.fingerprint(), seqs))
+
+    def move_blocks(self, block_size: int, moves: Sequence[tuple[int, int]]) -> None:
+        """:meth:`BlockPool.move_blocks`, then every block table of this size class follows the moves."""
+        moves = list(moves)
+        self.pool.move_blocks(block_size, moves)
+        rename = {int(s): int(d) for s, d in moves}
+        for s in self._seqs.values():
+            if s.block_size == block_size:
+                s.table = [rename.get(b, b) for b in s.table]
+
+    def rehome(self, seq_id, block_size: int, blocks: Sequence[int]) -> list[int]:
+        """Move a sequence into another size class; returns its old block table.
+
+        ``blocks`` (``ceil(num_tokens / block_size)`` of them, takeable as in :meth:`BlockPool.take`)
+        become its table, its old blocks are released (a ref count down each, so shared blocks stay
+        with their other holders), and its full new blocks join the prefix cache. The K/V of token
+        ``p`` must be copied by the caller from ``old_table[p // old_bs] * old_bs + p % old_bs`` to
+        the new slot mapping. All or nothing.
+        """
+        s = self._get(seq_id)
+        pool = self.pool
+        pool._cls(block_size)
+        blocks = list(blocks)
+        n = len(s.tokens)
+        if len(blocks) != -(-n // block_size):
+            raise ValueError(f"blocks must hold {n} tokens in blocks of {block_size}: "
+                             f"{-(-n // block_size)} blocks, got {len(blocks)}")
+        pool.take(block_size, blocks)  # validates before it changes anything
+        # ---- nothing can fail below ----
+        blocks = [int(b) for b in blocks]
+        old, old_bs = s.table, s.block_size
+        s.block_size, s.table, s.entries = block_size, blocks, []
+        for i, bid in enumerate(blocks):
+            pool.set_valid(block_size, bid, min(block_size, n - i * block_size))
+        self.publish(seq_id)
+        pool.decref(old_bs, reversed(old))
+        return old

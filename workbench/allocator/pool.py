@@ -1,0 +1,547 @@
+"""The block pool: physical pages carved into blocks, ref counts, the prefix map, eviction.
+
+Physical memory is ``num_pages`` pages of ``page_tokens`` token slots. A page is carved
+(slab style) into blocks of one *size class* ``block_size`` (a divisor of ``page_tokens``):
+``page_tokens // block_size`` blocks, numbered ``page * blocks_per_page + slot``, so each
+size class addresses the same memory as a plain array of blocks. With one size class
+equal to ``page_tokens`` this is vLLM's fixed-size block pool; with several (16 and 64,
+say) short requests take small blocks and long ones large blocks (the seed's adaptive
+block size) and memory accounting stays exact: every slot is in exactly one of
+*uncarved*, *free block* or *used block*.
+
+Per block (a :class:`Block` descriptor): ref count, valid tokens, prefix-cache key, last
+access. Free blocks wait in an LRU queue (``OrderedDict``: O(1) pop-oldest, O(1) removal
+from the middle).
+
+Prefix cache. A full block's key is ``(parent_entry, tokens, extra_key)``: its own tokens
+plus the *entry id* of the block before it, a number the pool hands out once per cached
+entry and never reuses. The map is a dict keyed by the whole key, so two contents never
+alias, and a chain is only as long as its links: once a parent entry leaves the cache, no
+prompt can form its children's keys again (they are unreachable and age out of the queue).
+When its last user frees a cached block it stays in the queue *and* in the map, so a later
+prompt with the same prefix reuses it without copying, until allocation pops it from the
+head of the queue (eviction).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from workbench.allocator.errors import OutOfBlocks, as_index, positive
+
+
+@dataclass(frozen=True)
+class Block:
+    """A snapshot of one block's descriptor."""
+
+    block_id: int
+    token_slots: int
+    ref_count: int
+    valid_tokens: int
+    content_hash: int | None
+    last_access: int
+
+
+class _SizeClass:
+    """The blocks of one block size: descriptor arrays indexed by block id, LRU free queue.
+
+    ``key[b]``/``entry[b]`` are set together (a cached full block) or both None; ``cached``
+    maps every set key to its block. ``free`` holds exactly the carved blocks with ``ref == 0``.
+    """
+
+    __slots__ = ("block_size", "blocks_per_page", "ref", "valid", "key", "entry", "last_access", "free", "pages",
+                 "free_in_page", "cached")
+
+    def __init__(self, block_size: int, blocks_per_page: int, num_pages: int):
+        self.block_size = block_size
+        self.blocks_per_page = blocks_per_page
+        n = num_pages * blocks_per_page
+        self.ref = [0] * n
+        self.valid = [0] * n
+        self.key: list[tuple | None] = [None] * n  # prefix-cache key of a cached full block
+        self.entry: list[int | None] = [None] * n  # its entry id: what child keys chain on
+        self.last_access = [0] * n
+        self.free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
+        self.pages: set[int] = set()  # pages carved for this class
+        self.free_in_page: dict[int, int] = {}  # page -> free blocks in it
+        self.cached: dict[tuple, int] = {}  # exact key -> block id
+
+
+class BlockPool:
+    """Physical pages carved into blocks of the configured sizes; prefix map; eviction.
+
+    Args:
+        num_pages: pages of memory.
+        page_tokens: token slots per page.
+        block_sizes: allowed block sizes, each dividing ``page_tokens`` (default: ``page_tokens``).
+    """
+
+    def __init__(self, num_pages: int, page_tokens: int, block_sizes: Iterable[int] | None = None):
+        self.num_pages = positive("num_pages", num_pages)
+        self.page_tokens = positive("page_tokens", page_tokens)
+        if block_sizes is None:
+            block_sizes = (page_tokens,)
+        elif isinstance(block_sizes, int) or not isinstance(block_sizes, Iterable):
+            raise ValueError(f"block_sizes must be a sequence of ints, got {block_sizes!r}")
+        sizes = list(block_sizes)
+        for bs in sizes:
+            positive("block_sizes entry", bs)
+            if page_tokens % bs:
+                raise ValueError(f"block_sizes entry {bs} must divide page_tokens={page_tokens}")
+        if not sizes:
+            raise ValueError("block_sizes must name at least one block size")
+        self.block_sizes = tuple(sorted(set(sizes)))
+        self._classes = {bs: _SizeClass(bs, page_tokens // bs, num_pages) for bs in self.block_sizes}
+        self._uncarved = list(range(num_pages - 1, -1, -1))  # stack: pops page 0 first
+        self._clock = 0
+        self._next_entry = 0  # prefix-cache entry ids: handed out once, never reused
+        self.hits = self.misses = self.evictions = 0
+
+    # ---- queries -------------------------------------------------------------------
+    def blocks_per_page(self, block_size: int) -> int:
+        return self._cls(block_size).blocks_per_page
+
+    def num_blocks(self, block_size: int) -> int:
+        """Block ids of this size class run from 0 to ``num_blocks(block_size) - 1``."""
+        return self.num_pages * self._cls(block_size).blocks_per_page
+
+    def block(self, block_size: int, block_id: int) -> Block:
+        c = self._cls(block_size)
+        block_id = self._check_id(c, block_id)
+        key = c.key[block_id]
+        return Block(block_id, block_size, c.ref[block_id], c.valid[block_id],
+                     None if key is None else hash(key), c.last_access[block_id])
+
+    def ref_count(self, block_size: int, block_id: int) -> int:
+        c = self._cls(block_size)
+        return c.ref[self._check_id(c, block_id)]
+
+    def is_free(self, block_size: int, block_id: int) -> bool:
+        c = self._cls(block_size)
+        return self._check_id(c, block_id) in c.free
+
+    def free_blocks(self, block_size: int) -> int:
+        """Blocks of this size that an allocation could take now (carving and reclaiming included)."""
+        return self._available(self._cls(block_size))
+
+    def used_slots(self) -> int:
+        return sum(c.block_size * (len(c.pages) * c.blocks_per_page - len(c.free)) for c in self._classes.values())
+
+    def free_slots(self) -> int:
+        """Slots in uncarved pages plus free blocks (cached ones included: they are evictable)."""
+        return len(self._uncarved) * self.page_tokens + sum(c.block_size * len(c.free) for c in self._classes.values())
+
+    def cached_blocks(self, block_size: int | None = None) -> int:
+        classes = self._classes.values() if block_size is None else [self._cls(block_size)]
+        return sum(len(c.cached) for c in classes)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "total_slots": self.num_pages * self.page_tokens,
+            "used_slots": self.used_slots(),
+            "free_slots": self.free_slots(),
+            "uncarved_pages": len(self._uncarved),
+            "cached_blocks": self.cached_blocks(),
+            "prefix_hits": self.hits,
+            "prefix_misses": self.misses,
+            "evictions": self.evictions,
+        }
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate(self, block_size: int, n: int) -> list[int]:
+        """Take ``n`` blocks (ref count 1, no valid tokens), oldest free first; all or nothing."""
+        c = (type(block_size) is int and self._classes.get(block_size)) or self._cls(block_size)
+        if type(n) is not int:
+            n = as_index("n", n)
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > len(c.free) and n > self._available(c):
+            raise OutOfBlocks(f"need {n} blocks of {block_size} tokens, {self._available(c)} available")
+        self._clock += 1
+        clock, out = self._clock, []
+        free, key = c.free, c.key
+        for _ in range(n):
+            if not free:
+                self._carve(c)
+            bid = free.popitem(last=False)[0]
+            if key[bid] is not None:
+                if self._uncarved:  # clean memory first: carve a fresh page rather than evict
+                    free[bid] = None
+                    free.move_to_end(bid, last=False)
+                    self._carve(c)
+                    bid = free.popitem(last=False)[0]
+                else:
+                    self._evict(c, bid)
+            c.ref[bid] = 1
+            c.valid[bid] = 0
+            c.last_access[bid] = clock
+            c.free_in_page[bid // c.blocks_per_page] -= 1
+            out.append(bid)
+        return out
+
+    def incref(self, block_size: int, ids: Iterable[int]) -> None:
+        """One more user of each block (each in use, or free and cached: a prefix hit); all or nothing."""
+        c = self._cls(block_size)
+        ids = self._check_ids(c, ids)
+        for bid in ids:
+            if not c.ref[bid] and c.key[bid] is None:
+                raise ValueError(f"ids entry {bid}: block {bid} of size {block_size} is neither in use nor cached")
+        self._incref(c, ids)
+
+    def decref(self, block_size: int, ids: Iterable[int]) -> None:
+        """One user fewer; at zero the block joins the free queue's tail (staying cached if it was). All or nothing."""
+        c = (type(block_size) is int and self._classes.get(block_size)) or self._cls(block_size)
+        ref = c.ref
+        if type(ids) is list and len(ids) == 1 and type(bid := ids[0]) is int and 0 <= bid < len(ref) and ref[bid]:
+            self._clock += 1  # the single-block path (a copy-on-write source, the benchmark), inlined
+            ref[bid] -= 1
+            if not ref[bid]:
+                c.free[bid] = None
+                c.last_access[bid] = self._clock
+                c.free_in_page[bid // c.blocks_per_page] += 1
+            return
+        ids = self._check_ids(c, ids)
+        for bid in ids:
+            if ref[bid] < 1:
+                raise ValueError(f"ids entry {bid}: block {bid} of size {block_size} is not in use")
+        if len(ids) > 1 and len(set(ids)) < len(ids):  # a repeated id drops one user each time
+            for bid, times in Counter(ids).items():
+                if ref[bid] < times:
+                    raise ValueError(f"ids entry {bid}: block {bid} of size {block_size} has {ref[bid]} users, "
+                                     f"cannot drop {times}")
+        self._decref(c, ids)
+
+    def evict(self, n: int | None = None) -> int:
+        """Forget up to ``n`` (default all) cached free blocks, oldest first; returns how many."""
+        if n is not None:
+            n = as_index("n", n)
+            if n < 0:
+                raise ValueError(f"n must be >= 0 or None, got {n}")
+        done = 0
+        for c in self._classes.values():
+            for bid in list(c.free):
+                if n is not None and done >= n:
+                    return done
+                if c.key[bid] is not None:
+                    self._evict(c, bid)
+                    done += 1
+        return done
+
+    # ---- prefix cache --------------------------------------------------------------
+    @staticmethod
+    def block_key(parent_entry: int | None, tokens: Sequence[int], extra_key: object = None) -> tuple:
+        """The exact identity of a full block's content: its tokens after the cached entry ``parent_entry``.
+
+        ``parent_entry`` is the :meth:`entry_id` of the previous block's content (None for a first block).
+        """
+        return (parent_entry, tuple(tokens), extra_key)
+
+    def lookup(self, block_size: int, key: tuple) -> int | None:
+        """The cached block holding exactly ``key``, or None. Does not take a reference."""
+        c = self._cls(block_size)
+        try:
+            return c.cached.get(key)
+        except TypeError:
+            raise ValueError(f"key must be hashable (see block_key), got {key!r}") from None
+
+    def entry_id(self, block_size: int, block_id: int) -> int | None:
+        """The prefix-cache entry this block holds (what a child block's key chains on), or None."""
+        c = self._cls(block_size)
+        return c.entry[self._check_id(c, block_id)]
+
+    def register(self, block_size: int, block_id: int, key: tuple) -> int | None:
+        """Make a full, in-use block findable by ``key``; returns the entry id that now holds ``key``.
+
+        If another block caches ``key`` already, that block's entry id is returned and this block
+        stays unregistered; if this block caches a different key, returns None.
+        """
+        c = self._cls(block_size)
+        block_id = self._check_id(c, block_id)
+        if c.ref[block_id] < 1:
+            raise ValueError(f"block {block_id} of size {block_size} must be in use to be registered")
+        try:
+            other = c.cached.get(key)
+        except TypeError:
+            raise ValueError(f"key must be hashable (see block_key), got {key!r}") from None
+        if other is not None:
+            return c.entry[other]
+        if c.key[block_id] is not None:
+            return None
+        c.cached[key] = block_id
+        c.key[block_id], c.entry[block_id] = key, self._next_entry
+        self._next_entry += 1
+        return c.entry[block_id]
+
+    def set_valid(self, block_size: int, block_id: int, valid: int) -> None:
+        c = self._cls(block_size)
+        block_id = self._check_id(c, block_id)
+        if type(valid) is not int or not 0 <= valid <= block_size:
+            raise ValueError(f"valid must be an int in [0, {block_size}], got {valid!r}")
+        c.valid[block_id] = valid
+
+    def valid_tokens(self, block_size: int, block_id: int) -> int:
+        c = self._cls(block_size)
+        return c.valid[self._check_id(c, block_id)]
+
+    def touch(self, block_size: int, ids: Iterable[int]) -> None:
+        c = self._cls(block_size)
+        self._touch(c, self._check_ids(c, ids))
+
+    # ---- internals -----------------------------------------------------------------
+    def _cls(self, block_size: int) -> _SizeClass:
+        c = None
+        if type(block_size) is int or (not isinstance(block_size, (bool, float)) and hasattr(block_size, "__index__")):
+            c = self._classes.get(int(block_size))
+        if c is None:
+            raise ValueError(f"block_size must be one of {self.block_sizes}, got {block_size!r}")
+        return c
+
+    def _check_id(self, c: _SizeClass, block_id: object, name: str = "block_id") -> int:
+        if type(block_id) is not int:
+            block_id = as_index(name, block_id)
+        if not 0 <= block_id < len(c.ref):
+            raise ValueError(f"{name} must be in [0, {len(c.ref)}) for block size {c.block_size}, got {block_id}")
+        return block_id
+
+    def _check_ids(self, c: _SizeClass, ids: Iterable[int]) -> list[int]:
+        """``ids`` as a list of plain ints, each a block id of ``c`` (numpy / torch integers accepted)."""
+        if type(ids) is not list:
+            if isinstance(ids, (str, bytes)):
+                raise ValueError(f"ids must be an iterable of block ids, got {type(ids).__name__}")
+            try:
+                ids = list(ids)
+            except TypeError:
+                raise ValueError(f"ids must be an iterable of block ids, got {type(ids).__name__}") from None
+        n = len(c.ref)
+        for bid in ids:
+            if type(bid) is not int or bid < 0 or bid >= n:
+                return [self._check_id(c, b, "ids entry") for b in ids]
+        return ids
+
+    # Unchecked forms for the manager, whose ids come from its own tables (valid by its invariants).
+    def _incref(self, c: _SizeClass, ids: Iterable[int]) -> None:
+        ref = c.ref
+        for bid in ids:
+            if not ref[bid]:  # a cached free block comes back into use
+                del c.free[bid]
+                c.free_in_page[bid // c.blocks_per_page] -= 1
+            ref[bid] += 1
+
+    def _decref(self, c: _SizeClass, ids: Iterable[int]) -> None:
+        self._clock += 1
+        clock, ref = self._clock, c.ref
+        for bid in ids:
+            ref[bid] -= 1
+            if not ref[bid]:
+                c.free[bid] = None
+                c.last_access[bid] = clock
+                c.free_in_page[bid // c.blocks_per_page] += 1
+
+    def _touch(self, c: _SizeClass, ids: Iterable[int]) -> None:
+        self._clock += 1
+        clock, last_access = self._clock, c.last_access
+        for bid in ids:
+            last_access[bid] = clock
+
+    def _reclaimable(self, c: _SizeClass) -> list[tuple[_SizeClass, int]]:
+        """Fully free pages of other size classes, which can be re-carved for ``c``."""
+        return [(o, p) for o in self._classes.values() if o is not c
+                for p, nfree in o.free_in_page.items() if nfree == o.blocks_per_page]
+
+    def _available(self, c: _SizeClass) -> int:
+        pages = len(self._uncarved)
+        if len(self._classes) > 1:
+            pages += len(self._reclaimable(c))
+        return len(c.free) + pages * c.blocks_per_page
+
+    def _carve(self, c: _SizeClass) -> None:
+        """Carve the next uncarved page for ``c``, taking back a wholly free page of another class if none."""
+        if not self._uncarved:
+            self._uncarve(*self._reclaimable(c)[0])
+        self._carve_page(c, self._uncarved[-1])
+
+    def _uncarve(self, c: _SizeClass, page: int) -> None:
+        """Return a wholly free page of ``c`` to the uncarved stock, evicting its cached blocks."""
+        for bid in range(page * c.blocks_per_page, (page + 1) * c.blocks_per_page):
+            if c.key[bid] is not None:
+                self._evict(c, bid)
+            del c.free[bid]
+            c.valid[bid] = 0
+        c.pages.discard(page)
+        del c.free_in_page[page]
+        self._uncarved.append(page)
+
+    def _carve_page(self, c: _SizeClass, page: int) -> None:
+        """Carve an uncarved ``page`` into free blocks of ``c``, at the head of its free queue."""
+        if self._uncarved[-1] == page:
+            self._uncarved.pop()
+        else:
+            self._uncarved.remove(page)
+        c.pages.add(page)
+        c.free_in_page[page] = c.blocks_per_page
+        base = page * c.blocks_per_page
+        for bid in range(base + c.blocks_per_page - 1, base - 1, -1):  # to the head, ascending ids
+            c.free[bid] = None
+            c.free.move_to_end(bid, last=False)
+
+    def _evict(self, c: _SizeClass, bid: int) -> None:
+        del c.cached[c.key[bid]]
+        c.key[bid] = c.entry[bid] = None
+        self.evictions += 1
+
+    # ---- compaction support (appended; workbench.compaction plans and applies) -------
+    def carved_pages(self, block_size: int) -> list[int]:
+        """Pages carved for this size class, ascending."""
+        return sorted(self._cls(block_size).pages)
+
+    def uncarved_pages(self) -> list[int]:
+        """Pages not carved for any size class, ascending."""
+        return sorted(self._uncarved)
+
+    def page_block_size(self, page: int) -> int | None:
+        """The size class ``page`` is carved for, or None if it is uncarved."""
+        if not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        return next((bs for bs, c in self._classes.items() if page in c.pages), None)
+
+    def clone(self) -> BlockPool:
+        """An independent copy (prefix keys are shared: they are immutable tuples)."""
+        new = object.__new__(BlockPool)
+        vars(new).update(vars(self))
+        new.block_sizes = self.block_sizes
+        new._uncarved = list(self._uncarved)
+        new._classes = {}
+        for bs, c in self._classes.items():
+            d = _SizeClass.__new__(_SizeClass)
+            d.block_size, d.blocks_per_page = c.block_size, c.blocks_per_page
+            d.ref, d.valid, d.key, d.entry = list(c.ref), list(c.valid), list(c.key), list(c.entry)
+            d.last_access = list(c.last_access)
+            d.free, d.pages = OrderedDict(c.free), set(c.pages)
+            d.free_in_page, d.cached = dict(c.free_in_page), dict(c.cached)
+            new._classes[bs] = d
+        return new
+
+    def fingerprint(self) -> int:
+        """A hash of every descriptor, queue and page assignment (equal states, equal fingerprints)."""
+        parts = [tuple(self._uncarved)]
+        for bs, c in self._classes.items():
+            parts.append((bs, tuple(c.ref), tuple(c.valid), tuple(c.key), tuple(c.entry), tuple(c.free),
+                          tuple(sorted(c.pages))))
+        return hash(tuple(parts))
+
+    def take(self, block_size: int, ids: Sequence[int]) -> None:
+        """Take these specific blocks (ref count 1, no valid tokens); all or nothing.
+
+        Each must be a clean free block of this class (not in the prefix cache), or lie in an
+        uncarved page, or in a wholly free page of another class holding no cached block (that
+        page is re-carved for this class).
+        """
+        c = self._cls(block_size)
+        ids = self._check_ids(c, ids)
+        self._check_takeable(c, ids)
+        # ---- nothing can fail below ----
+        self._carve_for(c, ids)
+        self._clock += 1
+        for bid in ids:
+            del c.free[bid]
+            c.ref[bid], c.valid[bid], c.last_access[bid] = 1, 0, self._clock
+            c.free_in_page[bid // c.blocks_per_page] -= 1
+
+    def move_blocks(self, block_size: int, moves: Sequence[tuple[int, int]]) -> None:
+        """Move block descriptors ``src -> dst`` within one size class; all or nothing.
+
+        A ``src`` is in use (its ref count, valid tokens, prefix key and last access go to ``dst``;
+        ``src`` becomes a clean free block at the queue's tail) or a cached free block (its key and
+        its place in the LRU queue go to ``dst``). Each ``dst`` must be takeable as in :meth:`take`.
+        Sources are distinct, destinations are distinct, and no destination is a source. Block
+        tables are not the pool's: use :meth:`BlockManager.move_blocks`, and copy the K/V yourself.
+        """
+        c = self._cls(block_size)
+        try:
+            moves = [(self._check_id(c, s, "src"), self._check_id(c, d, "dst")) for s, d in moves]
+        except (TypeError, ValueError) as e:  # not pairs, or bad ids
+            raise ValueError(f"moves must be (src, dst) pairs of block ids: {e}") from None
+        srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
+        for s in srcs:
+            self._check_id(c, s)
+            if c.ref[s] == 0 and c.key[s] is None:
+                raise ValueError(f"src block {s} of size {block_size} holds nothing (not in use, not cached)")
+        if len(set(srcs)) != len(srcs):
+            raise ValueError("moves must not repeat a src block")
+        if set(srcs) & set(dsts):
+            raise ValueError("a dst block must not also be a src block")
+        self._check_takeable(c, dsts)
+        # ---- nothing can fail below ----
+        self._carve_for(c, dsts)
+        bpp = c.blocks_per_page
+        rename = {}  # cached free src -> dst: dst takes src's place in the LRU queue
+        for s, d in moves:
+            key = c.key[s]
+            c.valid[d], c.key[d], c.entry[d], c.last_access[d] = c.valid[s], key, c.entry[s], c.last_access[s]
+            if key is not None:
+                c.cached[key] = d
+            c.key[s], c.entry[s], c.valid[s] = None, None, 0
+            if c.ref[s]:
+                del c.free[d]
+                c.free_in_page[d // bpp] -= 1
+                c.ref[d], c.ref[s] = c.ref[s], 0
+                c.free[s] = None
+                c.free_in_page[s // bpp] += 1
+            else:
+                rename[s] = d
+        if rename:
+            taken = set(rename.values())
+            order = [rename.get(b, b) for b in c.free if b not in taken]
+            c.free = OrderedDict.fromkeys(order + list(rename))  # freed sources go to the tail
+
+    def release_pages(self, pages: Iterable[int] | None = None) -> list[int]:
+        """Return wholly free carved pages to the uncarved stock, evicting cached blocks in them.
+
+        ``pages=None`` releases every wholly free page. Afterwards the uncarved stock hands out
+        the lowest page first. Returns the released pages, ascending; all or nothing.
+        """
+        owner = {p: c for c in self._classes.values() for p in c.pages}
+        if pages is None:
+            pages = [p for p, c in owner.items() if c.free_in_page[p] == c.blocks_per_page]
+        pages = sorted({as_index("pages entry", p) for p in pages})
+        for p in pages:
+            c = owner.get(p)
+            if c is None:
+                raise ValueError(f"page {p} is not carved")
+            if c.free_in_page[p] != c.blocks_per_page:
+                raise ValueError(f"page {p} still holds blocks in use")
+        # ---- nothing can fail below ----
+        for p in pages:
+            self._uncarve(owner[p], p)
+        self._uncarved.sort(reverse=True)  # a stack: the lowest page is popped first
+        return pages
+
+    def _check_takeable(self, c: _SizeClass, ids: list[int]) -> None:
+        if len(set(ids)) != len(ids):
+            raise ValueError("block ids to take must be distinct")
+        owner = {p: o for o in self._classes.values() if o is not c for p in o.pages}
+        for bid in ids:
+            self._check_id(c, bid)
+            page = bid // c.blocks_per_page
+            if page in c.pages:
+                if bid not in c.free or c.key[bid] is not None:
+                    raise ValueError(f"block {bid} of size {c.block_size} is not a clean free block")
+            elif page in owner:
+                o = owner[page]
+                base = page * o.blocks_per_page
+                if o.free_in_page[page] != o.blocks_per_page or any(
+                        o.key[b] is not None for b in range(base, base + o.blocks_per_page)):
+                    raise ValueError(f"block {bid} of size {c.block_size} lies in page {page}, carved for size "
+                                     f"{o.block_size} and not wholly free and clean")
+
+    def _carve_for(self, c: _SizeClass, ids: Iterable[int]) -> None:
+        """Carve the pages of ``ids`` that are not carved for ``c`` yet (taking back free pages of other classes)."""
+        for page in sorted({bid // c.blocks_per_page for bid in ids} - c.pages):
+            for o in self._classes.values():
+                if page in o.pages:  # wholly free and clean: checked
+                    self._uncarve(o, page)
+            self._carve_page(c, page)
+
+
