@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 
 class LenStats(NamedTuple):
@@ -27,6 +29,54 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
+@triton.jit
+def _table_check_kernel(
+    bt_ptr,  # [B, W] int32 block table
+    lens_ptr,  # [B] int32 sequence lengths
+    out_ptr,  # [B, 3] int32 out: (seq_len, bad entries, first bad column or W)
+    s_bt,  # row stride of the table
+    W,  # table width
+    block_size,
+    num_blocks,  # ids must be in [0, num_blocks)
+    BLOCK_W: tl.constexpr,
+):
+    i_b = tl.program_id(0)
+    n = tl.load(lens_ptr + i_b)
+    n_used = tl.minimum((n + block_size - 1) // block_size, W)  # entries this row reads (<= 0 if n <= 0)
+    n_bad = tl.zeros((), tl.int32)
+    first = tl.zeros((), tl.int32) + W
+    for j0 in range(0, n_used, BLOCK_W):
+        o_j = j0 + tl.arange(0, BLOCK_W)
+        m_j = o_j < n_used
+        b_id = tl.load(bt_ptr + i_b.to(tl.int64) * s_bt + o_j, mask=m_j, other=0)  # [BLOCK_W]
+        b_bad = m_j & ((b_id < 0) | (b_id >= num_blocks))
+        n_bad += tl.sum(b_bad.to(tl.int32))
+        first = tl.minimum(first, tl.min(tl.where(b_bad, o_j, W)))
+    tl.store(out_ptr + i_b * 3, n)
+    tl.store(out_ptr + i_b * 3 + 1, n_bad)
+    tl.store(out_ptr + i_b * 3 + 2, first)
+
+
+def row_checks(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_blocks: int,
+               *, use_kernel: bool | None = None) -> torch.Tensor:
+    """``[B, 3]`` int32 per row: seq_len, number of used entries outside ``[0, num_blocks)``, the first
+    such column (``W`` if none). One Triton launch on a GPU (``use_kernel=None``), plain torch on a CPU."""
+    B, W = block_table.shape
+    if use_kernel is None:
+        use_kernel = block_table.is_cuda
+    if use_kernel:
+        out = torch.empty((B, 3), dtype=torch.int32, device=block_table.device)
+        _table_check_kernel[(B,)](block_table, seq_lens, out, block_table.stride(0), W, block_size, num_blocks,
+                                  BLOCK_W=min(1024, triton.next_power_of_2(max(1, W))))
+        return out
+    lens = seq_lens.to(torch.int64)
+    n_used = torch.div(lens + (block_size - 1), block_size, rounding_mode="floor").clamp(max=W)  # [B]
+    cols = torch.arange(W, device=block_table.device)
+    bad = (cols[None, :] < n_used[:, None]) & ((block_table < 0) | (block_table >= num_blocks))  # [B, W]
+    first = torch.where(bad, cols[None, :], W).amin(dim=1) if W else torch.zeros_like(lens)
+    return torch.stack([lens, bad.sum(dim=1), first], dim=1).to(torch.int32)
+
+
 def table_stats(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -38,38 +88,37 @@ def table_stats(
 ) -> LenStats:
     """``seq_lens``' min, max and sum, read in one device sync; raises ValueError for a negative length,
     a length beyond the table's ``W * block_size`` tokens, and (``check_ids``) for a used entry outside
-    ``[0, num_blocks)``, naming its row, column and value. Shapes and dtypes are the caller's to check."""
+    ``[0, num_blocks)``, naming its row, column and value. Shapes and dtypes are the caller's to check.
+
+    Cost on a GPU: one small kernel (with ``check_ids``) and one device -> host read of ``[B, 3]``
+    values; the error path reads more, the good path nothing else."""
     if block_table.dim() != 2 or seq_lens.dim() != 1 or seq_lens.shape[0] != block_table.shape[0]:
         raise ValueError(f"{name} must be [B, max_blocks] and seq_lens [B], got {tuple(block_table.shape)} "
                          f"and {tuple(seq_lens.shape)}")
     B, W = block_table.shape
     if B == 0:
         return LenStats(0, 0, 0)
-    lens = seq_lens.to(torch.int64)
-    parts = [lens.min(), lens.max(), lens.sum()]
     check_ids = check_ids and W > 0
     if check_ids:
-        n_used = torch.div(lens + (block_size - 1), block_size, rounding_mode="floor")  # [B] blocks each row reads
-        used = torch.arange(W, device=block_table.device)[None, :] < n_used[:, None]  # [B, W]
-        bad = used & ((block_table < 0) | (block_table >= num_blocks))
-        first = torch.argmax(bad.reshape(-1).to(torch.int32))  # the first maximum: the first bad entry, row-major
-        value = block_table.reshape(-1).index_select(0, first.reshape(1)).reshape(())  # a 0-d index would sync
-        row_len = lens.index_select(0, torch.div(first, W, rounding_mode="floor").reshape(1)).reshape(())
-        parts += [bad.any(), first, value, row_len]
-    vals = torch.stack([p.to(torch.int64) for p in parts]).tolist()  # the one device -> host sync
-    lo, hi, total = vals[:3]
+        rows = row_checks(block_table, seq_lens, block_size, num_blocks).tolist()  # the one device -> host sync
+        lens = [r[0] for r in rows]
+    else:
+        lens = seq_lens.tolist()
+    lo, hi, total = min(lens), max(lens), sum(lens)
     if lo < 0:
         raise ValueError(f"seq_lens must be non-negative, got min {lo}")
     if hi > W * block_size:
         raise ValueError(f"seq_lens max {hi} exceeds {name} capacity {W} blocks x {block_size} tokens")
-    if check_ids and vals[3]:
-        r, c = divmod(vals[4], W)
-        n = vals[6]
-        raise ValueError(
-            f"{name}[{r}, {c}] = {vals[5]} is out of range: block ids must be in [0, {num_blocks}) (the cache's "
-            f"blocks). Row {r} has seq_len {n}, so it uses its first {-(-n // block_size)} entries; entries past a "
-            f"sequence's last block are padding and not checked"
-        )
+    if check_ids:
+        r = next((i for i, row in enumerate(rows) if row[1]), None)
+        if r is not None:
+            c, n = rows[r][2], rows[r][0]
+            value = int(block_table[r, c])  # the error path: a second read is fine
+            raise ValueError(
+                f"{name}[{r}, {c}] = {value} is out of range: block ids must be in [0, {num_blocks}) (the cache's "
+                f"blocks). Row {r} has seq_len {n}, so it uses its first {-(-n // block_size)} entries; entries "
+                f"past a sequence's last block are padding and not checked"
+            )
     return LenStats(lo, hi, total)
 
 

@@ -271,3 +271,20 @@ def test_nan_pool_never_reaches_outputs(layout, kv_dtype, q_dtype, device):
         err = float((got.double() - ref).norm() / ref.norm())
         assert err < TOL[q_dtype], (launch, err)
         assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), "an empty sequence gives zeros"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_check_kernel_matches_torch(seed):
+    """The GPU's one-launch table check (run here under the interpreter) agrees with the torch version."""
+    from workbench.kernels.validate import row_checks
+
+    g = torch.Generator().manual_seed(seed)
+    B, W, bs, nb = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)), 4, 50
+    table = torch.randint(-3, nb + 3, (B, W), generator=g, dtype=torch.int32)
+    lens = torch.randint(-2, W * bs + 3, (B,), generator=g, dtype=torch.int32)
+    import workbench
+
+    dev = workbench.device()
+    got = row_checks(table.to(dev), lens.to(dev), bs, nb, use_kernel=True).cpu()
+    want = row_checks(table, lens, bs, nb, use_kernel=False)
+    assert torch.equal(got, want), f"\n{got}\n{want}"
