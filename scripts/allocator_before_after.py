@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("rev", help="the older commit, e.g. HEAD or a hash")
     ap.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     ap.add_argument("--rounds", type=int, default=5, help="old/new alternations")
+    ap.add_argument("--out", default=None, help="also write the rows as JSON to this folder (e.g. results/)")
     args = ap.parse_args()
     old = load_old(args.rev)
     new = (bench.BlockPool, bench.BlockManager)
@@ -68,9 +69,18 @@ def main() -> None:
                 rates[name].setdefault(key, []).append(row["per_second"])
     bench.BlockPool, bench.BlockManager = new
     print(f"{'operation':<58} {args.rev + ' /s':>14} {'now /s':>12} {'now/old':>8}")
+    rows = []
     for key in rates["old"]:
         o, n = statistics.median(rates["old"][key]), statistics.median(rates["new"][key])
         print(f"{key:<58} {o:>14,.0f} {n:>12,.0f} {n / o:>8.3f}")
+        rows.append({"op": key, "baseline_rev": args.rev, "per_second_baseline": o, "per_second_now": n,
+                     "ratio": n / o, "rounds": args.rounds, "seconds": args.seconds})
+    if args.out:
+        from workbench.bench import harness
+
+        meta = harness.machine_meta()
+        meta["gpu"] = f"cpu-{meta['cpu']}"
+        print(harness.write_results("allocator-before-after", rows, meta, args.out))
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ def _manager_cases(m, live, nb, data):
 @given(data=st.data(), prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=10), min_size=1,
                                         max_size=5), sizes=st.sampled_from([[4], [2, 4], [1, 2, 4]]))
 def test_allocator_refuses_bad_arguments_and_changes_nothing(data, prompts, sizes):
-    m = BlockManager(BlockPool(12, 4, sizes))
+    m = BlockManager(BlockPool(40, 4, sizes))
     live = []
     for i, p in enumerate(prompts):
         m.add(i, [3, 1, 2, 0] + p)
