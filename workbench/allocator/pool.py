@@ -44,6 +44,17 @@ class Block:
     last_access: int
 
 
+def _in_use_list(ref: list[int], ids: object) -> bool:
+    """True when ``ids`` is a list of plain ints, each a block in use: decref's common case, checked in one pass."""
+    if type(ids) is not list:
+        return False
+    n = len(ref)
+    for bid in ids:
+        if type(bid) is not int or not 0 <= bid < n or ref[bid] < 1:
+            return False
+    return True
+
+
 class _SizeClass:
     """The blocks of one block size: descriptor arrays indexed by block id, LRU free queue.
 
@@ -202,10 +213,11 @@ class BlockPool:
                 c.last_access[bid] = self._clock
                 c.free_in_page[bid // c.blocks_per_page] += 1
             return
-        ids = self._check_ids(c, ids)
-        for bid in ids:
-            if ref[bid] < 1:
-                raise ValueError(f"ids entry {bid}: block {bid} of size {block_size} is not in use")
+        if not _in_use_list(ref, ids):  # else: convert numpy / torch ids, or say which id is bad
+            ids = self._check_ids(c, ids)
+            for bid in ids:
+                if ref[bid] < 1:
+                    raise ValueError(f"ids entry {bid}: block {bid} of size {block_size} is not in use")
         if len(ids) > 1 and len(set(ids)) < len(ids):  # a repeated id drops one user each time
             for bid, times in Counter(ids).items():
                 if ref[bid] < times:

@@ -27,31 +27,11 @@ from pathlib import Path
 
 import torch
 
+from workbench.argtypes import positive_float, positive_int  # noqa: F401  (re-exported for the benchmarks)
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "data" / "results"  # committed results (what the notebooks plot); loaders read here
 DEFAULT_OUT = ROOT / "results"  # where a run writes unless --out says otherwise (git-ignored)
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (``--seconds 0`` is refused, not run)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
 
 
 def ensure_writable_dir(path: Path | str) -> Path:

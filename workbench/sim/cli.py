@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from workbench.argtypes import positive_float, positive_int
 from workbench.sim import strategies as st
 
 # The subcommands, each with the line `python -m workbench sim --help` shows for it.
@@ -33,24 +34,6 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,31 +45,31 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--json", action="store_true", help="print JSON")
     f.add_argument("--trace", default="sharegpt", help="sharegpt, alpaca or a JSONL path (default sharegpt)")
     f.add_argument("--seed", type=int, default=None, help="regenerate the preset trace with this seed")
-    f.add_argument("--requests", type=_positive_int, default=None, help="use the first N requests")
+    f.add_argument("--requests", type=positive_int, default=None, help="use the first N requests")
     f.add_argument("--allocator", choices=st.ALLOCATORS, default="buddy", help="Orca's allocator")
-    f.add_argument("--block-size", type=_positive_int, default=16, help="vLLM block size (tokens)")
+    f.add_argument("--block-size", type=positive_int, default=16, help="vLLM block size (tokens)")
     f.add_argument("--all-steps", action="store_true", help="average over all steps, not only saturated ones")
     f.add_argument("--sensitivity", action="store_true", help="also vary each assumption (slower)")
 
     s = sub.add_parser("seed-table", help=COMMANDS["seed-table"])
     s.add_argument("--json", action="store_true", help="print JSON")
-    s.add_argument("--batch", type=_positive_int, default=16, help="sequences in the cache (default 16)")
-    s.add_argument("--gpu-gib", type=_positive_float, default=80.0, help="GPU memory in GiB (default 80)")
-    s.add_argument("--block-size", type=_positive_int, default=16, help="paged block size (default 16)")
+    s.add_argument("--batch", type=positive_int, default=16, help="sequences in the cache (default 16)")
+    s.add_argument("--gpu-gib", type=positive_float, default=80.0, help="GPU memory in GiB (default 80)")
+    s.add_argument("--block-size", type=positive_int, default=16, help="paged block size (default 16)")
 
     r = sub.add_parser("run", help=COMMANDS["run"])
     r.add_argument("--strategy", default="vllm", help=f"one of {', '.join(st.STRATEGIES)}")
-    r.add_argument("--block-size", type=_positive_int, default=None, help="override the block size (paged)")
+    r.add_argument("--block-size", type=positive_int, default=None, help="override the block size (paged)")
     r.add_argument("--allocator", choices=st.ALLOCATORS, default=None, help="override the allocator (Orca)")
     r.add_argument("--trace", default="sharegpt", help="sharegpt, alpaca or a JSONL path")
-    r.add_argument("--requests", type=_positive_int, default=None, help="use the first N requests")
+    r.add_argument("--requests", type=positive_int, default=None, help="use the first N requests")
     r.add_argument("--model", default="llama-13b", help="model spec for bytes per token and weights")
-    r.add_argument("--kv-gib", type=_positive_float, default=None, help="KV memory in GiB (default 12)")
-    r.add_argument("--gpu-gib", type=_positive_float, default=None, help="derive the KV budget from a GPU size")
+    r.add_argument("--kv-gib", type=positive_float, default=None, help="KV memory in GiB (default 12)")
+    r.add_argument("--gpu-gib", type=positive_float, default=None, help="derive the KV budget from a GPU size")
     r.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    r.add_argument("--max-steps", type=_positive_int, default=None, help="step budget (completion rate)")
-    r.add_argument("--step-s", type=_positive_float, default=None, help="seconds per step (timed arrivals)")
-    r.add_argument("--max-batch", type=_positive_int, default=256)
+    r.add_argument("--max-steps", type=positive_int, default=None, help="step budget (completion rate)")
+    r.add_argument("--step-s", type=positive_float, default=None, help="seconds per step (timed arrivals)")
+    r.add_argument("--max-batch", type=positive_int, default=256)
     r.add_argument("--json", action="store_true", help="print JSON")
     return p
 
