@@ -80,7 +80,7 @@ def main() -> None:
 
         meta = harness.machine_meta()
         meta["gpu"] = f"cpu-{meta['cpu']}"
-        print(harness.write_results("allocator-before-after", rows, meta, args.out))
+        print(harness.write_results("allocator_before_after", rows, meta, args.out))
 
 
 if __name__ == "__main__":
