@@ -259,3 +259,45 @@ TestFixed1 = _machine("Fixed1", num_pages=24, page_tokens=1)
 TestFixed16 = _machine("Fixed16", num_pages=3, page_tokens=16)
 TestAdaptive = _machine("Adaptive", num_pages=5, page_tokens=8, block_sizes=[2, 8],
                         policy=lambda: ByExpectedLength(small=2, large=8, threshold=12))
+
+
+# ---- eviction order, asserted exactly (the order is stated in allocator/free_queue.py) ------------
+def test_freed_blocks_queue_lru_and_cached_blocks_are_evicted_only_when_memory_is_full():
+    m = BlockManager(BlockPool(6, 4))
+    m.add("a", list(range(1, 9)))  # blocks 0, 1
+    m.add("b", list(range(11, 19)))  # blocks 2, 3
+    m.free("a")  # a sequence frees last-to-first: its prefix sits behind its tail
+    m.free("b")
+    view = m.pool.size_class(4)
+    assert view.free_queue() == (1, 0, 3, 2)
+    assert [view.is_cached(b) for b in (0, 1, 2, 3)] == [True, True, True, True]
+    assert m.pool.allocate(4, 1) == [4]  # clean memory first: page 4 is carved, block 1 stays cached
+    assert m.pool.allocate(4, 1) == [5]
+    assert view.free_queue() == (1, 0, 3, 2) and m.pool.evictions == 0
+    assert m.pool.allocate(4, 1) == [1]  # memory is full: the head is evicted
+    assert m.pool.evictions == 1 and not view.is_cached(1)
+    assert m.pool.allocate(4, 2) == [0, 3]
+    assert view.free_queue() == (2,) and m.pool.evictions == 3
+
+
+def test_carved_page_joins_the_head_in_ascending_ids():
+    pool = BlockPool(3, 8, [4])  # two blocks per page
+    assert pool.allocate(4, 1) == [0]
+    assert pool.size_class(4).free_queue() == (1,)
+    pool.decref(4, [0])
+    assert pool.size_class(4).free_queue() == (1, 0)
+    assert pool.allocate(4, 3) == [1, 0, 2]  # the queue's two, then page 1 carved at the head
+    assert pool.size_class(4).free_queue() == (3,)
+
+
+def test_prefix_hit_takes_its_block_out_of_the_middle_of_the_queue():
+    m = BlockManager(BlockPool(8, 4))
+    m.add("a", list(range(1, 13)))  # blocks 0, 1, 2
+    m.add("b", [50, 51, 52, 53, 54])  # blocks 3, 4
+    m.free("a")
+    m.free("b")
+    assert m.pool.size_class(4).free_queue() == (2, 1, 0, 4, 3)
+    assert m.add("c", [1, 2, 3, 4, 99]).first == 4  # hits block 0 only
+    assert m.block_table("c")[0] == 0
+    assert m.pool.size_class(4).free_queue() == (2, 1, 4, 3)
+    m.check_invariants()

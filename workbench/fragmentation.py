@@ -104,7 +104,7 @@ def breakdown(target, final_lens: Mapping | None = None, request_block_size: int
     manager, slot_bytes = _unwrap(target)
     pool = manager.pool
     rbs = pool.block_sizes[-1] if request_block_size is None else request_block_size
-    pool._cls(rbs)  # validates
+    pool.size_class(rbs)  # validates
     final_lens = final_lens or {}
     ahead = {}  # (size, last block) -> slots its only holder will still fill
     for sid in manager.seq_ids:
@@ -114,16 +114,16 @@ def breakdown(target, final_lens: Mapping | None = None, request_block_size: int
                 ahead[(bs, table[-1])] = max(0, min(bs, final_lens[sid] - (len(table) - 1) * bs))
     token = reservation = internal = external = free = cached = stranded = 0
     for bs in pool.block_sizes:
-        c = pool._cls(bs)  # read-only use of the descriptor arrays
+        c = pool.size_class(bs)
         for page in c.pages:
-            whole = c.free_in_page[page] == c.blocks_per_page
+            whole = c.free_in_page(page) == c.blocks_per_page
             for b in range(page * c.blocks_per_page, (page + 1) * c.blocks_per_page):
-                if c.ref[b]:
-                    v = c.valid[b]
-                    res = max(0, ahead.get((bs, b), v) - v) if c.ref[b] == 1 else 0
+                if c.ref(b):
+                    v = c.valid(b)
+                    res = max(0, ahead.get((bs, b), v) - v) if c.ref(b) == 1 else 0
                     token, reservation, internal = token + v, reservation + res, internal + bs - v - res
                     continue
-                cached += bs if c.key[b] is not None else 0
+                cached += bs if c.is_cached(b) else 0
                 if whole:
                     free += bs
                 else:
@@ -176,20 +176,20 @@ def page_map(target) -> PageMap:
         for b in manager.block_table(sid):
             holder[(bs, b)] = i if holder.get((bs, b), i) == i else SHARED
     for bs in pool.block_sizes:
-        c = pool._cls(bs)
+        c = pool.size_class(bs)
         for page in c.pages:
             sizes[page] = bs
             for j in range(c.blocks_per_page):
                 b = page * c.blocks_per_page + j
                 row = slice(j * bs, (j + 1) * bs)
                 block[page, row] = b
-                if c.ref[b]:
-                    v = c.valid[b]
+                if c.ref(b):
+                    v = c.valid(b)
                     state[page, j * bs:j * bs + v] = TOKEN
                     state[page, j * bs + v:(j + 1) * bs] = UNUSED
-                    owner[page, row] = holder.get((bs, b), SHARED) if c.ref[b] == 1 else SHARED
+                    owner[page, row] = holder.get((bs, b), SHARED) if c.ref(b) == 1 else SHARED
                 else:
-                    state[page, row] = CACHED if c.key[b] is not None else FREE
+                    state[page, row] = CACHED if c.is_cached(b) else FREE
     return PageMap(state, owner, block, sizes, seq_ids)
 
 

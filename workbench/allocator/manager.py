@@ -176,8 +176,7 @@ class BlockManager:
                               f"{pool._available(c) - hits_in_free} available")
         # ---- nothing can fail below ----
         if self.prefix_caching:
-            pool.hits += len(hits)
-            pool.misses += len(prompt) // bs - len(hits)
+            pool.record_lookups(len(hits), len(prompt) // bs - len(hits))
         pool._incref(c, hits)
         pool._touch(c, hits)
         s = _Seq(bs, table=hits + pool.allocate(bs, need), prompt_len=len(prompt), extra_key=extra_key)
@@ -269,7 +268,7 @@ class BlockManager:
         pool.decref(bs, [s.table[i] for i in changed])
         c = pool._cls(bs)
         for b in reversed(allocated):  # back where allocation found them
-            c.free.move_to_end(b, last=False)
+            c.free.push_head(b)
         pool.hits, pool.misses = cp.hits, cp.misses
         if old is None:
             del self._seqs[cp.seq_id]

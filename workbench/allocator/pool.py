@@ -10,8 +10,8 @@ block size) and memory accounting stays exact: every slot is in exactly one of
 *uncarved*, *free block* or *used block*.
 
 Per block (a :class:`Block` descriptor): ref count, valid tokens, prefix-cache key, last
-access. Free blocks wait in an LRU queue (``OrderedDict``: O(1) pop-oldest, O(1) removal
-from the middle).
+access (:mod:`~workbench.allocator.size_class`). Free blocks wait in a
+:class:`~workbench.allocator.free_queue.FreeBlockQueue`, whose docstring states the order.
 
 Prefix cache. A full block's key is ``(parent_entry, tokens, extra_key)``: its own tokens
 plus the *entry id* of the block before it, a number the pool hands out once per cached
@@ -25,11 +25,13 @@ head of the queue (eviction).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from workbench.allocator.errors import OutOfBlocks, as_index, positive
+from workbench.allocator.moves import PoolMoves
+from workbench.allocator.size_class import SizeClass, SizeClassView
 
 
 @dataclass(frozen=True)
@@ -55,32 +57,7 @@ def _in_use_list(ref: list[int], ids: object) -> bool:
     return True
 
 
-class _SizeClass:
-    """The blocks of one block size: descriptor arrays indexed by block id, LRU free queue.
-
-    ``key[b]``/``entry[b]`` are set together (a cached full block) or both None; ``cached``
-    maps every set key to its block. ``free`` holds exactly the carved blocks with ``ref == 0``.
-    """
-
-    __slots__ = ("block_size", "blocks_per_page", "ref", "valid", "key", "entry", "last_access", "free", "pages",
-                 "free_in_page", "cached")
-
-    def __init__(self, block_size: int, blocks_per_page: int, num_pages: int):
-        self.block_size = block_size
-        self.blocks_per_page = blocks_per_page
-        n = num_pages * blocks_per_page
-        self.ref = [0] * n
-        self.valid = [0] * n
-        self.key: list[tuple | None] = [None] * n  # prefix-cache key of a cached full block
-        self.entry: list[int | None] = [None] * n  # its entry id: what child keys chain on
-        self.last_access = [0] * n
-        self.free: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
-        self.pages: set[int] = set()  # pages carved for this class
-        self.free_in_page: dict[int, int] = {}  # page -> free blocks in it
-        self.cached: dict[tuple, int] = {}  # exact key -> block id
-
-
-class BlockPool:
+class BlockPool(PoolMoves):
     """Physical pages carved into blocks of the configured sizes; prefix map; eviction.
 
     Args:
@@ -104,7 +81,7 @@ class BlockPool:
         if not sizes:
             raise ValueError("block_sizes must name at least one block size")
         self.block_sizes = tuple(sorted(set(sizes)))
-        self._classes = {bs: _SizeClass(bs, page_tokens // bs, num_pages) for bs in self.block_sizes}
+        self._classes = {bs: SizeClass(bs, page_tokens // bs, num_pages) for bs in self.block_sizes}
         self._uncarved = list(range(num_pages - 1, -1, -1))  # stack: pops page 0 first
         self._clock = 0
         self._next_entry = 0  # prefix-cache entry ids: handed out once, never reused
@@ -132,6 +109,10 @@ class BlockPool:
     def is_free(self, block_size: int, block_id: int) -> bool:
         c = self._cls(block_size)
         return self._check_id(c, block_id) in c.free
+
+    def size_class(self, block_size: int) -> SizeClassView:
+        """A read-only view of one size class's descriptors (what compaction and fragmentation read)."""
+        return SizeClassView(self._cls(block_size))
 
     def free_blocks(self, block_size: int) -> int:
         """Blocks of this size that an allocation could take now (carving and reclaiming included)."""
@@ -242,6 +223,11 @@ class BlockPool:
         return done
 
     # ---- prefix cache --------------------------------------------------------------
+    def record_lookups(self, hits: int, misses: int) -> None:
+        """Count prefix-cache lookups (the manager reports each prompt's hits and misses)."""
+        self.hits += hits
+        self.misses += misses
+
     @staticmethod
     def block_key(parent_entry: int | None, tokens: Sequence[int], extra_key: object = None) -> tuple:
         """The exact identity of a full block's content: its tokens after the cached entry ``parent_entry``.
@@ -302,7 +288,7 @@ class BlockPool:
         self._touch(c, self._check_ids(c, ids))
 
     # ---- internals -----------------------------------------------------------------
-    def _cls(self, block_size: int) -> _SizeClass:
+    def _cls(self, block_size: int) -> SizeClass:
         c = None
         if type(block_size) is int or (not isinstance(block_size, (bool, float)) and hasattr(block_size, "__index__")):
             c = self._classes.get(int(block_size))
@@ -310,14 +296,14 @@ class BlockPool:
             raise ValueError(f"block_size must be one of {self.block_sizes}, got {block_size!r}")
         return c
 
-    def _check_id(self, c: _SizeClass, block_id: object, name: str = "block_id") -> int:
+    def _check_id(self, c: SizeClass, block_id: object, name: str = "block_id") -> int:
         if type(block_id) is not int:
             block_id = as_index(name, block_id)
         if not 0 <= block_id < len(c.ref):
             raise ValueError(f"{name} must be in [0, {len(c.ref)}) for block size {c.block_size}, got {block_id}")
         return block_id
 
-    def _check_ids(self, c: _SizeClass, ids: Iterable[int]) -> list[int]:
+    def _check_ids(self, c: SizeClass, ids: Iterable[int]) -> list[int]:
         """``ids`` as a list of plain ints, each a block id of ``c`` (numpy / torch integers accepted)."""
         if type(ids) is not list:
             if isinstance(ids, (str, bytes)):
@@ -333,7 +319,7 @@ class BlockPool:
         return ids
 
     # Unchecked forms for the manager, whose ids come from its own tables (valid by its invariants).
-    def _incref(self, c: _SizeClass, ids: Iterable[int]) -> None:
+    def _incref(self, c: SizeClass, ids: Iterable[int]) -> None:
         ref = c.ref
         for bid in ids:
             if not ref[bid]:  # a cached free block comes back into use
@@ -341,7 +327,7 @@ class BlockPool:
                 c.free_in_page[bid // c.blocks_per_page] -= 1
             ref[bid] += 1
 
-    def _decref(self, c: _SizeClass, ids: Iterable[int]) -> None:
+    def _decref(self, c: SizeClass, ids: Iterable[int]) -> None:
         self._clock += 1
         clock, ref = self._clock, c.ref
         for bid in ids:
@@ -351,30 +337,30 @@ class BlockPool:
                 c.last_access[bid] = clock
                 c.free_in_page[bid // c.blocks_per_page] += 1
 
-    def _touch(self, c: _SizeClass, ids: Iterable[int]) -> None:
+    def _touch(self, c: SizeClass, ids: Iterable[int]) -> None:
         self._clock += 1
         clock, last_access = self._clock, c.last_access
         for bid in ids:
             last_access[bid] = clock
 
-    def _reclaimable(self, c: _SizeClass) -> list[tuple[_SizeClass, int]]:
+    def _reclaimable(self, c: SizeClass) -> list[tuple[SizeClass, int]]:
         """Fully free pages of other size classes, which can be re-carved for ``c``."""
         return [(o, p) for o in self._classes.values() if o is not c
                 for p, nfree in o.free_in_page.items() if nfree == o.blocks_per_page]
 
-    def _available(self, c: _SizeClass) -> int:
+    def _available(self, c: SizeClass) -> int:
         pages = len(self._uncarved)
         if len(self._classes) > 1:
             pages += len(self._reclaimable(c))
         return len(c.free) + pages * c.blocks_per_page
 
-    def _carve(self, c: _SizeClass) -> None:
+    def _carve(self, c: SizeClass) -> None:
         """Carve the next uncarved page for ``c``, taking back a wholly free page of another class if none."""
         if not self._uncarved:
             self._uncarve(*self._reclaimable(c)[0])
         self._carve_page(c, self._uncarved[-1])
 
-    def _uncarve(self, c: _SizeClass, page: int) -> None:
+    def _uncarve(self, c: SizeClass, page: int) -> None:
         """Return a wholly free page of ``c`` to the uncarved stock, evicting its cached blocks."""
         for bid in range(page * c.blocks_per_page, (page + 1) * c.blocks_per_page):
             if c.key[bid] is not None:
@@ -385,7 +371,7 @@ class BlockPool:
         del c.free_in_page[page]
         self._uncarved.append(page)
 
-    def _carve_page(self, c: _SizeClass, page: int) -> None:
+    def _carve_page(self, c: SizeClass, page: int) -> None:
         """Carve an uncarved ``page`` into free blocks of ``c``, at the head of its free queue."""
         if self._uncarved[-1] == page:
             self._uncarved.pop()
@@ -398,162 +384,7 @@ class BlockPool:
             c.free[bid] = None
             c.free.move_to_end(bid, last=False)
 
-    def _evict(self, c: _SizeClass, bid: int) -> None:
+    def _evict(self, c: SizeClass, bid: int) -> None:
         del c.cached[c.key[bid]]
         c.key[bid] = c.entry[bid] = None
         self.evictions += 1
-
-    # ---- compaction support (appended; workbench.compaction plans and applies) -------
-    def carved_pages(self, block_size: int) -> list[int]:
-        """Pages carved for this size class, ascending."""
-        return sorted(self._cls(block_size).pages)
-
-    def uncarved_pages(self) -> list[int]:
-        """Pages not carved for any size class, ascending."""
-        return sorted(self._uncarved)
-
-    def page_block_size(self, page: int) -> int | None:
-        """The size class ``page`` is carved for, or None if it is uncarved."""
-        if not isinstance(page, int) or not 0 <= page < self.num_pages:
-            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
-        return next((bs for bs, c in self._classes.items() if page in c.pages), None)
-
-    def clone(self) -> BlockPool:
-        """An independent copy (prefix keys are shared: they are immutable tuples)."""
-        new = object.__new__(BlockPool)
-        vars(new).update(vars(self))
-        new.block_sizes = self.block_sizes
-        new._uncarved = list(self._uncarved)
-        new._classes = {}
-        for bs, c in self._classes.items():
-            d = _SizeClass.__new__(_SizeClass)
-            d.block_size, d.blocks_per_page = c.block_size, c.blocks_per_page
-            d.ref, d.valid, d.key, d.entry = list(c.ref), list(c.valid), list(c.key), list(c.entry)
-            d.last_access = list(c.last_access)
-            d.free, d.pages = OrderedDict(c.free), set(c.pages)
-            d.free_in_page, d.cached = dict(c.free_in_page), dict(c.cached)
-            new._classes[bs] = d
-        return new
-
-    def fingerprint(self) -> int:
-        """A hash of every descriptor, queue and page assignment (equal states, equal fingerprints)."""
-        parts = [tuple(self._uncarved)]
-        for bs, c in self._classes.items():
-            parts.append((bs, tuple(c.ref), tuple(c.valid), tuple(c.key), tuple(c.entry), tuple(c.free),
-                          tuple(sorted(c.pages))))
-        return hash(tuple(parts))
-
-    def take(self, block_size: int, ids: Sequence[int]) -> None:
-        """Take these specific blocks (ref count 1, no valid tokens); all or nothing.
-
-        Each must be a clean free block of this class (not in the prefix cache), or lie in an
-        uncarved page, or in a wholly free page of another class holding no cached block (that
-        page is re-carved for this class).
-        """
-        c = self._cls(block_size)
-        ids = self._check_ids(c, ids)
-        self._check_takeable(c, ids)
-        # ---- nothing can fail below ----
-        self._carve_for(c, ids)
-        self._clock += 1
-        for bid in ids:
-            del c.free[bid]
-            c.ref[bid], c.valid[bid], c.last_access[bid] = 1, 0, self._clock
-            c.free_in_page[bid // c.blocks_per_page] -= 1
-
-    def move_blocks(self, block_size: int, moves: Sequence[tuple[int, int]]) -> None:
-        """Move block descriptors ``src -> dst`` within one size class; all or nothing.
-
-        A ``src`` is in use (its ref count, valid tokens, prefix key and last access go to ``dst``;
-        ``src`` becomes a clean free block at the queue's tail) or a cached free block (its key and
-        its place in the LRU queue go to ``dst``). Each ``dst`` must be takeable as in :meth:`take`.
-        Sources are distinct, destinations are distinct, and no destination is a source. Block
-        tables are not the pool's: use :meth:`BlockManager.move_blocks`, and copy the K/V yourself.
-        """
-        c = self._cls(block_size)
-        try:
-            moves = [(self._check_id(c, s, "src"), self._check_id(c, d, "dst")) for s, d in moves]
-        except (TypeError, ValueError) as e:  # not pairs, or bad ids
-            raise ValueError(f"moves must be (src, dst) pairs of block ids: {e}") from None
-        srcs, dsts = [s for s, _ in moves], [d for _, d in moves]
-        for s in srcs:
-            self._check_id(c, s)
-            if c.ref[s] == 0 and c.key[s] is None:
-                raise ValueError(f"src block {s} of size {block_size} holds nothing (not in use, not cached)")
-        if len(set(srcs)) != len(srcs):
-            raise ValueError("moves must not repeat a src block")
-        if set(srcs) & set(dsts):
-            raise ValueError("a dst block must not also be a src block")
-        self._check_takeable(c, dsts)
-        # ---- nothing can fail below ----
-        self._carve_for(c, dsts)
-        bpp = c.blocks_per_page
-        rename = {}  # cached free src -> dst: dst takes src's place in the LRU queue
-        for s, d in moves:
-            key = c.key[s]
-            c.valid[d], c.key[d], c.entry[d], c.last_access[d] = c.valid[s], key, c.entry[s], c.last_access[s]
-            if key is not None:
-                c.cached[key] = d
-            c.key[s], c.entry[s], c.valid[s] = None, None, 0
-            if c.ref[s]:
-                del c.free[d]
-                c.free_in_page[d // bpp] -= 1
-                c.ref[d], c.ref[s] = c.ref[s], 0
-                c.free[s] = None
-                c.free_in_page[s // bpp] += 1
-            else:
-                rename[s] = d
-        if rename:
-            taken = set(rename.values())
-            order = [rename.get(b, b) for b in c.free if b not in taken]
-            c.free = OrderedDict.fromkeys(order + list(rename))  # freed sources go to the tail
-
-    def release_pages(self, pages: Iterable[int] | None = None) -> list[int]:
-        """Return wholly free carved pages to the uncarved stock, evicting cached blocks in them.
-
-        ``pages=None`` releases every wholly free page. Afterwards the uncarved stock hands out
-        the lowest page first. Returns the released pages, ascending; all or nothing.
-        """
-        owner = {p: c for c in self._classes.values() for p in c.pages}
-        if pages is None:
-            pages = [p for p, c in owner.items() if c.free_in_page[p] == c.blocks_per_page]
-        pages = sorted({as_index("pages entry", p) for p in pages})
-        for p in pages:
-            c = owner.get(p)
-            if c is None:
-                raise ValueError(f"page {p} is not carved")
-            if c.free_in_page[p] != c.blocks_per_page:
-                raise ValueError(f"page {p} still holds blocks in use")
-        # ---- nothing can fail below ----
-        for p in pages:
-            self._uncarve(owner[p], p)
-        self._uncarved.sort(reverse=True)  # a stack: the lowest page is popped first
-        return pages
-
-    def _check_takeable(self, c: _SizeClass, ids: list[int]) -> None:
-        if len(set(ids)) != len(ids):
-            raise ValueError("block ids to take must be distinct")
-        owner = {p: o for o in self._classes.values() if o is not c for p in o.pages}
-        for bid in ids:
-            self._check_id(c, bid)
-            page = bid // c.blocks_per_page
-            if page in c.pages:
-                if bid not in c.free or c.key[bid] is not None:
-                    raise ValueError(f"block {bid} of size {c.block_size} is not a clean free block")
-            elif page in owner:
-                o = owner[page]
-                base = page * o.blocks_per_page
-                if o.free_in_page[page] != o.blocks_per_page or any(
-                        o.key[b] is not None for b in range(base, base + o.blocks_per_page)):
-                    raise ValueError(f"block {bid} of size {c.block_size} lies in page {page}, carved for size "
-                                     f"{o.block_size} and not wholly free and clean")
-
-    def _carve_for(self, c: _SizeClass, ids: Iterable[int]) -> None:
-        """Carve the pages of ``ids`` that are not carved for ``c`` yet (taking back free pages of other classes)."""
-        for page in sorted({bid // c.blocks_per_page for bid in ids} - c.pages):
-            for o in self._classes.values():
-                if page in o.pages:  # wholly free and clean: checked
-                    self._uncarve(o, page)
-            self._carve_page(c, page)
-
-
