@@ -97,7 +97,7 @@ def test_running_average_policy_learns_output_length():
     assert m.block_size("a") == 4  # nothing observed yet: expected = prompt length
     m.append("a", [2] * 30)
     m.free("a")
-    assert policy.average_output == 30
+    assert m.policy.average_output == 30
     m.add("b", [1] * 5)
     assert m.block_size("b") == 16
 

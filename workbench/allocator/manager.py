@@ -25,7 +25,7 @@ from workbench.allocator.errors import (
     hashable,
     token_ids,
 )
-from workbench.allocator.policies import FixedBlockSize
+from workbench.allocator.policies import FixedBlockSize, PolicyContext
 from workbench.allocator.pool import BlockPool
 
 
@@ -75,7 +75,8 @@ class BlockManager:
 
     Args:
         pool: the physical blocks.
-        policy: picks each new sequence's block size (default: the pool's smallest size).
+        policy: a block-size policy config (``workbench.allocator.policies``; default: a fixed block
+            of the pool's smallest size); the manager builds its own state from it (``self.policy``).
         prefix_caching: reuse full blocks whose chained content matches.
     """
 
@@ -83,7 +84,12 @@ class BlockManager:
         if not isinstance(pool, BlockPool):
             raise ValueError(f"pool must be a BlockPool, got {type(pool).__name__}")
         self.pool = pool
-        self.policy = policy or FixedBlockSize(pool.block_sizes[0])
+        config = policy if policy is not None else FixedBlockSize(pool.block_sizes[0])
+        if not callable(getattr(config, "build", None)):
+            raise ValueError(f"policy must be a block-size policy config (FixedBlockSize, ByExpectedLength, ...: "
+                             f"see workbench.allocator.policies), got {type(config).__name__}")
+        self.policy_config = config
+        self.policy = config.build(PolicyContext(pool.block_sizes))
         self.prefix_caching = bool(prefix_caching)
         self._seqs: dict[object, _Seq] = {}
 
@@ -331,9 +337,10 @@ class BlockManager:
 
     # ---- compaction support (workbench.compaction plans and applies) ----------------
     def clone(self) -> BlockManager:
-        """An independent copy of the pool and the sequences (the policy object is shared)."""
+        """An independent copy of the pool, the sequences and the policy's state."""
         new = object.__new__(BlockManager)
-        new.pool, new.policy, new.prefix_caching = self.pool.clone(), self.policy, self.prefix_caching
+        new.pool, new.prefix_caching = self.pool.clone(), self.prefix_caching
+        new.policy_config, new.policy = self.policy_config, self.policy.copy()
         new._seqs = {sid: s.copy() for sid, s in self._seqs.items()}
         return new
 

@@ -18,8 +18,9 @@ per run, so ``workbench.sim.run`` stays a pure function of its inputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from workbench.registry import lookup
 from workbench.sim.allocators import BuddyAllocator, FirstFitAllocator, pow2ceil
 
 
@@ -481,10 +482,4 @@ STRATEGIES: dict[str, Strategy] = {
 
 def get(strategy: str | Strategy, **overrides) -> Strategy:
     """A strategy config from a name in ``STRATEGIES`` (or a config), with fields overridden."""
-    if isinstance(strategy, str):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {sorted(STRATEGIES)}, got {strategy!r}")
-        strategy = STRATEGIES[strategy]
-    elif not isinstance(strategy, Contiguous | Paged | PagedAdaptive):
-        raise ValueError(f"strategy must be a name or a Contiguous/Paged/PagedAdaptive config, got {strategy!r}")
-    return replace(strategy, **overrides) if overrides else strategy
+    return lookup(STRATEGIES, "strategy", strategy, **overrides)

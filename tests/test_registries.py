@@ -1,0 +1,79 @@
+"""Contract tests: every entry of every policy registry passes the same checks (issue 9 item 4).
+
+A registry entry is a frozen, hashable config with a ``label`` and ``build(ctx)``; ``get(name)``
+returns it, ``get(name, field=value)`` a changed copy, and bad names or options are refused with a
+message naming them.
+"""
+
+import dataclasses
+
+import pytest
+
+from workbench.allocator import BlockManager, BlockPool, policies
+from workbench.sim import strategies
+
+REGISTRIES = [
+    pytest.param(policies.BLOCK_SIZE_POLICIES, policies.get, id="block-size-policies"),
+    pytest.param(strategies.STRATEGIES, strategies.get, id="serving-strategies"),
+]
+
+
+@pytest.mark.parametrize("registry, get", REGISTRIES)
+def test_every_entry_is_a_frozen_labelled_config(registry, get):
+    for name, cfg in registry.items():
+        assert dataclasses.is_dataclass(cfg) and cfg.__dataclass_params__.frozen, name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(cfg, dataclasses.fields(cfg)[0].name, None)
+        hash(cfg)
+        assert isinstance(cfg.label, str) and cfg.label, name
+        assert callable(cfg.build), name
+        assert get(name) is cfg and get(cfg) is cfg
+        first = dataclasses.fields(cfg)[0]
+        assert getattr(get(name, **{first.name: getattr(cfg, first.name)}), first.name) == getattr(cfg, first.name)
+
+
+@pytest.mark.parametrize("registry, get", REGISTRIES)
+def test_bad_names_and_options_are_refused(registry, get):
+    with pytest.raises(ValueError, match="must be one of"):
+        get("no-such-entry")
+    with pytest.raises(ValueError, match="config"):
+        get(42)
+    name = next(iter(registry))
+    with pytest.raises(ValueError, match="no option"):
+        get(name, no_such_option=1)
+
+
+@pytest.mark.parametrize("name", sorted(policies.BLOCK_SIZE_POLICIES))
+def test_block_size_policies_choose_sizes_of_the_pool_and_copy_their_state(name):
+    cfg = policies.get(name)
+    sizes = (16, 64)
+    state = cfg.build(policies.PolicyContext(sizes))
+    for prompt, expected in [(1, None), (100, None), (100, 120), (4000, None), (10, 5000)]:
+        assert state.choose(prompt, expected) in sizes
+    twin = state.copy()
+    state.observe(2000, 10)  # a long output: learning policies change their choice
+    assert twin.choose(10, None) in sizes
+    m = BlockManager(BlockPool(16, 64, sizes), cfg)
+    m.add("a", [1, 2, 3])
+    m.free("a")
+    assert m.clone().policy.choose(3, None) == m.policy.choose(3, None)
+    with pytest.raises(ValueError, match="not a size class"):
+        cfg.build(policies.PolicyContext((3,)))
+
+
+def test_learning_policy_state_is_not_shared_with_a_clone():
+    m = BlockManager(BlockPool(16, 64, [16, 64]), policies.ByExpectedLength(16, 64, threshold=100))
+    twin = m.clone()
+    m.add("a", [1] * 5)
+    m.append("a", [2] * 300)
+    m.free("a")
+    assert m.policy.average_output == 300 and twin.policy.average_output == 0
+
+
+def test_manager_refuses_a_policy_that_is_not_a_config():
+    class Duck:
+        def choose(self, prompt_len, expected_len):
+            return 16
+
+    with pytest.raises(ValueError, match="policy must be"):
+        BlockManager(BlockPool(4, 16), Duck())
