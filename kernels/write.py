@@ -52,10 +52,11 @@ import triton
 import triton.language as tl
 
 import workbench
+from workbench import formats
 from workbench.backend import is_interpreted
 from workbench.layout import Layout, addressing
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
 CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SOURCE_DTYPES = CAST_DTYPES
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, smallest normal exponent
@@ -349,13 +350,10 @@ def _write_rows_kernel(
 
 # ----------------------------------------------------------------------------- launch choices
 def quant_mode(dtype: torch.dtype) -> tuple[int, float, float]:
-    """``(QUANT, QMIN, QMAX)`` for a cache dtype: cast, fp8 (saturating at +-max) or int8 ([-128, 127])."""
-    if dtype in FP8_DTYPES:
-        qmax = float(torch.finfo(dtype).max)
-        return QUANT_FP8, -qmax, qmax
-    if dtype == torch.int8:
-        return QUANT_INT8, -128.0, 127.0
-    return QUANT_NONE, 0.0, 0.0
+    """``(QUANT, QMIN, QMAX)`` for a cache dtype, from its format (``workbench.formats``): cast, fp8
+    (saturating at +-max) or int (rounded, clamped to the code range)."""
+    fmt = formats.get(dtype)
+    return {"cast": QUANT_NONE, "fp8": QUANT_FP8, "int": QUANT_INT8}[fmt.codes], fmt.qmin, fmt.qmax
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -535,8 +533,9 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping):
             raise ValueError(f"{name} must be a tensor, got {type(cache).__name__}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
-    if k_cache.dtype not in (*CAST_DTYPES, *FP8_DTYPES, torch.int8):
-        raise ValueError(f"k_cache dtype must be fp32/fp16/bf16/fp8/int8, got {k_cache.dtype}")
+    writable = [f.storage for f in formats.FORMATS.values() if f.writable]
+    if k_cache.dtype not in writable:
+        raise ValueError(f"k_cache dtype must be one of {writable} (formats with a write kernel), got {k_cache.dtype}")
     shapes = {}
     for name, cache, kind in (("k_cache", k_cache, "k"), ("v_cache", v_cache, "v")):
         want = 5 if (layout is Layout.VLLM and kind == "k") else 4

@@ -77,3 +77,44 @@ def test_manager_refuses_a_policy_that_is_not_a_config():
 
     with pytest.raises(ValueError, match="policy must be"):
         BlockManager(BlockPool(4, 16), Duck())
+
+
+# ---- KV formats (workbench.formats): one table that every other module asks -----------------
+def test_formats_agree_with_spec_cache_and_kernels():
+    import torch
+
+    from workbench import formats, spec
+    from workbench.cache import PagedKVCache
+    from workbench.kernels.write import quant_mode
+
+    for name, fmt in formats.FORMATS.items():
+        assert spec.dtype_size(name) == fmt.bytes_per_value and spec.TORCH_DTYPES[name] == fmt.storage
+        if fmt.writable:
+            scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fmt.quantized else {}
+            c = PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=name, **scales)
+            assert c.format is fmt and c.dtype == fmt.storage
+            mode, qmin, qmax = quant_mode(fmt.storage)
+            assert (qmin, qmax) == (fmt.qmin, fmt.qmax) and (mode == 0) == (not fmt.quantized)
+        else:
+            with pytest.raises(ValueError, match="no write kernel"):
+                PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=name)
+    assert formats.get("fp8") is formats.FORMATS["fp8_e4m3"] and formats.get(torch.int8).name == "int8"
+    with pytest.raises(ValueError, match="kv_dtype"):
+        formats.get("fp7")
+
+
+def test_scale_granularity_is_checked_per_kernel():
+    import torch
+
+    from workbench import formats
+
+    fp8 = formats.get("fp8_e4m3")
+    assert fp8.check_scale("k_scale", torch.ones(1), 4) == "tensor"
+    assert fp8.check_scale("k_scale", torch.ones(4), 4) == "head"
+    assert fp8.check_scale("k_scale", torch.ones(1), 4, kernel="decode") == "tensor"
+    with pytest.raises(ValueError, match="k_scale.*1 value"):
+        fp8.check_scale("k_scale", torch.ones(4), 4, kernel="decode")
+    with pytest.raises(ValueError, match="no decode kernel"):
+        formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode")
+    with pytest.raises(ValueError, match="only for quantized"):
+        formats.get("fp16").check_scale("k_scale", torch.ones(1), 4)

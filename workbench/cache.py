@@ -21,12 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench import formats
 from workbench.allocator import BlockManager, BlockPool, Placement
 from workbench.allocator.errors import token_ids
 from workbench.layout import Layout, block_shape, block_view
-from workbench.spec import TORCH_DTYPES
-
-KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}  # the usual short names
 
 ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
 
@@ -50,18 +48,12 @@ class FlashInferMetadata:
     page_size: int
 
 
-def _storage_dtype(kv_dtype: str | torch.dtype) -> torch.dtype:
-    storable = {v for k, v in TORCH_DTYPES.items() if k != "int4"}
-    if isinstance(kv_dtype, torch.dtype):
-        if kv_dtype not in storable:
-            raise ValueError(f"kv_dtype must be one of {sorted(map(str, storable))}, got {kv_dtype}")
-        return kv_dtype
-    name = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
-    if name not in TORCH_DTYPES or name == "int4":
-        names = sorted(k for k in TORCH_DTYPES if k != "int4")
-        raise ValueError(f"kv_dtype must be a torch dtype or one of {names} (or the aliases "
-                         f"{sorted(KV_DTYPE_ALIASES)}), got {kv_dtype!r}")
-    return TORCH_DTYPES[name]
+def _writable_format(kv_dtype) -> formats.KVFormat:
+    fmt = formats.get(kv_dtype)
+    if not fmt.writable:
+        writable = sorted(n for n, f in formats.FORMATS.items() if f.writable)
+        raise ValueError(f"kv_dtype {fmt.name} has no write kernel yet; the cache stores {writable}")
+    return fmt
 
 
 class PagedKVCache:
@@ -98,14 +90,15 @@ class PagedKVCache:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.layout = Layout.parse(layout)
-        self.dtype = _storage_dtype(kv_dtype)
+        self.format = _writable_format(kv_dtype)  # workbench.formats: what the kernels and references ask
+        self.dtype = self.format.storage
         self.device = torch.device(device) if device is not None else workbench.device()
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
-        quantized = self.dtype.itemsize == 1
+        quantized = self.format.quantized
         if quantized != (k_scale is not None) or quantized != (v_scale is not None):
-            raise ValueError(f"k_scale and v_scale are needed exactly for 1-byte kv_dtype, got {self.dtype} with "
-                             f"k_scale={k_scale is not None}, v_scale={v_scale is not None}")
+            raise ValueError(f"k_scale and v_scale are needed exactly for quantized kv_dtype, got {self.format.name} "
+                             f"with k_scale={k_scale is not None}, v_scale={v_scale is not None}")
         elem = self.dtype.itemsize
         for bs in self.pool_sizes:  # validates the layout against head_dim / dtype early
             block_shape(self.layout, "k", bs, num_kv_heads, head_dim, elem)
@@ -125,10 +118,9 @@ class PagedKVCache:
         self.k_scale, self.v_scale = (torch.as_tensor(sc, dtype=torch.float32, device=self.device).reshape(-1)
                                       if sc is not None else None for sc in (k_scale, v_scale))
         for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
-            if sc is not None and (sc.numel() not in (1, num_kv_heads) or not bool(torch.isfinite(sc).all())
-                                   or not bool((sc > 0).all())):
-                raise ValueError(f"{name} must hold 1 or num_kv_heads={num_kv_heads} finite positive values, "
-                                 f"got {sc.tolist()}")
+            self.format.check_scale(name, sc, num_kv_heads)
+            if sc is not None and not (bool(torch.isfinite(sc).all()) and bool((sc > 0).all())):
+                raise ValueError(f"{name} must hold finite positive values, got {sc.tolist()}")
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),

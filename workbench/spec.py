@@ -6,33 +6,17 @@ from dataclasses import dataclass
 
 import torch
 
-# Storage dtypes by name, with their size in bytes (int4 packs two values a byte).
-KV_DTYPES: dict[str, float] = {
-    "fp32": 4,
-    "fp16": 2,
-    "bf16": 2,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-    "int4": 0.5,
-}
+from workbench.formats import FORMATS
+from workbench.formats import get as get_format
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "int4": torch.uint8,  # two 4-bit codes per byte
-}
+# Storage dtypes by name and their size in bytes (int4 packs two values a byte): views of workbench.formats.
+KV_DTYPES: dict[str, float] = {name: f.bytes_per_value for name, f in FORMATS.items()}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: f.storage for name, f in FORMATS.items()}
 
 
 def dtype_size(kv_dtype: str) -> float:
     """Bytes per stored element of ``kv_dtype`` (a key of ``KV_DTYPES``)."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
-    return KV_DTYPES[kv_dtype]
+    return get_format(kv_dtype).bytes_per_value
 
 
 @dataclass(frozen=True)

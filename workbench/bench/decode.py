@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import workbench  # noqa: F401  (backend first)
+from workbench import formats
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, PagedKV, Workload, build_paged, bytes_moved, contiguous_kv
 from workbench.kernels import decode_config, paged_decode
@@ -39,7 +40,7 @@ from workbench.kernels.reference import paged_decode_ref
 COLUMNS = ["workload", "impl", "variant", "layout", "block_size", "kv_dtype", "time_us", "time_us_graph", "gbps",
            "frac_copy_bw", "frac_copy_bw_graph", "rel_err", "x_sdpa_contiguous", "x_gather_sdpa", "x_flex_paged"]
 PEERS = ("sdpa_contiguous", "gather_sdpa", "flex_paged")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
+DTYPES = {name: formats.get(name).storage for name in ("fp16", "bf16", "fp8_e4m3")}  # the formats timed
 
 
 def ref_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 8) -> torch.Tensor:
