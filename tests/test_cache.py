@@ -4,6 +4,7 @@ whose every live sequence must gather back bit for bit in all three layouts."""
 
 import pytest
 import torch
+from conftest import bits
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -50,10 +51,6 @@ def gather_ref(cache: PagedKVCache, seq_id):
     return torch.stack(ks), torch.stack(vs)
 
 
-def bits(t):
-    return t.contiguous().view(torch.uint8)
-
-
 @pytest.mark.parametrize("layout", list(Layout))
 def test_append_fork_gather_roundtrip(layout):
     cache = PagedKVCache(LAYERS, HEADS, DIM, num_pages=8, page_tokens=4, layout=layout)
@@ -70,10 +67,10 @@ def test_append_fork_gather_roundtrip(layout):
 
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("heads,dim,dtype,page,sizes", [
-    (8, 128, "fp16", 16, None),
-    (3, 80, "fp16", 1, None),  # 480-byte blocks: padded to 512
-    (3, 80, "bf16", 16, [4, 16]),
-    (1, 64, "fp8_e4m3", 8, [2, 8]),
+    pytest.param(8, 128, "fp16", 16, None, id="h8-d128-fp16-page16"),
+    pytest.param(3, 80, "fp16", 1, None, id="h3-d80-fp16-page1"),  # 480-byte blocks: padded to 512
+    pytest.param(3, 80, "bf16", 16, [4, 16], id="h3-d80-bf16-page16-bs4+16"),
+    pytest.param(1, 64, "fp8_e4m3", 8, [2, 8], id="h1-d64-fp8e4m3-page8-bs2+8"),
 ])
 def test_every_block_is_128_byte_aligned(layout, heads, dim, dtype, page, sizes):
     scales = {"k_scale": 1.0, "v_scale": 1.0} if dtype == "fp8_e4m3" else {}

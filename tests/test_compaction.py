@@ -4,6 +4,7 @@ stale or invalid plans and failed copies change nothing)."""
 
 import pytest
 import torch
+from conftest import bits
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_allocator import snapshot
@@ -34,10 +35,6 @@ def kv_for(tokens, start=0):
     t = torch.tensor(tokens, dtype=torch.long)
     dev = workbench.device()
     return K_TABLE[t, pos].transpose(0, 1).contiguous().to(dev), V_TABLE[t, pos].transpose(0, 1).contiguous().to(dev)
-
-
-def bits(t):
-    return t.contiguous().view(torch.uint8)
 
 
 def phys(pool, bs, slot):

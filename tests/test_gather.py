@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_close_report, poison_like
+from conftest import assert_close_report, dtype_id, poison_like
 from workbench.kernels import paged_gather
 from workbench.kernels.reference import paged_gather_ref
 
@@ -30,10 +30,13 @@ def random_paged(num_blocks, block_size, heads, head_dim, dtype, seq_lens, devic
 @pytest.mark.parametrize(
     "block_size,heads,head_dim,dtype",
     [
-        (16, 2, 64, torch.float16),
-        (1, 3, 80, torch.bfloat16),
-        (8, 1, 128, torch.float32),
-        (32, 2, 64, torch.float8_e4m3fn),
+        pytest.param(bs, h, d, dt, id=f"bs{bs}-h{h}-d{d}-{dtype_id(dt)}")
+        for bs, h, d, dt in [
+            (16, 2, 64, torch.float16),
+            (1, 3, 80, torch.bfloat16),
+            (8, 1, 128, torch.float32),
+            (32, 2, 64, torch.float8_e4m3fn),
+        ]
     ],
 )
 def test_gather_matches_reference(layout, kind, block_size, heads, head_dim, dtype, device):

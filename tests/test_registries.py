@@ -82,10 +82,10 @@ def test_manager_refuses_a_policy_that_is_not_a_config():
 # ---- KV formats (workbench.formats): one table that every other module asks -----------------
 def test_formats_agree_with_spec_cache_and_kernels():
     import torch
+    from workbench.kernels.write import quant_mode
 
     from workbench import formats, spec
     from workbench.cache import PagedKVCache
-    from workbench.kernels.write import quant_mode
 
     for name, fmt in formats.FORMATS.items():
         assert spec.dtype_size(name) == fmt.bytes_per_value and spec.TORCH_DTYPES[name] == fmt.storage

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_close_report
+from conftest import assert_close_report, dtype_id, kw_id
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels import write as write_mod
 from workbench.kernels.copy import _word_view
@@ -101,7 +101,15 @@ VARIANTS = [
 CASES = [(layout, *case) for layout in Layout for case in BASE + VARIANTS]
 
 
-@pytest.mark.parametrize("layout,block_size,heads,head_dim,src_dtype,kv_dtype,scale_kind,mode,kw", CASES)
+def write_case_id(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, kw):
+    """``nhd-bs16-h2-d128-fp16-fp16-prefill-tpp8`` (``-scale_head`` and the like when there is a scale)."""
+    scale = f"-scale_{scale_kind}" if scale_kind else ""
+    return (f"{layout}-bs{block_size}-h{heads}-d{head_dim}-{dtype_id(src_dtype)}-{dtype_id(kv_dtype)}{scale}-{mode}"
+            f"-{kw_id(kw)}")
+
+
+@pytest.mark.parametrize("layout,block_size,heads,head_dim,src_dtype,kv_dtype,scale_kind,mode,kw",
+                         [pytest.param(*c, id=write_case_id(*c)) for c in CASES])
 def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, kw,
                                     device):
     g = torch.Generator().manual_seed(block_size * 31 + head_dim)
@@ -174,7 +182,7 @@ def test_write_kv_matches_reference(layout, block_size, heads, head_dim, src_dty
 RCP_SPECIAL = [(FP8, [0.00439453125, -0.00439453125]), (torch.int8, [2.25, 8.25, 17.25])]
 
 
-@pytest.mark.parametrize("kv_dtype,special", RCP_SPECIAL)
+@pytest.mark.parametrize("kv_dtype,special", RCP_SPECIAL, ids=[dtype_id(dt) for dt, _ in RCP_SPECIAL])
 def test_write_kv_rcp_differs_by_one_code_near_midpoints(kv_dtype, special, device):
     """With scale 0.3, ``x * (1 / scale)`` and ``x / scale`` round to different codes for these fp16 values:
     "rcp" stores the former (one code off torch's division), "exact" and "cast" the latter."""
@@ -332,7 +340,8 @@ COPY_CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout,block_size,heads,head_dim,dtype,kw", COPY_CASES)
+@pytest.mark.parametrize("layout,block_size,heads,head_dim,dtype,kw", [
+    pytest.param(*c, id=f"{c[0]}-bs{c[1]}-h{c[2]}-d{c[3]}-{dtype_id(c[4])}-{kw_id(c[5])}") for c in COPY_CASES])
 def test_copy_blocks_matches_reference(layout, block_size, heads, head_dim, dtype, kw, device):
     num_blocks = 20
     pool0 = make_pool(3, num_blocks, layout, block_size, heads, head_dim, dtype, device, seed=block_size)

@@ -188,10 +188,10 @@ def _content_masks(pool: BlockPool) -> dict[int, int]:
     """Page -> bitmask of its slots that hold something now (a block in use or a cached block)."""
     masks: dict[int, int] = {}
     for bs in pool.block_sizes:
-        c = pool._cls(bs)  # read-only use of the descriptor arrays
+        c = pool.size_class(bs)
         for page in c.pages:
             for b in _page_blocks(pool, bs, page):
-                if c.ref[b] or c.key[b] is not None:
+                if c.ref(b) or c.is_cached(b):
                     p, m = _block_mask(pool, bs, b)
                     masks[p] = masks.get(p, 0) | m
     return masks
@@ -199,9 +199,9 @@ def _content_masks(pool: BlockPool) -> dict[int, int]:
 
 def _clean(pool: BlockPool, dirty: dict[int, int], bs: int, bid: int) -> bool:
     """A free block, not cached, whose memory held nothing when planning began."""
-    c = pool._cls(bs)
+    c = pool.size_class(bs)
     p, m = _block_mask(pool, bs, bid)
-    return c.ref[bid] == 0 and c.key[bid] is None and bid in c.free and not dirty.get(p, 0) & m
+    return c.ref(bid) == 0 and not c.is_cached(bid) and c.is_free(bid) and not dirty.get(p, 0) & m
 
 
 def _open_pages(pool: BlockPool, dirty: dict[int, int], bs: int) -> list[int]:
@@ -215,17 +215,17 @@ def _open_pages(pool: BlockPool, dirty: dict[int, int], bs: int) -> list[int]:
         if owner is None:
             out.append(page)
         elif owner != bs:
-            o = pool._cls(owner)
-            if o.free_in_page[page] == o.blocks_per_page and all(
-                    o.key[b] is None for b in _page_blocks(pool, owner, page)):
+            o = pool.size_class(owner)
+            if o.free_in_page(page) == o.blocks_per_page and all(
+                    not o.is_cached(b) for b in _page_blocks(pool, owner, page)):
                 out.append(page)
     return out
 
 
 def _targets(pool: BlockPool, dirty: dict[int, int], bs: int, k: int) -> list[int]:
     """Up to ``k`` clean blocks of size ``bs``: the fullest carved pages first, then open pages."""
-    c = pool._cls(bs)
-    pages = sorted((p for p in c.pages if c.free_in_page[p]), key=lambda p: (c.free_in_page[p], p))
+    c = pool.size_class(bs)
+    pages = sorted((p for p in c.pages if c.free_in_page(p)), key=lambda p: (c.free_in_page(p), p))
     carved = (b for p in pages for b in _page_blocks(pool, bs, p) if _clean(pool, dirty, bs, b))
     out = list(islice(carved, k))
     if len(out) < k:
@@ -259,11 +259,11 @@ def _plan_pack(scratch: BlockManager, bs: int, dirty: dict[int, int], mode: str,
     """Step 2 for one size class: keep pages (fullest or lowest first) until their clean free blocks can
     take every block to move out of the others."""
     pool = scratch.pool
-    c = pool._cls(bs)
+    c = pool.size_class(bs)
     content, targets = {}, {}
     for p in c.pages:
         blocks = _page_blocks(pool, bs, p)
-        content[p] = [b for b in blocks if c.ref[b] or (cached == "move" and c.key[b] is not None)]
+        content[p] = [b for b in blocks if c.ref(b) or (cached == "move" and c.is_cached(b))]
         targets[p] = [b for b in blocks if _clean(pool, dirty, bs, b)]
     if mode == "dense":
         order = sorted(c.pages, key=lambda p: (-len(content[p]), p))
@@ -287,10 +287,10 @@ def _plan_pack(scratch: BlockManager, bs: int, dirty: dict[int, int], mode: str,
 def _releasable(pool: BlockPool, cached: str) -> list[int]:
     out = []
     for bs in pool.block_sizes:
-        c = pool._cls(bs)
+        c = pool.size_class(bs)
         for p in c.pages:
-            if c.free_in_page[p] == c.blocks_per_page and (
-                    cached == "evict" or all(c.key[b] is None for b in _page_blocks(pool, bs, p))):
+            if c.free_in_page(p) == c.blocks_per_page and (
+                    cached == "evict" or all(not c.is_cached(b) for b in _page_blocks(pool, bs, p))):
                 out.append(p)
     return sorted(out)
 
@@ -395,3 +395,23 @@ def _copy_rehomed(cache, rehomes: tuple[Rehome, ...]) -> int:
                 dst[db, dt] = src[sb, st]  # in place through the view
         written += 2 * cache.num_layers * cache.token_bytes * len(idx[0])
     return written
+
+
+def kv_snapshot(cache) -> dict:
+    """Every live sequence's gathered K and V, ``{seq_id: (k, v)}``: what a compaction must leave unchanged."""
+    return {sid: cache.gather(sid) for sid in cache.manager.seq_ids}
+
+
+def kv_identical(before: dict, after) -> bool:
+    """Do ``after`` (a :func:`kv_snapshot`, or a cache to snapshot) and ``before`` hold the same sequences with
+    bit-identical K and V? Compared as bytes, so NaNs and signed zeros count too."""
+    if not isinstance(after, dict):
+        after = kv_snapshot(after)
+    if set(before) != set(after):
+        return False
+
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    return all(a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw(a), raw(b))
+               for sid in before for a, b in zip(before[sid], after[sid], strict=True))

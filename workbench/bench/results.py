@@ -126,8 +126,7 @@ def fastest(rows: Iterable[dict], by: Sequence[str] = ("workload", "layout", "im
 def headline_rows(rows: Iterable[dict], graph: bool = False) -> list[dict]:
     """The fastest row of each implementation per workload, plus the fp8-storage sweep (the roofline's points)."""
     rows = list(rows)
-    best = best_per_workload(rows, graph)
-    return [r for impls in best.values() for r in impls.values()] + sweep_rows(rows, "fp8")
+    return best_rows(best_per_workload(rows, graph)) + sweep_rows(rows, "fp8")
 
 
 def frac(row: dict, graph: bool = False) -> float | None:
@@ -168,6 +167,32 @@ def with_coalescing(rows: Sequence[dict]) -> list[dict]:
             r["model_lane_bytes"] = min(lanes)
         out.append(r)
     return out
+
+
+def best_rows(best: Mapping[str, Mapping[str, dict]]) -> list[dict]:
+    """The rows of :func:`best_per_workload`'s ``{workload: {impl: row}}`` as one list (workload, then impl order)."""
+    return [r for impls in best.values() for r in impls.values()]
+
+
+def layout_sweep(rows: Iterable[dict]) -> list[dict]:
+    """The ``layout`` sweep's rows, each with ``series`` = ``"<layout> <kv_dtype>"`` (one line per layout and
+    dtype against the block size)."""
+    return [{**r, "series": f"{r['layout']} {r['kv_dtype']}"} for r in sweep_rows(rows, "layout")]
+
+
+def align_sweep(rows: Iterable[dict]) -> list[dict]:
+    """The ``align`` sweep's rows with the coalescing model's columns (:func:`with_coalescing`) and ``pad_bytes``,
+    the bytes added to the block stride (``block_stride_pad`` elements times the element size)."""
+    from workbench.spec import dtype_size
+
+    return [{**r, "pad_bytes": int(r.get("block_stride_pad") or 0) * int(dtype_size(r["kv_dtype"]))}
+            for r in with_coalescing(sweep_rows(rows, "align"))]
+
+
+def run_label(rows: Sequence[dict]) -> str:
+    """``"<gpu> <date> commit <commit>"`` of the run the rows come from (their first row's metadata)."""
+    r0 = rows[0]
+    return f"{r0['gpu']} {r0['date']} commit {r0['commit']}"
 
 
 def main(argv: list[str] | None = None) -> int:

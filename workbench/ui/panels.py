@@ -135,8 +135,9 @@ def decode_results_panel(rows: list[dict]) -> Panel:
         if view == "roofline":
             return view, (results.roofline_points(results.headline_rows(rows, graph), graph),
                           results.copy_ceiling(rows)), graph
-        sweep = results.sweep_rows(rows, "layout" if view == "layouts" else "align")
-        return view, results.with_coalescing(sweep), y
+        if view == "layouts":
+            return view, results.layout_sweep(rows), y
+        return view, results.align_sweep(rows), y
 
     def draw(r):
         view, data, extra = r
@@ -145,10 +146,7 @@ def decode_results_panel(rows: list[dict]) -> Panel:
         if view == "roofline":
             return figures.roofline(data[0], data[1], results.H200_PEAK_TFLOPS_FP16)
         if view == "layouts":
-            data = [{**row, "series": f"{row['layout']} {row['kv_dtype']}"} for row in data]
             return figures.sweep_lines(data, "block_size", "series", y=extra, x_title="block size (tokens)")
-        data = [{**row, "pad_bytes": int(row.get("block_stride_pad") or 0) * int(spec.dtype_size(row["kv_dtype"]))}
-                for row in data]
         return figures.sweep_lines(data, "pad_bytes", "layout", y=extra, model="model_k_line_eff",
                                    x_title="bytes added to the block stride", model_title="model: K tile line eff.")
 
