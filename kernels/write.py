@@ -56,7 +56,9 @@ from workbench import formats
 from workbench.backend import is_interpreted
 from workbench.layout import Layout, addressing
 
-FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
+from . import common
+
+FP8_DTYPES = common.FP8_DTYPES
 CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SOURCE_DTYPES = CAST_DTYPES
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, smallest normal exponent
@@ -356,14 +358,6 @@ def quant_mode(dtype: torch.dtype) -> tuple[int, float, float]:
     return {"cast": QUANT_NONE, "fp8": QUANT_FP8, "int": QUANT_INT8}[fmt.codes], fmt.qmin, fmt.qmax
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two that divides ``n`` and is at most ``cap`` (``n == 0`` counts as divisible)."""
-    a = 1
-    while a < cap and n % (2 * a) == 0:
-        a *= 2
-    return a
-
-
 def default_launch(num_tokens: int, num_heads: int, head_dim: int, block_size: int, layout: Layout | str):
     """Heuristic ``(tokens_per_program, num_warps)`` of the ``"head"`` scheme.
 
@@ -376,7 +370,7 @@ def default_launch(num_tokens: int, num_heads: int, head_dim: int, block_size: i
     while bt < 16 and num_tokens * num_heads >= 2048 * (2 * bt):
         bt *= 2
     if Layout.parse(layout) is Layout.VLLM and block_size > 1:
-        bt = min(bt, _pow2_divisor(block_size, 16))
+        bt = min(bt, common.pow2_divisor(block_size, 16))
     tile = bt * triton.next_power_of_2(head_dim)
     num_warps = min(8, max(1, tile // 512))
     return bt, num_warps
@@ -399,7 +393,7 @@ def rows_launch(
     while bt < 16 and 2 * bt * bh * bd <= 8192 and -(-num_tokens // (2 * bt)) * n_sub >= 1024:
         bt *= 2
     if Layout.parse(layout) is Layout.VLLM and block_size > 1:
-        bt = min(bt, _pow2_divisor(block_size, 16))
+        bt = min(bt, common.pow2_divisor(block_size, 16))
     num_warps = min(8, max(1, bt * bh * bd // 2048))
     return bt, num_warps
 
@@ -501,7 +495,7 @@ def _check_scale(name: str, scale, num_heads: int, device) -> int:
 def _row_align(a, elem_size: int) -> int:
     """Divisibility (elements) of every row offset blk*s_blk + tok*s_tok + h*s_head, capped at 16 bytes."""
     g = math.gcd(a.s_blk, a.s_tok, a.s_head)
-    return _pow2_divisor(g, max(1, 16 // elem_size))
+    return common.pow2_divisor(g, max(1, 16 // elem_size))
 
 
 def _cache_geometry(cache: torch.Tensor, layout: Layout, kind: str) -> tuple[int, int, int, int]:
@@ -575,8 +569,7 @@ class _Plan(NamedTuple):
     empty: bool  # nothing to write (no tokens or no heads)
 
 
-_PLANS: dict[tuple, _Plan] = {}  # per-geometry launch plans: the host work of a repeated call is a dict lookup
-_MAX_PLANS = 256
+_PLANS: common.PlanCache[_Plan] = common.PlanCache()  # per geometry: a repeated call's host work is a lookup
 
 
 def _meta(t) -> tuple | None:
@@ -610,7 +603,7 @@ def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_sc
         return _Plan(None, (), (), {}, num_slots, s_scale_h, True)
     ka, va = addressing(k_cache, layout, "k"), addressing(v_cache, layout, "v")
     elem = k_cache.element_size()
-    src_align = _pow2_divisor(
+    src_align = common.pow2_divisor(
         math.gcd(key.stride(0), key.stride(1), value.stride(0), value.stride(1)), max(1, 16 // key.element_size())
     )
     bt = cfg.tokens_per_program
@@ -618,7 +611,7 @@ def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_sc
     run_ok = bt > 1 and block_size % bt == 0
 
     def run_align(a) -> int:
-        return _pow2_divisor(math.gcd(a.s_blk, a.s_head, a.s_dgrp, a.s_d, bt), max(1, 16 // elem))
+        return common.pow2_divisor(math.gcd(a.s_blk, a.s_head, a.s_dgrp, a.s_d, bt), max(1, 16 // elem))
 
     mant, emin = FP8_GRID.get(k_cache.dtype, (0, 0))
     consts = dict(
@@ -652,14 +645,8 @@ def _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_
     ):
         plan_key = (layout, *metas, _meta(k_scale) if k_scale is not None else None,
                     _meta(v_scale) if v_scale is not None else None, *kw.values())
-    plan = _PLANS.get(plan_key) if plan_key is not None else None
-    if plan is None:
-        plan = _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
-        if plan_key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[plan_key] = plan
-    return plan
+    return _PLANS.get(plan_key, lambda: _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale,
+                                                   v_scale, kw))
 
 
 def check_write_kv(key, value, k_cache, v_cache, layout, k_scale=None, v_scale=None) -> None:
