@@ -3,11 +3,15 @@ lists, and the per-geometry cache of launch plans."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Generic, TypeVar
 
 from workbench import formats
+
+TUNING = Path(__file__).resolve().parent / "tuning"  # measured launch tables, one JSON file per kernel
 
 FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
 
@@ -49,3 +53,15 @@ class PlanCache(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._plans)
+
+
+def tuning_table(name: str, gpu: str | None = None) -> tuple[str, list[dict]]:
+    """``(gpu, entries)`` of ``tuning/<name>.json`` for ``gpu`` (default: this machine's GPU name), or the
+    file's ``default`` GPU when that one was not measured. Entries are the file's dicts, as written."""
+    doc = json.loads((TUNING / f"{name}.json").read_text())
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    chosen = gpu if gpu in doc["gpus"] else doc["default"]
+    return chosen, doc["gpus"][chosen]["entries"]

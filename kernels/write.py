@@ -411,27 +411,25 @@ class WriteConfig(NamedTuple):
 
 # Batches this big are "prefill": the head scheme's heuristic is at its largest tile there.
 PREFILL_MIN_ROWS = 2048 * 16  # num_tokens * num_heads
-# THE TABLE: defaults for prefill-sized batches, per (layout, quantized cache). An entry holds write_kv
-# keywords; what it leaves out comes from the scheme's heuristic (default_launch / rows_launch). Smaller
-# batches (decode) always get the "head" scheme with default_launch. Switch a line after an H200 run, e.g.
-# (Layout.NHD, False): dict(scheme="rows", tokens_per_program=8, num_warps=4), or for fp8
-# (Layout.NHD, True): dict(scheme="rows", quant_math="cast"). Launch plans are cached per geometry: edit the
-# table before the first write_kv call (or clear _PLANS after changing it at runtime).
-# Chosen from the H200 sweep (data/results/cache_kernels-h200-20261129T1146.json, 32768-token prefill,
-# 8 heads x 128, fp16): rows of 16 tokens x 1 head, 4 warps, was fastest in every layout (0.87 of the
-# copy bandwidth, 0.94 of a plain copy of the same bytes; 0.91 with CUDA graphs). Quantized caches keep
-# codes identical to torch's x / scale: "cast" (IEEE division + the hardware's rounding conversion) on a
-# GPU, "exact" (software rounding) under the interpreter, whose fp8 cast rounds ties the wrong way.
-# quant_math="rcp" (multiply by 1 / scale; rarely one code off at a midpoint) is the fast opt-in: 0.86.
-_QUANT_MATH = "exact" if workbench.is_interpreted() else "cast"
-PREFILL_DEFAULTS: dict[tuple[Layout, bool], dict] = {
-    (Layout.NHD, False): dict(scheme="rows", tokens_per_program=16, heads_per_program=1, num_warps=4),
-    (Layout.HND, False): dict(scheme="rows", tokens_per_program=16, heads_per_program=1, num_warps=4),
-    (Layout.VLLM, False): dict(scheme="rows", heads_per_program=1, num_warps=4),  # tokens: a run within a block
-    (Layout.NHD, True): dict(scheme="head", quant_math=_QUANT_MATH),
-    (Layout.HND, True): dict(scheme="head", quant_math=_QUANT_MATH),
-    (Layout.VLLM, True): dict(scheme="head", quant_math=_QUANT_MATH),
-}
+# THE TABLE: launch defaults for prefill-sized batches, per GPU and (layout, quantized cache), measured and kept
+# as data in tuning/write_prefill.json (what each entry means and where it was measured is written there).
+# Launch plans are cached per geometry: edit PREFILL_DEFAULTS before the first write_kv call (or clear _PLANS).
+_QUANT_MATH = "exact" if workbench.is_interpreted() else "cast"  # see tuning/write_prefill.json's "about"
+
+
+def prefill_defaults(gpu: str | None = None) -> dict[tuple[Layout, bool], dict]:
+    """The write_kv keywords for prefill-sized batches on ``gpu`` (default: this machine's), from the table."""
+    _, entries = common.tuning_table("write_prefill", gpu)
+    table = {}
+    for e in entries:
+        cfg = dict(e["config"])
+        if e["quantized"]:
+            cfg.setdefault("quant_math", _QUANT_MATH)
+        table[(Layout.parse(e["layout"]), bool(e["quantized"]))] = cfg
+    return table
+
+
+PREFILL_DEFAULTS: dict[tuple[Layout, bool], dict] = prefill_defaults()
 
 
 def _is_pow2(n) -> bool:

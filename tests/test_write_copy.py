@@ -398,3 +398,13 @@ def test_copy_blocks_rejects_bad_input(device):
     for name, change in cases:
         with pytest.raises(ValueError, match=name):
             copy_blocks(**{**base, **change})
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "a GPU nobody measured"])
+def test_prefill_table_is_data_and_every_entry_launches(gpu):
+    """tuning/write_prefill.json: an unmeasured GPU gets the default GPU's table; every entry is a valid launch."""
+    table = write_mod.prefill_defaults(gpu)
+    assert {(lay, q) for lay in Layout for q in (False, True)} == set(table)
+    for (layout, quantized), cfg in table.items():
+        c = write_mod.launch_config(4096, 8, 128, 16, layout, quantized, **cfg)
+        assert c.scheme == cfg["scheme"]
