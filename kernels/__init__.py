@@ -9,7 +9,9 @@ import workbench  # noqa: F401  (chooses compiled vs interpreted before any kern
 
 from .copy import copy_blocks
 from .decode import decode_config, paged_decode
+from .decode_plan import DecodePlan, merge_state, merge_states
 from .gather import paged_gather
 from .write import check_write_kv, write_kv
 
-__all__ = ["check_write_kv", "copy_blocks", "decode_config", "paged_decode", "paged_gather", "write_kv"]
+__all__ = ["DecodePlan", "check_write_kv", "copy_blocks", "decode_config", "merge_state", "merge_states",
+           "paged_decode", "paged_gather", "write_kv"]

@@ -23,7 +23,7 @@ A sequence of length 0 gives an output of zeros.
 from __future__ import annotations
 
 import functools
-import math
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from workbench.layout import Layout, addressing, to_nhd
 
-from .validate import capturing, table_stats
+from .validate import capturing, table_stats  # noqa: F401  (DecodePlan reads them here: tests patch them)
 
 LOG2E = 1.4426950408889634
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -340,6 +340,16 @@ def _stride_split(stride: int) -> tuple[int, int]:
     return stride // f, f
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` in plain Python (triton's goes through a constexpr-function wrapper: ~1 us a call)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for ``n >= 1`` in plain Python."""
+    return 1 << (n - 1).bit_length()
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -404,20 +414,20 @@ def decode_config(
     """
     if num_sms <= 0:
         block_n = 32
-        return {"BLOCK_N": block_n, "num_splits": min(2, max(1, triton.cdiv(max_seq_len, block_n))),
+        return {"BLOCK_N": block_n, "num_splits": min(2, max(1, _cdiv(max_seq_len, block_n))),
                 "num_warps": 4, "num_stages": 1, "use_dot": True}
-    elem = torch.empty((), dtype=kv_dtype).element_size()
-    tile = 8192 // (elem * triton.next_power_of_2(head_dim))  # tokens in 8 KB of K
+    elem = kv_dtype.itemsize
+    tile = 8192 // (elem * _next_pow2(head_dim))  # tokens in 8 KB of K
     block_n = max(16, min(128, 1 << (tile.bit_length() - 1) if tile > 0 else 16))
     max_seq_len = max(1, max_seq_len)
     mean = min(float(mean_seq_len or max_seq_len), max_seq_len)
     work = batch * num_kv_heads * mean  # token-heads to read
-    smem = 3 * block_n * triton.next_power_of_2(head_dim) * elem * 2 + 6144  # 3 K+V buffers at 4 stages
+    smem = 3 * block_n * _next_pow2(head_dim) * elem * 2 + 6144  # 3 K+V buffers at 4 stages
     slots = num_sms * max(1, min(8, (228 << 10) // (smem + 1024)))  # programs resident at once
     target = work / slots if mean >= 0.9 * max_seq_len else work / (4 * slots)  # tokens per program
     target = max(target, 4 * block_n)
     splits = max(1, round(max_seq_len / target))
-    tiles = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n)  # per program
+    tiles = _cdiv(_cdiv(max_seq_len, splits), block_n)  # per program
     if Layout.parse(layout) is Layout.VLLM and elem == 2 and block_n * elem < 128 and block_size >= 2 * block_n:
         # value pieces of 128 bytes, not 64 (docs/decode_tuning.md, v4)
         return {"BLOCK_N": 2 * block_n, "num_splits": splits, "num_warps": 4, "num_stages": 3, "use_dot": True}
@@ -437,23 +447,46 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
     if q.stride(2) != 1:
         raise ValueError("q must have unit stride in its last dimension")
     B, Hq, D = q.shape
+    hkv, block_size = _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q.dtype, q.device, D)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
+                            or out.device != q.device):
+        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} with unit last stride, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    return B, Hq, D, hkv, block_size
+
+
+def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int, int]:
+    """``(block_size, kv heads, head_dim)`` of a K/V cache pair in ``layout``, checked against the queries'
+    dtype and device."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
-    if k_cache.dtype != q.dtype and k_cache.dtype not in _FP8:
-        raise ValueError(f"k_cache dtype must be q's ({q.dtype}) or fp8, got {k_cache.dtype}")
+    if k_cache.dtype != q_dtype and k_cache.dtype not in _FP8:
+        raise ValueError(f"k_cache dtype must be q's ({q_dtype}) or fp8, got {k_cache.dtype}")
     shapes = {}
     for name, cache, kind in (("k_cache", k_cache, "k"), ("v_cache", v_cache, "v")):
         want_dim = 5 if layout is Layout.VLLM and kind == "k" else 4
         if cache.dim() != want_dim:
             raise ValueError(f"{name} must be {want_dim}-D in the {layout.value} layout, got {tuple(cache.shape)}")
         shapes[name] = tuple(to_nhd(cache[:0], layout, kind).shape[1:])  # (block_size, heads, head_dim)
-        if cache.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {cache.device}")
+        if cache.device != device:
+            raise ValueError(f"{name} must be on q's device {device}, got {cache.device}")
     if shapes["k_cache"] != shapes["v_cache"]:
         raise ValueError(f"k_cache and v_cache disagree: (block_size, heads, head_dim) {shapes['k_cache']} "
                          f"vs {shapes['v_cache']}")
-    block_size, hkv, hd = shapes["k_cache"]
-    if hd != D:
+    return shapes["k_cache"]
+
+
+def _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q_dtype, device, D=None):
+    """The caches against the queries (``Hq`` heads of ``D``, ``D=None``: the caches'), the block table and
+    lengths against the batch of ``B``. Returns ``(kv heads, block_size)``."""
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    block_size, hkv, hd = _cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+    if D is not None and hd != D:
         raise ValueError(f"q head_dim {D} does not match the caches' head_dim {hd}")
     if hkv == 0 or Hq % hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the caches' kv heads ({hkv})")
@@ -462,19 +495,15 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
                          f"{tuple(block_table.shape)}")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens must be int32 of shape [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_table.device != q.device:
-        raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
-    if seq_lens.device != q.device:
-        raise ValueError(f"seq_lens must be on q's device {q.device}, got {seq_lens.device}")
+    if block_table.device != device:
+        raise ValueError(f"block_table must be on q's device {device}, got {block_table.device}")
+    if seq_lens.device != device:
+        raise ValueError(f"seq_lens must be on q's device {device}, got {seq_lens.device}")
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
     if B > 1 and seq_lens.stride(0) != 1:
         raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
-                            or out.device != q.device):
-        raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} with unit last stride, "
-                         f"got {out.dtype} {tuple(out.shape)}")
-    return B, Hq, D, hkv, block_size
+    return hkv, block_size
 
 
 def _scale_arg(name, value, device):
@@ -509,6 +538,10 @@ def paged_decode(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V cache.
 
+    The one-shot shortcut of :class:`~workbench.kernels.decode_plan.DecodePlan`: it plans (checks,
+    launch configuration, scratch) and runs once. A model step with many layers builds the plan once and
+    calls ``plan.run`` per layer instead.
+
     Args:
         q: ``[B, Hq, D]`` fp16/bf16/fp32 queries (one token per sequence).
         k_cache: one layer's K cache in ``layout`` (``workbench.layout``), dtype q's or fp8
@@ -541,58 +574,43 @@ def paged_decode(
     Returns:
         ``[B, Hq, D]`` in q's dtype.
     """
+    from .decode_plan import DecodePlan
+
     layout = Layout.parse(layout)
     B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out)
-    bad = set(launch) - set(_LAUNCH_KEYS)
-    if bad:
-        raise ValueError(f"launch options must be among {_LAUNCH_KEYS}, got {sorted(bad)}")
-    if max_seq_len is not None and max_seq_len < 0:
-        raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
-    check_ids = validate and not capturing(q)
-    if max_seq_len is None or check_ids:  # one device sync: lengths' min/max/sum and (check_ids) the table's ids
-        num_blocks = min(k_cache.shape[0], v_cache.shape[0])
-        stats = table_stats(block_table, seq_lens, block_size, num_blocks, check_ids=check_ids)
-        if max_seq_len is None:
-            max_seq_len = stats.max
-            mean_seq_len = stats.total / B if B else 0.0
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if B == 0:
-        return out
-    interp = _interpreted()
-    plan = _launch_plan(layout, B, Hq, D, hkv, block_size, q.dtype, k_cache.dtype, tuple(k_cache.shape),
-                        k_cache.stride(), tuple(v_cache.shape), v_cache.stride(), max_seq_len, mean_seq_len, num_splits,
-                        tuple(sorted(launch.items())), interp, 0 if interp else _num_sms(q.device))
-    splits, chunk, block_d = plan.splits, plan.chunk, plan.block_d
-    ks_ptr, ks_val = _scale_arg("k_scale", k_scale, q.device)
-    vs_ptr, vs_val = _scale_arg("v_scale", v_scale, q.device)
-    scale_ptr = ks_ptr is not None or vs_ptr is not None
-    if scale_ptr:  # both through pointers: one code path
-        ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=q.device)
-        vs_ptr = vs_ptr if vs_ptr is not None else torch.full((1,), vs_val, device=q.device)
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+    key = None
+    if max_seq_len is not None and not (validate and not capturing(q)):
+        # nothing to read on the device: the plan depends on metadata only, so it is cached on it (the table and
+        # lengths by address: the cached plan keeps them alive, so an address names the same memory)
+        key = (layout, q.dtype, q.device, B, Hq, k_cache.dtype, tuple(k_cache.shape), k_cache.stride(),
+               tuple(v_cache.shape), v_cache.stride(), block_table.data_ptr(), tuple(block_table.shape),
+               block_table.stride(0), seq_lens.data_ptr(), max_seq_len, _mean_key(mean_seq_len), num_splits,
+               _scale_key(k_scale), _scale_key(v_scale), sm_scale, tuple(sorted(launch.items())) if launch else ())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan._launch(q, k_cache, v_cache, out, fresh_scratch=True)
+    plan = DecodePlan._checked(layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q.dtype,
+                               q.device, max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate,
+                               launch, scratch=False)
+    if key is not None:
+        _PLANS[key] = plan
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    return plan._launch(q, k_cache, v_cache, out, fresh_scratch=True)
 
-    split = splits > 1
-    if split:
-        o_part = torch.empty((B, Hq, splits, D), dtype=torch.float32, device=q.device)
-        lse = torch.empty((B, Hq, splits), dtype=torch.float32, device=q.device)
-    else:
-        o_part = lse = out  # unused
-    _paged_decode_kernel[(splits, hkv, B)](
-        q, k_cache, v_cache, block_table, seq_lens, out, o_part, lse,
-        ks_ptr if scale_ptr else q, vs_ptr if scale_ptr else q, ks_val, vs_val,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        *plan.k_strides, *plan.v_strides,
-        chunk, splits,
-        SPLIT=split, SCALE_PTR=scale_ptr, **plan.constexprs,
-    )
-    if split:
-        _decode_reduce_kernel[(Hq, B)](
-            o_part, lse, seq_lens, out, out.stride(0), out.stride(1), chunk, splits,
-            HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
-        )
-    return out
+
+_PLANS: OrderedDict = OrderedDict()  # paged_decode's plans without device reads, least recently used first
+_PLANS_MAX = 64
+
+
+def _mean_key(mean: float | None) -> int | None:
+    """The split heuristic's mean length as it is used (an integer, see ``_launch_params``): a cache key."""
+    return None if mean is None else max(1, round(float(mean)))
+
+
+def _scale_key(value):
+    return ("ptr", value.data_ptr(), value.dtype, tuple(value.shape)) if isinstance(value, torch.Tensor) else value
 
 
 def _interpreted() -> bool:
@@ -601,28 +619,23 @@ def _interpreted() -> bool:
     return is_interpreted()
 
 
-class _DecodePlan(NamedTuple):
-    """Everything :func:`paged_decode` derives from shapes, strides and options (cached per geometry)."""
+class _Geometry(NamedTuple):
+    """What a launch derives from shapes, strides and the launch configuration (cached per geometry)."""
 
-    splits: int
-    chunk: int
     block_d: int
     k_strides: tuple
     v_strides: tuple
     constexprs: dict
 
 
-@functools.lru_cache(maxsize=512)
-def _launch_plan(layout, B, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, k_stride, v_shape, v_stride,
-                 max_seq_len, mean_seq_len, num_splits, launch_items, interp, num_sms) -> _DecodePlan:
-    """The launch configuration and stride arithmetic of one geometry: computed once, then a dict lookup
-    per call (the eager path of a short decode step is otherwise dominated by host time)."""
-    launch = dict(launch_items)
-    k_cache = torch.empty_strided(k_shape, k_stride, dtype=kv_dtype, device="meta")
-    v_cache = torch.empty_strided(v_shape, v_stride, dtype=kv_dtype, device="meta")
-    group = Hq // hkv
-    cfg = decode_config(B, hkv, group, D, block_size, max(max_seq_len, 1), mean_seq_len=mean_seq_len,
-                        kv_dtype=kv_dtype, num_sms=num_sms, layout=layout)
+def _launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache, max_seq_len, mean_seq_len,
+                   num_splits, launch, interp, num_sms):
+    """``(splits, chunk, geometry)`` of one launch. The split heuristic (:func:`decode_config`, plain arithmetic)
+    runs every time, on ``mean_seq_len`` rounded to a whole token (so no float is ever a cache key); the stride and
+    constexpr arithmetic is cached on integers only (shapes, strides, dtypes and the chosen configuration)."""
+    # the mean as a whole number of tokens: plans cached on it (paged_decode's) give the same split as fresh ones
+    cfg = decode_config(B, hkv, Hq // hkv, D, block_size, max(max_seq_len, 1), mean_seq_len=_mean_key(mean_seq_len),
+                        kv_dtype=k_cache.dtype, num_sms=num_sms, layout=layout)
     cfg.update(launch)
     if num_splits is not None:
         if int(num_splits) < 1:
@@ -631,10 +644,22 @@ def _launch_plan(layout, B, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, 
     block_n = int(cfg["BLOCK_N"])
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"BLOCK_N must be a power of two >= 16, got {block_n}")
-    use_dot = bool(cfg["use_dot"])
-    chunk = triton.cdiv(triton.cdiv(max(max_seq_len, 1), cfg["num_splits"]), block_n) * block_n
-    splits = max(1, triton.cdiv(max_seq_len, chunk))  # no split starts past the longest sequence
+    chunk = _cdiv(_cdiv(max(max_seq_len, 1), cfg["num_splits"]), block_n) * block_n
+    splits = max(1, _cdiv(max_seq_len, chunk))  # no split starts past the longest sequence
+    geo = _launch_plan(layout, Hq, D, hkv, block_size, q_dtype, k_cache.dtype, tuple(k_cache.shape), k_cache.stride(),
+                       tuple(v_cache.shape), v_cache.stride(), block_n, bool(cfg["use_dot"]), bool(cfg.get("k3d", True)),
+                       int(cfg["num_warps"]), int(cfg["num_stages"]), interp)
+    return splits, chunk, geo
 
+
+@functools.lru_cache(maxsize=512)
+def _launch_plan(layout, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, k_stride, v_shape, v_stride,
+                 block_n, use_dot, k3d_ok, num_warps, num_stages, interp) -> _Geometry:
+    """The stride arithmetic and constexprs of one geometry and configuration: computed once, then a dict
+    lookup per plan (integers only in the key: the same across decode steps)."""
+    k_cache = torch.empty_strided(k_shape, k_stride, dtype=kv_dtype, device="meta")
+    v_cache = torch.empty_strided(v_shape, v_stride, dtype=kv_dtype, device="meta")
+    group = Hq // hkv
     ka = addressing(k_cache, layout, "k")
     va = addressing(v_cache, layout, "v")
     v_trans = layout is Layout.VLLM
@@ -647,18 +672,18 @@ def _launch_plan(layout, B, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, 
     v_split = [_stride_split(s) for s in (va.s_blk, va.s_tok, va.s_head, va.s_d if v_trans else 1)]
     k_strides, k_mult = [s for s, _ in k_split], [f for _, f in k_split]
     v_strides, v_mult = [s for s, _ in v_split], [f for _, f in v_split]
-    block_d = triton.next_power_of_2(D)
+    block_d = _next_pow2(D)
     kx = ka.x if layout is Layout.VLLM else block_d
     # [D // x, pages, run] key tiles need a page's x-chunks back to back and whole pages or whole tiles
-    k3d = (bool(cfg.get("k3d", True)) and layout is Layout.VLLM and use_dot and (block_size == 1 or ka.s_tok == kx)
+    k3d = (k3d_ok and layout is Layout.VLLM and use_dot and (block_size == 1 or ka.s_tok == kx)
            and (block_size % block_n == 0 or block_n % block_size == 0))
-    g_pad = max(16, triton.next_power_of_2(group)) if use_dot else triton.next_power_of_2(group)
+    g_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
     constexprs = dict(
         G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
         V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q_dtype == torch.float32 or (interp and q_dtype == torch.bfloat16),
         K_BM=k_mult[0], K_TM=k_mult[1], K_HM=k_mult[2], K_GM=k_mult[3],
         V_BM=v_mult[0], V_TM=v_mult[1], V_HM=v_mult[2], V_DM=v_mult[3],
         V_ALIGN=min(v_mult[0], v_mult[3]), ASM=not interp, K3D=k3d,
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]),
+        num_warps=num_warps, num_stages=num_stages,
     )
-    return _DecodePlan(splits, chunk, block_d, tuple(k_strides), tuple(v_strides), constexprs)
+    return _Geometry(block_d, tuple(k_strides), tuple(v_strides), constexprs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from workbench.layout import Layout, to_nhd
@@ -59,6 +61,32 @@ def paged_decode_ref(
         s = torch.einsum("hd,hnd->hn", q[b].double(), k) * scale  # [Hq, n]
         out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, dim=-1), v)
     return out
+
+
+
+def merge_states_ref(
+    v: torch.Tensor, s: torch.Tensor, num_valid: torch.Tensor | None = None, base: float = 2.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merged attention states in float64: ``v [N, S, H, D]``, ``s [N, S, H]`` (log-sum-exps in base ``base``)
+    -> ``(v [N, H, D], s [N, H])``.
+
+    State ``i`` of row ``n`` counts if ``s`` is finite-or-above ``-inf`` and (``num_valid``) ``i < num_valid[n]``;
+    its weight is ``base ** s`` relative to the others, and the merged LSE is ``log_base`` of the weights' sum.
+    A row with no valid state gives zeros and ``-inf``; an invalid state's ``v`` is never used.
+    """
+    N, S, H, _ = v.shape
+    s2 = s.double() * math.log2(base)  # base 2
+    valid = s2 > float("-inf")
+    if num_valid is not None:
+        valid &= torch.arange(S, device=s.device)[None, :, None] < num_valid.to(s.device)[:, None, None]
+    m = torch.where(valid, s2, float("-inf")).amax(dim=1) if S else s2.new_full((N, H), float("-inf"))
+    m = torch.where(m == float("-inf"), 0.0, m)  # [N, H]
+    w = torch.where(valid, torch.exp2(s2 - m[:, None]), 0.0)  # [N, S, H]
+    vv = torch.where(valid[..., None], v.double(), 0.0)
+    total = w.sum(dim=1)  # [N, H]
+    out = (w[..., None] * vv).sum(dim=1) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, m + torch.log2(torch.where(total > 0, total, 1.0)), float("-inf"))
+    return out, lse / math.log2(base)
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -1,0 +1,498 @@
+"""A decode plan: built once per step from the batch, run once per layer (FlashInfer's plan / run split).
+
+A decode step runs the same batch (block tables, lengths) through every layer, each layer with its own
+queries and K/V caches of one geometry. :class:`DecodePlan` does, once, everything that depends only on
+the batch and the caches' format and layout: the argument checks, the block-table check and the read of
+the lengths (one device sync, see :func:`~workbench.kernels.validate.table_stats`), the split count and
+chunk, the kernel's constexprs and strides, the scale pointers and the split-KV scratch. ``plan.run(q,
+k_cache, v_cache, out)`` then only compares metadata with what was planned and launches: no host sync, no
+allocation (except ``out`` when not given), so it can be captured in a CUDA graph together with the other
+layers of the step. :func:`~workbench.kernels.decode.paged_decode` is plan-then-run in one call.
+
+:func:`merge_states` / :func:`merge_state` merge partial attention outputs by their log-sum-exps (the
+split-KV reduction, generalised), the piece a shared-prefix decode (two plans) needs.
+
+Log-sum-exp units: the decode kernel keeps its softmax in ``exp2`` (scores pre-multiplied by
+``log2(e)``), so the LSE it writes for a partial is ``s = log2(sum_j exp(sm_scale * q . k_j))``, i.e.
+base 2: ``s_base2 = s_natural * log2(e)`` and ``s_natural = s_base2 * ln(2)``. FlashInfer's kernels write
+base 2 as well (vLLM's FlashInfer backend merges with ``is_lse_base_on_e=False``; FlashInfer's context
+parallel reduce calls base 2 "the default produced by FlashInfer"), while FlashAttention and PyTorch
+return natural-log LSEs. :func:`merge_states` reads and writes base 2 by default; ``base=math.e`` takes
+and returns natural logs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from workbench.layout import Layout
+
+from . import decode as _dec
+from .validate import LenStats, capturing
+
+_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class DecodePlan:
+    """Paged decode of one batch, planned once and run per layer.
+
+    Args:
+        block_table: ``[B, max_blocks]`` int32, physical block of each logical block (entries past a
+            sequence's last block are padding, never read).
+        seq_lens: ``[B]`` int32 context lengths.
+        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``: the caches' layout.
+        k_cache, v_cache: one layer's K/V caches (any layer: every layer ``run`` is given must have exactly
+            their shape, strides, dtype and device).
+        num_q_heads: query heads ``Hq`` (a multiple of the caches' kv heads).
+        q_dtype: the queries' dtype (fp16, bf16 or fp32); the caches are q's dtype or fp8.
+        max_seq_len: ``max(seq_lens)`` if known. Without it the plan reads the lengths (one device sync).
+        mean_seq_len: mean length, a hint for the split heuristic (ragged batches).
+        num_splits: split-KV chunks per sequence; ``None`` asks :func:`~workbench.kernels.decode.decode_config`.
+        k_scale, v_scale: dequantization scales (floats or one-element fp32 tensors), shared by the layers.
+        sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
+        validate: check the used block ids against the caches' blocks and the lengths against the table
+            (one reduction and one device sync, shared with the read of the lengths). Skipped while a CUDA graph
+            is being captured; ``max_seq_len`` with ``validate=False`` plans without touching the device.
+        return_lse: ``run`` also returns each query head's log-sum-exp (base 2, see the module docstring), so two
+            plans' results merge with :func:`merge_state` (a shared prefix and the rest). The kernel then always
+            writes partials (even for one split) and :func:`merge_states`' kernel combines them.
+        **launch: :func:`~workbench.kernels.decode.decode_config` overrides (``BLOCK_N``, ``num_warps``,
+            ``num_stages``, ``use_dot``, ``k3d``), as for ``paged_decode``.
+
+    The plan keeps references to ``block_table`` and ``seq_lens`` (no copies): their contents may be updated
+    in place between runs (a replayed CUDA graph) as long as they stay valid for the caches and the table
+    (``run`` does not check them again) and no length exceeds ``max_seq_len`` by much: the chunk was chosen
+    for it (a longer sequence is still right, its last split takes the rest, only slower).
+
+    The scratch for the splits belongs to the plan: runs of one plan must be ordered (one stream), which the
+    layers of a step are.
+    """
+
+    def __init__(
+        self,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        layout: Layout | str,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_q_heads: int,
+        q_dtype: torch.dtype,
+        max_seq_len: int | None = None,
+        mean_seq_len: float | None = None,
+        num_splits: int | None = None,
+        k_scale: float | torch.Tensor | None = None,
+        v_scale: float | torch.Tensor | None = None,
+        sm_scale: float | None = None,
+        validate: bool = True,
+        return_lse: bool = False,
+        **launch,
+    ) -> None:
+        layout = Layout.parse(layout)
+        hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, block_table)
+        B = block_table.shape[0] if block_table.dim() >= 1 else -1
+        hkv, block_size = _dec._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
+        D = _dec._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
+        self._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
+                    max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
+                    return_lse=return_lse)
+
+    @classmethod
+    def from_csr(
+        cls,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_page_len: torch.Tensor,
+        *,
+        layout: Layout | str,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_q_heads: int,
+        q_dtype: torch.dtype,
+        max_seq_len: int | None = None,
+        validate: bool = True,
+        **kwargs,
+    ) -> DecodePlan:
+        """A plan from FlashInfer's CSR page table: sequence ``b`` holds pages
+        ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``, the last one ``kv_last_page_len[b]`` tokens full
+        (``1..page_size``; a sequence of no pages has length 0 whatever its entry says).
+
+        The table is converted once, on the device, to a padded ``[B, max_pages]`` block table (``plan.block_table``;
+        padding 0) and lengths (``plan.seq_lens``). Host syncs as for the padded form: one (``max_pages``, the
+        lengths and, with ``validate``, the checks of ``kv_indptr``, ``kv_last_page_len`` and every used page id,
+        all read together), none with ``max_seq_len`` given and ``validate=False`` (the table is then
+        ``ceil(max_seq_len / page_size)`` wide). Other keyword arguments are :class:`DecodePlan`'s.
+        """
+        layout = Layout.parse(layout)
+        hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, kv_indptr, name="kv_indptr")
+        block_size, _, D = _dec._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+        for name, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+        for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
+            if t.dim() != 1 or t.dtype != torch.int32 or t.device != device:
+                raise ValueError(f"{name} must be a 1-D int32 tensor on {device}, got {t.dtype} {tuple(t.shape)} "
+                                 f"on {t.device}")
+        if kv_indptr.shape[0] < 1 or kv_last_page_len.shape[0] != kv_indptr.shape[0] - 1:
+            raise ValueError(f"kv_indptr must be [B + 1] and kv_last_page_len [B], got {tuple(kv_indptr.shape)} and "
+                             f"{tuple(kv_last_page_len.shape)}")
+        if max_seq_len is not None and max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+        B = kv_last_page_len.shape[0]
+        n_pages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
+        seq_lens = torch.where(n_pages > 0, (n_pages - 1) * block_size + kv_last_page_len, 0).to(torch.int32)
+        stats = None
+        read = B > 0 and (max_seq_len is None or validate) and not capturing(kv_indptr)
+        if max_seq_len is None and not read and B > 0:
+            raise ValueError("max_seq_len is required while a CUDA graph is being captured (no host reads then)")
+        if read:
+            num_blocks = min(k_cache.shape[0], v_cache.shape[0])
+            max_pages, stats = _csr_stats(kv_indptr, kv_indices, kv_last_page_len, n_pages, seq_lens, block_size,
+                                          num_blocks, validate)
+            width = max(1, max_pages)
+        else:
+            width = max(1, -(-(max_seq_len or 0) // block_size))
+        block_table = _csr_to_table(kv_indptr, kv_indices, n_pages, width)
+        plan = object.__new__(cls)
+        hkv = _dec._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)[0]
+        launch = dict(kwargs)
+        plan._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
+                    max_seq_len, launch.pop("mean_seq_len", None), launch.pop("num_splits", None),
+                    launch.pop("k_scale", None), launch.pop("v_scale", None), launch.pop("sm_scale", None),
+                    False, launch, stats=stats, return_lse=launch.pop("return_lse", False))
+        return plan
+
+    @classmethod
+    def _checked(cls, layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q_dtype, device,
+                 max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
+                 scratch=True) -> DecodePlan:
+        """A plan from arguments ``paged_decode`` has checked already (``scratch=False``: none preallocated, each
+        ``_launch(..., fresh_scratch=True)`` allocates its own)."""
+        plan = object.__new__(cls)
+        plan._setup(layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q_dtype, device,
+                    max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
+                    scratch=scratch)
+        return plan
+
+    def _setup(self, layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q_dtype, device,
+               max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch, stats=None,
+               scratch=True, return_lse=False):
+        bad = set(launch) - set(_dec._LAUNCH_KEYS)
+        if bad:
+            raise ValueError(f"launch options must be among {_dec._LAUNCH_KEYS}, got {sorted(bad)}")
+        if max_seq_len is not None and max_seq_len < 0:
+            raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
+        check_ids = validate and not capturing(block_table)
+        if stats is None and (max_seq_len is None or check_ids):
+            if max_seq_len is None and capturing(block_table):
+                raise ValueError("max_seq_len is required while a CUDA graph is being captured (no host reads then)")
+            num_blocks = min(k_cache.shape[0], v_cache.shape[0])
+            # one device sync: the lengths' min/max/sum and (check_ids) the table's ids
+            stats = _dec.table_stats(block_table, seq_lens, block_size, num_blocks, check_ids=check_ids)
+        if max_seq_len is None:
+            max_seq_len = stats.max
+            mean_seq_len = stats.total / B if B else 0.0
+        f = dict(layout=layout, batch_size=B, num_q_heads=Hq, num_kv_heads=hkv, head_dim=D, block_size=block_size,
+                 q_dtype=q_dtype, kv_dtype=k_cache.dtype, device=device, max_seq_len=int(max_seq_len),
+                 block_table=block_table, seq_lens=seq_lens, return_lse=bool(return_lse), _q_shape=(B, Hq, D),
+                 _k_meta=(tuple(k_cache.shape), k_cache.stride()), _v_meta=(tuple(v_cache.shape), v_cache.stride()))
+        if B == 0:  # nothing to launch (the launch options are not even looked at, as paged_decode always did)
+            f.update(num_splits=1, chunk=0, config={}, _split=False)
+            return _fill(self, f)
+        interp = _dec._interpreted()
+        splits, chunk, geo = _dec._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
+                                                 f["max_seq_len"], mean_seq_len, num_splits, launch, interp,
+                                                 0 if interp else _dec._num_sms(device))
+        ks_ptr, ks_val = _dec._scale_arg("k_scale", k_scale, device)
+        vs_ptr, vs_val = _dec._scale_arg("v_scale", v_scale, device)
+        scale_ptr = ks_ptr is not None or vs_ptr is not None
+        if scale_ptr:  # both through pointers: one code path
+            ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=device)
+            vs_ptr = vs_ptr if vs_ptr is not None else torch.full((1,), vs_val, device=device)
+        sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
+        ce = geo.constexprs
+        split = splits > 1 or f["return_lse"]  # the LSE comes from the partials' merge, even of one split
+        f.update(
+            num_splits=splits, chunk=chunk, _grid=(splits, hkv, B), _split=split,
+            config={"BLOCK_N": ce["BLOCK_N"], "num_splits": splits, "num_warps": ce["num_warps"],
+                    "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"]},
+            _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
+            _qk_scale=sm_scale * _dec.LOG2E,
+            _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
+            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, **ce),
+        )
+        if split:  # the splits' scratch, reused by every run of the plan
+            f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,
+                     _lse=torch.empty((B, Hq, splits), dtype=torch.float32, device=device) if scratch else None,
+                     _o_part_shape=(B, Hq, splits, D), _reduce_grid=(Hq, B),
+                     _reduce_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=_dec._next_pow2(splits),
+                                     num_warps=4))
+            if f["return_lse"]:  # the merge of the partials [B, Hq, S, D] / [B, Hq, S] into out and lse
+                f.update(_merge_args=(Hq * splits * D, D, splits * D, Hq * splits, 1, splits),
+                         _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, _dec._next_pow2(splits)),
+                                        HAS_N=True, N_FROM_LEN=True, num_warps=4))
+        return _fill(self, f)
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of one layer: ``q`` ``[B, Hq, D]`` over ``k_cache``/``v_cache`` (the planned geometry).
+
+        Checks metadata only (shapes, strides, dtypes, devices against the plan; ValueError naming the
+        argument), then launches: no host sync, no allocation except ``out`` (and ``lse``) when None, so a whole
+        multi-layer step can be captured in one CUDA graph. Returns ``out`` (``[B, Hq, D]``, q's dtype); a plan
+        built with ``return_lse=True`` returns ``(out, lse)``, ``lse`` ``[B, Hq]`` fp32 in base 2 (``-inf`` for an
+        empty sequence), ready for :func:`merge_state` with another plan's (a shared prefix)."""
+        if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
+                or q.device != self.device or q.stride(2) != 1:
+            raise ValueError(f"q must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with unit "
+                             f"last stride, as planned; got {_describe(q)}")
+        for name, cache, (shape, stride) in (("k_cache", k_cache, self._k_meta), ("v_cache", v_cache, self._v_meta)):
+            if not isinstance(cache, torch.Tensor) or cache.shape != shape or cache.stride() != stride \
+                    or cache.dtype != self.kv_dtype or cache.device != self.device:
+                raise ValueError(f"{name} must have the planned geometry: a {self.kv_dtype} tensor of shape {shape}, "
+                                 f"strides {stride} on {self.device}; got {_describe(cache)}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != self._q_shape
+                                or out.dtype != self.q_dtype or out.device != self.device or out.stride(2) != 1):
+            raise ValueError(f"out must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with "
+                             f"unit last stride; got {_describe(out)}")
+        if lse is not None:
+            if not self.return_lse:
+                raise ValueError("lse is written only by a plan built with return_lse=True")
+            if not isinstance(lse, torch.Tensor) or lse.shape != self._q_shape[:2] or lse.dtype != torch.float32 \
+                    or lse.device != self.device:
+                raise ValueError(f"lse must be an fp32 tensor of shape {self._q_shape[:2]} on {self.device}; got "
+                                 f"{_describe(lse)}")
+        return self._launch(q, k_cache, v_cache, out, lse=lse)
+
+    def _launch(self, q, k_cache, v_cache, out, fresh_scratch=False, lse=None):
+        if out is None:
+            out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
+        if self.return_lse and lse is None:
+            lse = torch.empty(self._q_shape[:2], dtype=torch.float32, device=self.device)
+        if self.batch_size == 0:
+            return (out, lse) if self.return_lse else out
+        ks_ptr, vs_ptr, ks_val, vs_val = self._scale_args
+        if not self._split:
+            o_part = lse_part = out  # unused
+        elif fresh_scratch:  # paged_decode: a call's own scratch, as a one-shot call always had
+            o_part = torch.empty(self._o_part_shape, dtype=torch.float32, device=self.device)
+            lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
+        else:
+            o_part, lse_part = self._o_part, self._lse
+        _dec._paged_decode_kernel[self._grid](
+            q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
+            q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, **self._constexprs,
+        )
+        if self.return_lse:
+            _merge_states_kernel[(self.batch_size, self.num_q_heads)](
+                o_part, lse_part, self.seq_lens, out, lse, *self._merge_args, out.stride(0), out.stride(1),
+                lse.stride(0), lse.stride(1), self.num_splits, 1.0, self.chunk, **self._merge_kw,
+            )
+            return out, lse
+        if self._split:
+            _dec._decode_reduce_kernel[self._reduce_grid](
+                o_part, lse_part, self.seq_lens, out, out.stride(0), out.stride(1), self.chunk, self.num_splits,
+                **self._reduce_kw,
+            )
+        return out
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan({self.layout.value}, B={self.batch_size}, Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, "
+                f"D={self.head_dim}, page={self.block_size}, kv={self.kv_dtype}, max_seq_len={self.max_seq_len}, "
+                f"splits={self.num_splits}, chunk={self.chunk})")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"DecodePlan is fixed once planned (setting {name!r}): build a new plan")
+
+
+def _fill(plan: DecodePlan, fields: dict) -> None:
+    plan.__dict__.update(fields)  # past __setattr__: the one place a plan is written
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+
+
+def _check_heads_and_dtype(num_q_heads, q_dtype, first, name="block_table"):
+    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
+        raise ValueError(f"num_q_heads must be an int >= 1, got {num_q_heads!r}")
+    if q_dtype not in _Q_DTYPES:
+        raise ValueError(f"q_dtype must be fp16, bf16 or fp32, got {q_dtype}")
+    if not isinstance(first, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(first).__name__}")
+    return num_q_heads, first.device
+
+
+def _csr_stats(indptr, indices, last, n_pages, seq_lens, block_size, num_blocks, validate):
+    """``(max pages, LenStats)`` of a CSR table, and (``validate``) its checks, in one device -> host read."""
+    nnz = indices.shape[0]
+    pos = torch.arange(nnz, device=indices.device)
+    used = (pos >= indptr[0]) & (pos < indptr[-1])
+    bad = used & ((indices < 0) | (indices >= num_blocks))
+    lens = seq_lens.to(torch.int64)
+    vals = torch.stack([
+        n_pages.max().long(), lens.min(), lens.max(), lens.sum(),
+        (n_pages < 0).sum(), indptr[-1].long(),
+        ((n_pages > 0) & ((last < 1) | (last > block_size))).sum(),
+        bad.sum(), torch.where(bad, pos, nnz).min() if nnz else pos.new_tensor(0).long(),
+    ]).tolist()  # the one device -> host sync
+    max_pages, lo, hi, total, n_neg, end, n_last, n_bad, first = vals
+    if validate:
+        if n_neg or end > nnz:
+            raise ValueError(f"kv_indptr must be non-decreasing and end within kv_indices ({nnz} entries), got "
+                             f"{indptr.tolist()}")
+        if n_last:
+            b = int(((n_pages > 0) & ((last < 1) | (last > block_size))).nonzero()[0, 0])  # the error path
+            raise ValueError(f"kv_last_page_len[{b}] = {int(last[b])} must be in [1, {block_size}] (the page size) for "
+                             f"a sequence with pages")
+        if n_bad:
+            raise ValueError(f"kv_indices[{first}] = {int(indices[first])} is out of range: page ids must be in "
+                             f"[0, {num_blocks}) (the cache's blocks)")
+    return max(0, max_pages), LenStats(lo, hi, total)
+
+
+def _csr_to_table(indptr, indices, n_pages, width):
+    """``[B, width]`` int32 padded block table (padding 0) from a CSR table, on the device."""
+    B = n_pages.shape[0]
+    cols = torch.arange(width, device=indptr.device)
+    if indices.shape[0] == 0:
+        return torch.zeros((B, width), dtype=torch.int32, device=indptr.device)
+    pos = (indptr[:-1].long()[:, None] + cols[None, :]).clamp_(0, indices.shape[0] - 1)
+    return torch.where(cols[None, :] < n_pages[:, None], indices[pos], 0).to(torch.int32).contiguous()
+
+
+# ----------------------------------------------------------------------------- merging attention states
+@triton.jit
+def _merge_states_kernel(
+    v_ptr,  # [N, S, H, D] partial outputs (normalized), unit stride in D
+    s_ptr,  # [N, S, H] fp32 log-sum-exps
+    n_ptr,  # [N] int32 valid states per row (HAS_N), or sequence lengths (N_FROM_LEN)
+    vo_ptr,  # [N, H, D] merged outputs
+    so_ptr,  # [N, H] fp32 merged log-sum-exps
+    s_vn, s_vs, s_vh,
+    s_sn, s_ss, s_sh,
+    s_on, s_oh,
+    s_son, s_soh,
+    num_states,
+    s_mul,  # log2(base): the given LSEs times this are base 2
+    chunk,  # N_FROM_LEN: tokens per state (split-KV partials: row n has ceil(len / chunk) of them)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_N: tl.constexpr,
+    N_FROM_LEN: tl.constexpr = False,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    n = num_states
+    if HAS_N:
+        if N_FROM_LEN:
+            n = tl.minimum(tl.cdiv(tl.load(n_ptr + i_n), chunk), num_states)
+        else:
+            n = tl.minimum(tl.load(n_ptr + i_n), num_states)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    b_m = tl.zeros((), tl.float32) + float("-inf")  # running max (base 2)
+    b_l = tl.zeros((), tl.float32)  # running sum of weights
+    b_acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n, BLOCK_S):
+        o_s = s0 + tl.arange(0, BLOCK_S)
+        b_s = tl.load(s_ptr + i_n * s_sn + o_s * s_ss + i_h * s_sh, mask=o_s < n, other=float("-inf")) * s_mul
+        m_s = (o_s < n) & (b_s > float("-inf"))  # an empty state (-inf) adds nothing, and its v is not read
+        b_m_new = tl.maximum(b_m, tl.max(tl.where(m_s, b_s, float("-inf")), 0))
+        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_alpha = tl.exp2(b_m - b_ref)
+        b_w = tl.where(m_s, tl.exp2(b_s - b_ref), 0.0)  # [BLOCK_S]
+        p_v = v_ptr + i_n * s_vn + o_s[:, None] * s_vs + i_h * s_vh + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+        b_l = b_l * b_alpha + tl.sum(b_w, 0)
+        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_v, 0)
+        b_m = b_m_new
+    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
+    tl.store(vo_ptr + i_n * s_on + i_h * s_oh + o_d, (b_acc / b_l_safe).to(vo_ptr.dtype.element_ty), mask=m_d)
+    b_lse = tl.where(b_l > 0, b_m + tl.log2(b_l_safe), float("-inf")) / s_mul
+    tl.store(so_ptr + i_n * s_son + i_h * s_soh, b_lse)
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor, *, num_valid: torch.Tensor | None = None, base: float = 2.0,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention states: partial outputs over disjoint KV segments, each normalized over its segment,
+    with their log-sum-exps (FlashInfer's ``merge_states`` shapes).
+
+    Args:
+        v: ``[N, num_states, H, D]`` fp16/bf16/fp32 partial outputs (any strides, unit stride in ``D``).
+        s: ``[N, num_states, H]`` fp32 log-sum-exps of the segments' scaled scores, in base ``base``
+            (default 2, as the decode kernel and FlashInfer write them; see the module docstring). A state of
+            ``-inf`` (an empty segment) adds nothing and its ``v`` is not read (it may hold anything).
+        num_valid: optional ``[N]`` int32: only the first ``num_valid[n]`` states of row ``n`` are merged (the
+            others are not read), e.g. a ragged batch's split-KV partials.
+        base: the base of ``s`` and of the returned LSE (2, or ``math.e`` for natural logs).
+        out: optional ``(v_merged, s_merged)`` buffers to write (any strides, unit stride in ``D``), e.g. to run
+            inside a CUDA graph without allocating.
+
+    Returns:
+        ``(v_merged [N, H, D] in v's dtype, s_merged [N, H] fp32)``. A row with no valid state gives zeros and
+        ``-inf``.
+    """
+    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.dtype not in _Q_DTYPES:
+        raise ValueError(f"v must be a [N, num_states, H, D] fp16/bf16/fp32 tensor, got {_describe(v)}")
+    N, S, H, D = v.shape
+    if D > 1 and v.stride(3) != 1:
+        raise ValueError(f"v must have unit stride in its last dimension, got strides {v.stride()}")
+    if not isinstance(s, torch.Tensor) or s.shape != (N, S, H) or s.dtype != torch.float32 or s.device != v.device:
+        raise ValueError(f"s must be an fp32 tensor of shape {(N, S, H)} on {v.device}, got {_describe(s)}")
+    if num_valid is not None and (not isinstance(num_valid, torch.Tensor) or num_valid.shape != (N,)
+                                  or num_valid.dtype != torch.int32 or num_valid.device != v.device
+                                  or (N > 1 and num_valid.stride(0) != 1)):
+        raise ValueError(f"num_valid must be a contiguous int32 tensor of shape {(N,)} on {v.device}, got "
+                         f"{_describe(num_valid)}")
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        raise ValueError(f"base must be a number > 1 (2 or math.e), got {base!r}")
+    if out is None:
+        v_out = torch.empty((N, H, D), dtype=v.dtype, device=v.device)
+        s_out = torch.empty((N, H), dtype=torch.float32, device=v.device)
+    else:
+        v_out, s_out = out if isinstance(out, (tuple, list)) and len(out) == 2 else (None, None)
+        if not isinstance(v_out, torch.Tensor) or v_out.shape != (N, H, D) or v_out.dtype != v.dtype \
+                or v_out.device != v.device or (D > 1 and v_out.stride(2) != 1):
+            raise ValueError(f"out[0] (v_merged) must be a {v.dtype} tensor of shape {(N, H, D)} on {v.device} with unit "
+                             f"last stride, got {_describe(v_out)}")
+        if not isinstance(s_out, torch.Tensor) or s_out.shape != (N, H) or s_out.dtype != torch.float32 \
+                or s_out.device != v.device:
+            raise ValueError(f"out[1] (s_merged) must be an fp32 tensor of shape {(N, H)} on {v.device}, got "
+                             f"{_describe(s_out)}")
+    if N == 0 or H == 0 or D == 0:
+        s_out.fill_(float("-inf"))
+        return v_out, s_out
+    _merge_states_kernel[(N, H)](
+        v, s, s if num_valid is None else num_valid, v_out, s_out,
+        v.stride(0), v.stride(1), v.stride(2), s.stride(0), s.stride(1), s.stride(2),
+        v_out.stride(0), v_out.stride(1), s_out.stride(0), s_out.stride(1),
+        S, math.log2(base), 1,
+        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=min(16, triton.next_power_of_2(max(1, S))),
+        HAS_N=num_valid is not None, num_warps=4,
+    )
+    return v_out, s_out
+
+
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor, *,
+                base: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two attention states (``v [N, H, D]``, ``s [N, H]`` fp32 LSE in base ``base``): the attention over
+    the union of their segments, ``(v_merged [N, H, D], s_merged [N, H])``. See :func:`merge_states` (this stacks
+    the two states and calls it)."""
+    for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if v_a.shape != v_b.shape or v_a.dtype != v_b.dtype or v_a.dim() != 3:
+        raise ValueError(f"v_a and v_b must be [N, H, D] of one dtype, got {_describe(v_a)} and {_describe(v_b)}")
+    if s_a.shape != v_a.shape[:2] or s_b.shape != v_a.shape[:2]:
+        raise ValueError(f"s_a and s_b must be [N, H] = {tuple(v_a.shape[:2])}, got {_describe(s_a)} and "
+                         f"{_describe(s_b)}")
+    return merge_states(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1), base=base)
