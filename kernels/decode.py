@@ -30,12 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
+from workbench import formats
 from workbench.layout import Layout, addressing, to_nhd
 
+from . import common
 from .validate import capturing, table_stats  # noqa: F401  (DecodePlan reads them here: tests patch them)
 
 LOG2E = 1.4426950408889634
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = common.FP8_DTYPES
 _LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d")
 
 
@@ -324,19 +326,10 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + i_b.to(tl.int64) * s_ob + i_h * s_oh + o_d, b_out.to(out_ptr.dtype.element_ty), mask=m_d)
 
 
-def _pow2_factor(n: int, most: int = 16) -> int:
-    """The largest power of two <= ``most`` dividing ``n``: Triton only sees "divisible by 16",
-    so a block stride of 16 * k + 8 fp16 elements (16-byte aligned) would otherwise load 2 bytes at a time."""
-    f = 1
-    while f < most and n % (2 * f) == 0:
-        f *= 2
-    return f
-
-
 def _stride_split(stride: int) -> tuple[int, int]:
-    """``(stride // f, f)`` with ``f = _pow2_factor(stride)``: the kernel multiplies ``f`` back as a
+    """``(stride // f, f)`` with ``f = common.pow2_divisor(stride)``: the kernel multiplies ``f`` back as a
     constexpr, so the alignment it implies stays visible to Triton's vectorizer."""
-    f = _pow2_factor(stride)
+    f = common.pow2_divisor(stride)
     return stride // f, f
 
 
@@ -455,6 +448,13 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
     return B, Hq, D, hkv, block_size
 
 
+def _format_of(dtype: torch.dtype) -> formats.KVFormat:
+    try:
+        return formats.get(dtype)
+    except ValueError:
+        raise ValueError(f"k_cache dtype {dtype} is not a kv format (workbench.formats)") from None
+
+
 def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int, int]:
     """``(block_size, kv heads, head_dim)`` of a K/V cache pair in ``layout``, checked against the queries'
     dtype and device."""
@@ -463,8 +463,13 @@ def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
-    if k_cache.dtype != q_dtype and k_cache.dtype not in _FP8:
-        raise ValueError(f"k_cache dtype must be q's ({q_dtype}) or fp8, got {k_cache.dtype}")
+    fmt = _format_of(k_cache.dtype)
+    if not fmt.decodable:
+        readable = sorted(n for n, f in formats.FORMATS.items() if f.decodable)
+        raise ValueError(f"k_cache stores kv format {fmt.name}, which paged decode cannot read (no decode kernel); "
+                         f"it reads {readable}")
+    if k_cache.dtype != q_dtype and not fmt.quantized:
+        raise ValueError(f"k_cache dtype must be q's ({q_dtype}) or a quantized format (fp8), got {k_cache.dtype}")
     shapes = {}
     for name, cache, kind in (("k_cache", k_cache, "k"), ("v_cache", v_cache, "v")):
         want_dim = 5 if layout is Layout.VLLM and kind == "k" else 4
@@ -512,8 +517,9 @@ def _scale_arg(name, value, device):
         return None, 1.0
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
-            raise ValueError(f"{name} must be a float or a one-element fp32 tensor on {device}, got "
-                             f"{value.dtype} {tuple(value.shape)} on {value.device}")
+            raise ValueError(f"{name} must be a float or a one-element fp32 tensor on {device} (decode reads one "
+                             f"scale per tensor: workbench.formats, decode_scales), got {value.dtype} "
+                             f"{tuple(value.shape)} on {value.device}")
         return value.reshape(1), 1.0
     return None, float(value)
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from workbench import formats
 from workbench.layout import Layout, to_nhd
 
 
@@ -89,9 +90,6 @@ def merge_states_ref(
     return out, lse / math.log2(base)
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Storage codes of ``x`` ``[T, H, D]`` in ``dtype``, as :func:`write_kv_ref` stores them.
 
@@ -99,14 +97,14 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     saturating). int8: ``clamp(round_half_even(x / scale), -128, 127)``. ``scale`` is fp32 with one
     element (per tensor) or ``[H]`` (per kv head).
     """
-    if dtype not in (*_FP8, torch.int8):
+    fmt = formats.get(dtype)
+    if not fmt.quantized:
         return x.to(dtype)
     s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
     q = x.float() / s
-    if dtype == torch.int8:
-        return q.clamp(-128, 127).round().to(torch.int8)
-    qmax = torch.finfo(dtype).max
-    return q.clamp(-qmax, qmax).to(dtype)
+    if fmt.codes == "int":
+        return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
+    return q.clamp(fmt.qmin, fmt.qmax).to(dtype)
 
 
 def write_kv_ref(
@@ -171,7 +169,7 @@ def quantize_rcp_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -
     ``x / scale``, so a code can differ from :func:`quantize_ref`'s by one near a midpoint."""
     s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
     q = x.float() * (1.0 / s.float())
-    if dtype == torch.int8:
-        return q.clamp(-128, 127).round().to(torch.int8)
-    qmax = torch.finfo(dtype).max
-    return q.clamp(-qmax, qmax).to(dtype)
+    fmt = formats.get(dtype)
+    if fmt.codes == "int":
+        return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
+    return q.clamp(fmt.qmin, fmt.qmax).to(dtype)

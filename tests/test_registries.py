@@ -118,3 +118,20 @@ def test_scale_granularity_is_checked_per_kernel():
         formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode")
     with pytest.raises(ValueError, match="only for quantized"):
         formats.get("fp16").check_scale("k_scale", torch.ones(1), 4)
+
+
+def test_decode_refuses_a_format_it_cannot_read_naming_it():
+    import torch
+
+    import workbench
+    from workbench.kernels import DecodePlan, paged_decode
+
+    dev = workbench.device()
+    k = torch.zeros(4, 16, 2, 16, dtype=torch.int8, device=dev)  # an int8 cache: written by write_kv, not decodable
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    q = torch.randn(1, 2, 16, device=dev).half()
+    with pytest.raises(ValueError, match="kv format int8.*cannot read"):
+        paged_decode(q, k, k, "nhd", table, lens)
+    with pytest.raises(ValueError, match="kv format int8"):
+        DecodePlan(table, lens, layout="nhd", k_cache=k, v_cache=k, num_q_heads=2, q_dtype=torch.float16)
