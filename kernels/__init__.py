@@ -8,8 +8,7 @@ tests compare against on random data.
 import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)
 
 from .copy import copy_blocks
-from .decode import decode_config, paged_decode
-from .decode_plan import DecodePlan, merge_state, merge_states
+from .decode import DecodePlan, decode_config, merge_state, merge_states, paged_decode
 from .gather import paged_gather
 from .write import check_write_kv, write_kv
 

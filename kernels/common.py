@@ -9,11 +9,14 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Generic, TypeVar
 
+import torch
+
 from workbench import formats
 
 TUNING = Path(__file__).resolve().parent / "tuning"  # measured launch tables, one JSON file per kernel
 
 FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
+Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the attention kernels take as queries
 
 T = TypeVar("T")
 
@@ -65,3 +68,10 @@ def tuning_table(name: str, gpu: str | None = None) -> tuple[str, list[dict]]:
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     chosen = gpu if gpu in doc["gpus"] else doc["default"]
     return chosen, doc["gpus"][chosen]["entries"]
+
+
+def describe(t) -> str:
+    """A tensor's dtype, shape, strides and device for an error message (or the type of a non-tensor)."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import torch
-from workbench.kernels import decode as dec
 from workbench.kernels import paged_decode
+from workbench.kernels.decode import kernel as dec
 
 import workbench  # noqa: F401  (backend first; importing workbench.kernels imports it too)
 from workbench.bench import harness

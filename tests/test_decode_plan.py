@@ -8,7 +8,8 @@ from conftest import poison_like
 from test_decode import TOL, make_case, rel_err
 from test_kernel_validation import _count_host_reads, _NoLaunch
 from workbench.kernels import DecodePlan, merge_state, merge_states, paged_decode
-from workbench.kernels import decode as decode_mod
+from workbench.kernels.decode import api as decode_mod
+from workbench.kernels.decode import kernel as decode_kernels
 from workbench.kernels.reference import merge_states_ref, paged_decode_ref
 
 LENS = [37, 0, 150, 1, 70]  # ragged, one empty
@@ -87,7 +88,7 @@ def test_run_does_no_host_sync_and_no_allocation(monkeypatch, device):
     q, k, v, table, lens = make_case("nhd", 8, 2, 2, 32, torch.float16, [20, 9, 33], device, seed=1)
     plan_for(q, k, v, "nhd", table, lens, num_splits=2, BLOCK_N=16).run(q, k, v)  # compile outside the counting
     for name in ("_paged_decode_kernel", "_decode_reduce_kernel"):
-        monkeypatch.setattr(decode_mod, name, _NoLaunch())
+        monkeypatch.setattr(decode_kernels, name, _NoLaunch())
     count = _count_host_reads(monkeypatch)
     allocs = [0]
     for name in ("empty", "empty_like", "zeros", "full", "empty_strided"):

@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 from conftest import poison_like
-from workbench.kernels import decode as decode_mod
 from workbench.kernels import gather as gather_mod
 from workbench.kernels import paged_decode, paged_gather
+from workbench.kernels import validate as validate_mod
+from workbench.kernels.decode import kernel as decode_kernels
 from workbench.kernels.reference import paged_decode_ref, paged_gather_ref, write_kv_ref
 from workbench.kernels.validate import check_block_table
 
@@ -174,7 +175,7 @@ def test_one_host_sync(monkeypatch, device):
     q, k, v, table, lens = small_case(device)
     paged_decode(q, k, v, "nhd", table, lens)  # warm the launch-plan cache
     paged_decode(q, k, v, "nhd", table, lens, max_seq_len=5)
-    for mod, name in ((decode_mod, "_paged_decode_kernel"), (decode_mod, "_decode_reduce_kernel"),
+    for mod, name in ((decode_kernels, "_paged_decode_kernel"), (decode_kernels, "_decode_reduce_kernel"),
                       (gather_mod, "_paged_gather_kernel")):
         monkeypatch.setattr(mod, name, _NoLaunch())
     count = _count_host_reads(monkeypatch)
@@ -187,7 +188,7 @@ def test_one_host_sync(monkeypatch, device):
         count[0] = 0
         paged_gather(k, "nhd", "k", table, lens, validate=validate)
         assert count[0] == 1, (validate, count[0])
-    monkeypatch.setattr(decode_mod, "table_stats", lambda *a, **k: pytest.fail("validate=False must not check"))
+    monkeypatch.setattr(validate_mod, "table_stats", lambda *a, **k: pytest.fail("validate=False must not check"))
     paged_decode(q, k, v, "nhd", table, lens, max_seq_len=5, validate=False, out=torch.empty_like(q))
 
 

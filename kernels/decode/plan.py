@@ -26,15 +26,19 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from workbench.layout import Layout
 
-from . import decode as _dec
-from .validate import LenStats, capturing
+from .. import common
+from .. import validate as _validate
+from ..validate import LenStats, capturing
+from . import api as _api
+from . import config as _config
+from . import kernel as _kernel
+from .merge import _merge_states_kernel
 
-_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_Q_DTYPES = common.Q_DTYPES
+_describe = common.describe
 
 
 class DecodePlan:
@@ -95,8 +99,8 @@ class DecodePlan:
         layout = Layout.parse(layout)
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, block_table)
         B = block_table.shape[0] if block_table.dim() >= 1 else -1
-        hkv, block_size = _dec._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
-        D = _dec._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
+        hkv, block_size = _api._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
+        D = _api._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
         self._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
                     max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
                     return_lse=return_lse)
@@ -129,7 +133,7 @@ class DecodePlan:
         """
         layout = Layout.parse(layout)
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, kv_indptr, name="kv_indptr")
-        block_size, _, D = _dec._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+        block_size, _, D = _api._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
         for name, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -158,7 +162,7 @@ class DecodePlan:
             width = max(1, -(-(max_seq_len or 0) // block_size))
         block_table = _csr_to_table(kv_indptr, kv_indices, n_pages, width)
         plan = object.__new__(cls)
-        hkv = _dec._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)[0]
+        hkv = _api._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)[0]
         launch = dict(kwargs)
         plan._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
                     max_seq_len, launch.pop("mean_seq_len", None), launch.pop("num_splits", None),
@@ -181,9 +185,9 @@ class DecodePlan:
     def _setup(self, layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q_dtype, device,
                max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch, stats=None,
                scratch=True, return_lse=False):
-        bad = set(launch) - set(_dec._LAUNCH_KEYS)
+        bad = set(launch) - set(_config.LAUNCH_KEYS)
         if bad:
-            raise ValueError(f"launch options must be among {_dec._LAUNCH_KEYS}, got {sorted(bad)}")
+            raise ValueError(f"launch options must be among {_config.LAUNCH_KEYS}, got {sorted(bad)}")
         if max_seq_len is not None and max_seq_len < 0:
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         check_ids = validate and not capturing(block_table)
@@ -192,7 +196,7 @@ class DecodePlan:
                 raise ValueError("max_seq_len is required while a CUDA graph is being captured (no host reads then)")
             num_blocks = min(k_cache.shape[0], v_cache.shape[0])
             # one device sync: the lengths' min/max/sum and (check_ids) the table's ids
-            stats = _dec.table_stats(block_table, seq_lens, block_size, num_blocks, check_ids=check_ids)
+            stats = _validate.table_stats(block_table, seq_lens, block_size, num_blocks, check_ids=check_ids)
         if max_seq_len is None:
             max_seq_len = stats.max
             mean_seq_len = stats.total / B if B else 0.0
@@ -203,12 +207,12 @@ class DecodePlan:
         if B == 0:  # nothing to launch (the launch options are not even looked at, as paged_decode always did)
             f.update(num_splits=1, chunk=0, config={}, _split=False)
             return _fill(self, f)
-        interp = _dec._interpreted()
-        splits, chunk, geo = _dec._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
+        interp = _config._interpreted()
+        splits, chunk, geo = _config._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
                                                  f["max_seq_len"], mean_seq_len, num_splits, launch, interp,
-                                                 0 if interp else _dec._num_sms(device))
-        ks_ptr, ks_val = _dec._scale_arg("k_scale", k_scale, device)
-        vs_ptr, vs_val = _dec._scale_arg("v_scale", v_scale, device)
+                                                 0 if interp else _config._num_sms(device))
+        ks_ptr, ks_val = _api._scale_arg("k_scale", k_scale, device)
+        vs_ptr, vs_val = _api._scale_arg("v_scale", v_scale, device)
         scale_ptr = ks_ptr is not None or vs_ptr is not None
         if scale_ptr:  # both through pointers: one code path
             ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=device)
@@ -221,7 +225,7 @@ class DecodePlan:
             config={"BLOCK_N": ce["BLOCK_N"], "num_splits": splits, "num_warps": ce["num_warps"],
                     "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"]},
             _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
-            _qk_scale=sm_scale * _dec.LOG2E,
+            _qk_scale=sm_scale * _kernel.LOG2E,
             _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
             _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, **ce),
         )
@@ -229,11 +233,11 @@ class DecodePlan:
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,
                      _lse=torch.empty((B, Hq, splits), dtype=torch.float32, device=device) if scratch else None,
                      _o_part_shape=(B, Hq, splits, D), _reduce_grid=(Hq, B),
-                     _reduce_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=_dec._next_pow2(splits),
+                     _reduce_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=_config._next_pow2(splits),
                                      num_warps=4))
             if f["return_lse"]:  # the merge of the partials [B, Hq, S, D] / [B, Hq, S] into out and lse
                 f.update(_merge_args=(Hq * splits * D, D, splits * D, Hq * splits, 1, splits),
-                         _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, _dec._next_pow2(splits)),
+                         _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, _config._next_pow2(splits)),
                                         HAS_N=True, N_FROM_LEN=True, num_warps=4))
         return _fill(self, f)
 
@@ -283,7 +287,7 @@ class DecodePlan:
             lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
         else:
             o_part, lse_part = self._o_part, self._lse
-        _dec._paged_decode_kernel[self._grid](
+        _kernel._paged_decode_kernel[self._grid](
             q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
             q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, **self._constexprs,
@@ -295,7 +299,7 @@ class DecodePlan:
             )
             return out, lse
         if self._split:
-            _dec._decode_reduce_kernel[self._reduce_grid](
+            _kernel._decode_reduce_kernel[self._reduce_grid](
                 o_part, lse_part, self.seq_lens, out, out.stride(0), out.stride(1), self.chunk, self.num_splits,
                 **self._reduce_kw,
             )
@@ -312,12 +316,6 @@ class DecodePlan:
 
 def _fill(plan: DecodePlan, fields: dict) -> None:
     plan.__dict__.update(fields)  # past __setattr__: the one place a plan is written
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
 
 
 def _check_heads_and_dtype(num_q_heads, q_dtype, first, name="block_table"):
@@ -366,133 +364,3 @@ def _csr_to_table(indptr, indices, n_pages, width):
         return torch.zeros((B, width), dtype=torch.int32, device=indptr.device)
     pos = (indptr[:-1].long()[:, None] + cols[None, :]).clamp_(0, indices.shape[0] - 1)
     return torch.where(cols[None, :] < n_pages[:, None], indices[pos], 0).to(torch.int32).contiguous()
-
-
-# ----------------------------------------------------------------------------- merging attention states
-@triton.jit
-def _merge_states_kernel(
-    v_ptr,  # [N, S, H, D] partial outputs (normalized), unit stride in D
-    s_ptr,  # [N, S, H] fp32 log-sum-exps
-    n_ptr,  # [N] int32 valid states per row (HAS_N), or sequence lengths (N_FROM_LEN)
-    vo_ptr,  # [N, H, D] merged outputs
-    so_ptr,  # [N, H] fp32 merged log-sum-exps
-    s_vn, s_vs, s_vh,
-    s_sn, s_ss, s_sh,
-    s_on, s_oh,
-    s_son, s_soh,
-    num_states,
-    s_mul,  # log2(base): the given LSEs times this are base 2
-    chunk,  # N_FROM_LEN: tokens per state (split-KV partials: row n has ceil(len / chunk) of them)
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HAS_N: tl.constexpr,
-    N_FROM_LEN: tl.constexpr = False,
-):
-    i_n = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    n = num_states
-    if HAS_N:
-        if N_FROM_LEN:
-            n = tl.minimum(tl.cdiv(tl.load(n_ptr + i_n), chunk), num_states)
-        else:
-            n = tl.minimum(tl.load(n_ptr + i_n), num_states)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    b_m = tl.zeros((), tl.float32) + float("-inf")  # running max (base 2)
-    b_l = tl.zeros((), tl.float32)  # running sum of weights
-    b_acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n, BLOCK_S):
-        o_s = s0 + tl.arange(0, BLOCK_S)
-        b_s = tl.load(s_ptr + i_n * s_sn + o_s * s_ss + i_h * s_sh, mask=o_s < n, other=float("-inf")) * s_mul
-        m_s = (o_s < n) & (b_s > float("-inf"))  # an empty state (-inf) adds nothing, and its v is not read
-        b_m_new = tl.maximum(b_m, tl.max(tl.where(m_s, b_s, float("-inf")), 0))
-        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_alpha = tl.exp2(b_m - b_ref)
-        b_w = tl.where(m_s, tl.exp2(b_s - b_ref), 0.0)  # [BLOCK_S]
-        p_v = v_ptr + i_n * s_vn + o_s[:, None] * s_vs + i_h * s_vh + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
-        b_l = b_l * b_alpha + tl.sum(b_w, 0)
-        b_acc = b_acc * b_alpha + tl.sum(b_w[:, None] * b_v, 0)
-        b_m = b_m_new
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
-    tl.store(vo_ptr + i_n * s_on + i_h * s_oh + o_d, (b_acc / b_l_safe).to(vo_ptr.dtype.element_ty), mask=m_d)
-    b_lse = tl.where(b_l > 0, b_m + tl.log2(b_l_safe), float("-inf")) / s_mul
-    tl.store(so_ptr + i_n * s_son + i_h * s_soh, b_lse)
-
-
-def merge_states(v: torch.Tensor, s: torch.Tensor, *, num_valid: torch.Tensor | None = None, base: float = 2.0,
-                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge attention states: partial outputs over disjoint KV segments, each normalized over its segment,
-    with their log-sum-exps (FlashInfer's ``merge_states`` shapes).
-
-    Args:
-        v: ``[N, num_states, H, D]`` fp16/bf16/fp32 partial outputs (any strides, unit stride in ``D``).
-        s: ``[N, num_states, H]`` fp32 log-sum-exps of the segments' scaled scores, in base ``base``
-            (default 2, as the decode kernel and FlashInfer write them; see the module docstring). A state of
-            ``-inf`` (an empty segment) adds nothing and its ``v`` is not read (it may hold anything).
-        num_valid: optional ``[N]`` int32: only the first ``num_valid[n]`` states of row ``n`` are merged (the
-            others are not read), e.g. a ragged batch's split-KV partials.
-        base: the base of ``s`` and of the returned LSE (2, or ``math.e`` for natural logs).
-        out: optional ``(v_merged, s_merged)`` buffers to write (any strides, unit stride in ``D``), e.g. to run
-            inside a CUDA graph without allocating.
-
-    Returns:
-        ``(v_merged [N, H, D] in v's dtype, s_merged [N, H] fp32)``. A row with no valid state gives zeros and
-        ``-inf``.
-    """
-    if not isinstance(v, torch.Tensor) or v.dim() != 4 or v.dtype not in _Q_DTYPES:
-        raise ValueError(f"v must be a [N, num_states, H, D] fp16/bf16/fp32 tensor, got {_describe(v)}")
-    N, S, H, D = v.shape
-    if D > 1 and v.stride(3) != 1:
-        raise ValueError(f"v must have unit stride in its last dimension, got strides {v.stride()}")
-    if not isinstance(s, torch.Tensor) or s.shape != (N, S, H) or s.dtype != torch.float32 or s.device != v.device:
-        raise ValueError(f"s must be an fp32 tensor of shape {(N, S, H)} on {v.device}, got {_describe(s)}")
-    if num_valid is not None and (not isinstance(num_valid, torch.Tensor) or num_valid.shape != (N,)
-                                  or num_valid.dtype != torch.int32 or num_valid.device != v.device
-                                  or (N > 1 and num_valid.stride(0) != 1)):
-        raise ValueError(f"num_valid must be a contiguous int32 tensor of shape {(N,)} on {v.device}, got "
-                         f"{_describe(num_valid)}")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-        raise ValueError(f"base must be a number > 1 (2 or math.e), got {base!r}")
-    if out is None:
-        v_out = torch.empty((N, H, D), dtype=v.dtype, device=v.device)
-        s_out = torch.empty((N, H), dtype=torch.float32, device=v.device)
-    else:
-        v_out, s_out = out if isinstance(out, (tuple, list)) and len(out) == 2 else (None, None)
-        if not isinstance(v_out, torch.Tensor) or v_out.shape != (N, H, D) or v_out.dtype != v.dtype \
-                or v_out.device != v.device or (D > 1 and v_out.stride(2) != 1):
-            raise ValueError(f"out[0] (v_merged) must be a {v.dtype} tensor of shape {(N, H, D)} on {v.device} with unit "
-                             f"last stride, got {_describe(v_out)}")
-        if not isinstance(s_out, torch.Tensor) or s_out.shape != (N, H) or s_out.dtype != torch.float32 \
-                or s_out.device != v.device:
-            raise ValueError(f"out[1] (s_merged) must be an fp32 tensor of shape {(N, H)} on {v.device}, got "
-                             f"{_describe(s_out)}")
-    if N == 0 or H == 0 or D == 0:
-        s_out.fill_(float("-inf"))
-        return v_out, s_out
-    _merge_states_kernel[(N, H)](
-        v, s, s if num_valid is None else num_valid, v_out, s_out,
-        v.stride(0), v.stride(1), v.stride(2), s.stride(0), s.stride(1), s.stride(2),
-        v_out.stride(0), v_out.stride(1), s_out.stride(0), s_out.stride(1),
-        S, math.log2(base), 1,
-        HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), BLOCK_S=min(16, triton.next_power_of_2(max(1, S))),
-        HAS_N=num_valid is not None, num_warps=4,
-    )
-    return v_out, s_out
-
-
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor, *,
-                base: float = 2.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge two attention states (``v [N, H, D]``, ``s [N, H]`` fp32 LSE in base ``base``): the attention over
-    the union of their segments, ``(v_merged [N, H, D], s_merged [N, H])``. See :func:`merge_states` (this stacks
-    the two states and calls it)."""
-    for name, t in (("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
-    if v_a.shape != v_b.shape or v_a.dtype != v_b.dtype or v_a.dim() != 3:
-        raise ValueError(f"v_a and v_b must be [N, H, D] of one dtype, got {_describe(v_a)} and {_describe(v_b)}")
-    if s_a.shape != v_a.shape[:2] or s_b.shape != v_a.shape[:2]:
-        raise ValueError(f"s_a and s_b must be [N, H] = {tuple(v_a.shape[:2])}, got {_describe(s_a)} and "
-                         f"{_describe(s_b)}")
-    return merge_states(torch.stack([v_a, v_b], 1), torch.stack([s_a, s_b], 1), base=base)
