@@ -1,8 +1,10 @@
 """Triton kernels of the workbench, imported as ``workbench.kernels``.
 
-Each kernel module holds the ``@triton.jit`` kernel and a Python wrapper that checks its
-arguments; ``reference.py`` holds a plain PyTorch version of every kernel, which the
-tests compare against on random data.
+Arranged by op (as flash-linear-attention's ``fla/ops/<op>/``): ``decode/`` and ``write/`` are folders
+(kernel, launch config, wrapper), ``gather.py`` and ``copy.py`` single files (kernel and wrapper);
+``common.py`` holds the shared helpers, ``validate.py`` the block-table check, ``tuning/`` the measured
+launch tables per GPU, and ``reference.py`` a plain PyTorch version of every kernel, which the tests
+compare against on random data.
 """
 
 import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)

@@ -122,9 +122,9 @@ def test_scale_granularity_is_checked_per_kernel():
 
 def test_decode_refuses_a_format_it_cannot_read_naming_it():
     import torch
+    from workbench.kernels import DecodePlan, paged_decode
 
     import workbench
-    from workbench.kernels import DecodePlan, paged_decode
 
     dev = workbench.device()
     k = torch.zeros(4, 16, 2, 16, dtype=torch.int8, device=dev)  # an int8 cache: written by write_kv, not decodable

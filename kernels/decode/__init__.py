@@ -1,7 +1,7 @@
 """Paged decode attention, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels), ``config``
 (the split heuristic and launch arithmetic), ``plan`` (:class:`DecodePlan`: plan once per step, run per
-layer), ``merge`` (merging attention states), ``api`` (``paged_decode``, the one-shot entry point, and
-the argument checks). The plain PyTorch references are ``kernels/reference.py``'s."""
+layer), ``merge`` (merging attention states), ``checks`` (the arguments' host-side checks), ``api``
+(``paged_decode``, the one-shot entry point). The plain PyTorch references are ``kernels/reference.py``'s."""
 
 from .api import paged_decode
 from .config import decode_config

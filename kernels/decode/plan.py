@@ -32,7 +32,7 @@ from workbench.layout import Layout
 from .. import common
 from .. import validate as _validate
 from ..validate import LenStats, capturing
-from . import api as _api
+from . import checks as _checks
 from . import config as _config
 from . import kernel as _kernel
 from .merge import _merge_states_kernel
@@ -99,8 +99,8 @@ class DecodePlan:
         layout = Layout.parse(layout)
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, block_table)
         B = block_table.shape[0] if block_table.dim() >= 1 else -1
-        hkv, block_size = _api._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
-        D = _api._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
+        hkv, block_size = _checks._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
+        D = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
         self._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
                     max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
                     return_lse=return_lse)
@@ -133,7 +133,7 @@ class DecodePlan:
         """
         layout = Layout.parse(layout)
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, kv_indptr, name="kv_indptr")
-        block_size, _, D = _api._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+        block_size, _, D = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
         for name, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -162,7 +162,7 @@ class DecodePlan:
             width = max(1, -(-(max_seq_len or 0) // block_size))
         block_table = _csr_to_table(kv_indptr, kv_indices, n_pages, width)
         plan = object.__new__(cls)
-        hkv = _api._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)[0]
+        hkv = _checks._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)[0]
         launch = dict(kwargs)
         plan._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
                     max_seq_len, launch.pop("mean_seq_len", None), launch.pop("num_splits", None),
@@ -211,8 +211,8 @@ class DecodePlan:
         splits, chunk, geo = _config._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
                                                  f["max_seq_len"], mean_seq_len, num_splits, launch, interp,
                                                  0 if interp else _config._num_sms(device))
-        ks_ptr, ks_val = _api._scale_arg("k_scale", k_scale, device)
-        vs_ptr, vs_val = _api._scale_arg("v_scale", v_scale, device)
+        ks_ptr, ks_val = _checks._scale_arg("k_scale", k_scale, device)
+        vs_ptr, vs_val = _checks._scale_arg("v_scale", v_scale, device)
         scale_ptr = ks_ptr is not None or vs_ptr is not None
         if scale_ptr:  # both through pointers: one code path
             ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=device)

@@ -1,0 +1,21 @@
+"""Write-to-cache, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels and the storage
+conventions, in its docstring), ``config`` (the launch choice and the measured prefill table), ``api``
+(``write_kv``, ``check_write_kv``). The plain PyTorch references are ``kernels/reference.py``'s."""
+
+from .api import _PLANS, check_write_kv, write_kv
+from .config import (
+    _QUANT_MATH,
+    PREFILL_DEFAULTS,
+    PREFILL_MIN_ROWS,
+    WriteConfig,
+    default_launch,
+    launch_config,
+    prefill_defaults,
+    quant_mode,
+    rows_launch,
+)
+from .kernel import FP8_DTYPES, QUANT_MATHS, SCHEMES
+
+__all__ = ["FP8_DTYPES", "PREFILL_DEFAULTS", "PREFILL_MIN_ROWS", "QUANT_MATHS", "SCHEMES", "WriteConfig",
+           "_PLANS", "_QUANT_MATH", "check_write_kv", "default_launch", "launch_config", "prefill_defaults",
+           "quant_mode", "rows_launch", "write_kv"]
