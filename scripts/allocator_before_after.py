@@ -51,14 +51,46 @@ def load_old(rev: str):
     return mod
 
 
+def best_times(old, rev: str) -> None:
+    """Microseconds per operation, the best of 7 ``timeit`` repeats, old and new alternated twice."""
+    import timeit
+
+    from workbench import allocator as new
+
+    for _ in range(2):
+        for name, mod in ((rev, old), ("now", new)):
+            pool = mod.BlockPool(num_pages=100_000, page_tokens=16)
+            m = mod.BlockManager(pool)
+            m.add("p", list(range(4096)))
+            m2, prompt = mod.BlockManager(pool), list(range(4096))
+
+            def fork_free(m=m):
+                m.fork("p", "c")
+                m.free("c")
+
+            def add_free(m2=m2, prompt=prompt):
+                m2.add("r", prompt)
+                m2.free("r")
+
+            ops = [("allocate+free 1", lambda pool=pool: pool.decref(16, pool.allocate(16, 1)), 20000),
+                   ("allocate+free 16", lambda pool=pool: pool.decref(16, pool.allocate(16, 16)), 3000),
+                   ("fork+free 4096", fork_free, 1000), ("prefix hit add+free 4096", add_free, 200)]
+            cells = [f"{label} {min(timeit.repeat(fn, number=k, repeat=7)) / k * 1e6:.2f} us" for label, fn, k in ops]
+            print(f"{name:>10}: " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rev", help="the older commit, e.g. HEAD or a hash")
     ap.add_argument("--seconds", type=float, default=0.5, help="time per measurement")
     ap.add_argument("--rounds", type=int, default=5, help="old/new alternations")
     ap.add_argument("--out", default=None, help="also write the rows as JSON to this folder (e.g. results/)")
+    ap.add_argument("--timeit", action="store_true", help="instead: the best of 7 timeit repeats per operation "
+                    "(steadier than rates on a busy machine)")
     args = ap.parse_args()
     old = load_old(args.rev)
+    if args.timeit:
+        return best_times(old, args.rev)
     new = (bench.BlockPool, bench.BlockManager)
     rates: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
     for _ in range(args.rounds):
