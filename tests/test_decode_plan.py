@@ -412,3 +412,14 @@ def test_cuda_graph_of_a_four_layer_step(layout, num_splits, return_lse):
             assert torch.equal(out[layer], eager), (trial, layer)
             ref = paged_decode_ref(q[layer], ks[layer], vs[layer], layout, table, lens)
             assert rel_err(out[layer], ref) < 1e-2, (trial, layer)
+
+
+def test_decode_tuning_table_is_data_with_a_default_gpu():
+    """kernels/tuning/decode.json: an unmeasured GPU gets the default GPU's numbers, all of them present."""
+    from workbench.kernels.decode import config
+
+    measured, unknown = config._tuning("NVIDIA H200"), config._tuning("a GPU nobody measured")
+    assert measured == unknown
+    assert {"tile_bytes", "num_warps", "stages_deep", "stages_short", "smem_per_sm", "ragged_factor"} <= set(measured)
+    cfg = config.decode_config(64, 8, 4, 128, 16, 4096, num_sms=132)
+    assert cfg == {"BLOCK_N": 32, "num_splits": 1, "num_warps": 4, "num_stages": 4, "use_dot": True}  # W1's choice

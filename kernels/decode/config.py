@@ -58,35 +58,12 @@ def decode_config(
 ) -> dict:
     """Launch parameters for :func:`paged_decode`, chosen from the problem's shape.
 
-    Rules on a GPU (``num_sms > 0``), from H200 measurements and the compiled kernels'
-    shared memory (docs/decode_tuning.md):
-
-    - ``use_dot``: always tensor cores; the G query heads of a kv head are padded to 16 rows,
-      which costs nothing in a memory-bound kernel (broadcast-multiply + sum ran 2-30x slower,
-      even for MHA).
-    - ``BLOCK_N``: the power of two giving about 8 KB of K per tile (32 tokens of fp16 at
-      head_dim 128, 64 of fp8, 16 of fp32).
-    - ``num_stages`` 4: three K/V tiles in flight per program (about 53 KB of shared memory at
-      fp16, four programs per SM, ~190 KB in flight per SM); 3 when a chunk has at most 16
-      tiles, where a deep pipeline's prologue costs more than it hides. ``num_warps`` 4.
-    - ``num_splits``: a uniform batch gets about one wave of equal programs: ``slots`` =
-      SMs x programs resident per SM (from the shared memory of the stages above, 4 at fp16),
-      chunk ~ ``batch * kv_heads * mean_len / slots`` tokens, so W1 (512 kv-head sequences)
-      is not split and W2 (64) is split 8 ways. A ragged batch (mean < 0.9 max) takes chunks
-      4x smaller: its short sequences give short programs, and many programs even the load.
-      Chunks keep at least ``4 * BLOCK_N`` tokens. On the H200 one split was 3.5% faster than
-      two on W1 and 8 splits 1.5% faster than 16 on W2 (docs/decode_tuning.md).
-
-    ``block_size`` (the page size) does not change the choice, except for the vLLM layout: a
-    tile may span pages or sit inside one. The seed's ``block_size = L2 / (2 * head_dim * dtype_size)``
-    is a page-size rule, not a tile rule; the benchmark sweeps page sizes instead.
-
-    - vLLM layout, 2-byte K/V, pages of at least twice the tile, tiles of under 128 bytes per value
-      row (head_dim > 64): ``BLOCK_N`` doubled (64 at head_dim 128) and 3 stages. Its value rows (one channel of a page) are ``block_size`` tokens
-      long, so a 32-token tile reads 64-byte pieces of them: W1 read 0.91 / 0.76 of copy bandwidth
-      at 64- / 128-token pages, and 0.98 / 0.97 with 128-byte pieces, although the kernel then takes
-      200 registers (2 programs per SM). Splits are chosen as for the 32-token tile. 1-byte and
-      4-byte caches keep the rule above (unmeasured).
+    On a GPU (``num_sms > 0``) the rules use this GPU's numbers from ``kernels/tuning/decode.json``
+    (measured on the H200, the default for an unmeasured GPU; what each number means is in the file,
+    how it was measured in docs/decode_tuning.md): a tile of about 8 KB of K, tensor cores, four stages
+    unless a chunk is short, splits for about one wave of equal programs (finer for ragged batches),
+    and 128-byte value pieces in the vLLM layout. ``block_size`` (the page size) changes the choice
+    only in the vLLM layout, where a tile may span pages or sit inside one.
 
     On the CPU interpreter (``num_sms == 0``) a fixed small configuration: ``BLOCK_N`` 32,
     at most 2 splits.
@@ -98,23 +75,34 @@ def decode_config(
         block_n = 32
         return {"BLOCK_N": block_n, "num_splits": min(2, max(1, _cdiv(max_seq_len, block_n))),
                 "num_warps": 4, "num_stages": 1, "use_dot": True}
+    t = _tuning()
     elem = kv_dtype.itemsize
-    tile = 8192 // (elem * _next_pow2(head_dim))  # tokens in 8 KB of K
-    block_n = max(16, min(128, 1 << (tile.bit_length() - 1) if tile > 0 else 16))
+    tile = t["tile_bytes"] // (elem * _next_pow2(head_dim))  # tokens in one tile's bytes of K
+    block_n = max(t["min_block_n"], min(t["max_block_n"], 1 << (tile.bit_length() - 1) if tile > 0 else 16))
     max_seq_len = max(1, max_seq_len)
     mean = min(float(mean_seq_len or max_seq_len), max_seq_len)
     work = batch * num_kv_heads * mean  # token-heads to read
     smem = 3 * block_n * _next_pow2(head_dim) * elem * 2 + 6144  # 3 K+V buffers at 4 stages
-    slots = num_sms * max(1, min(8, (228 << 10) // (smem + 1024)))  # programs resident at once
-    target = work / slots if mean >= 0.9 * max_seq_len else work / (4 * slots)  # tokens per program
-    target = max(target, 4 * block_n)
+    slots = num_sms * max(1, min(t["max_programs_per_sm"], t["smem_per_sm"] // (smem + 1024)))  # resident programs
+    ragged = mean < t["ragged_below"] * max_seq_len
+    target = work / (t["ragged_factor"] * slots) if ragged else work / slots  # tokens per program
+    target = max(target, t["min_chunk_tiles"] * block_n)
     splits = max(1, round(max_seq_len / target))
     tiles = _cdiv(_cdiv(max_seq_len, splits), block_n)  # per program
-    if Layout.parse(layout) is Layout.VLLM and elem == 2 and block_n * elem < 128 and block_size >= 2 * block_n:
+    if (Layout.parse(layout) is Layout.VLLM and elem == 2 and block_n * elem < t["vllm_value_piece_bytes"]
+            and block_size >= 2 * block_n):
         # value pieces of 128 bytes, not 64 (docs/decode_tuning.md, v4)
-        return {"BLOCK_N": 2 * block_n, "num_splits": splits, "num_warps": 4, "num_stages": 3, "use_dot": True}
-    return {"BLOCK_N": block_n, "num_splits": splits, "num_warps": 4, "num_stages": 4 if tiles > 16 else 3,
+        return {"BLOCK_N": 2 * block_n, "num_splits": splits, "num_warps": t["num_warps"],
+                "num_stages": t["stages_short"], "use_dot": True}
+    stages = t["stages_deep"] if tiles > t["deep_min_tiles"] else t["stages_short"]
+    return {"BLOCK_N": block_n, "num_splits": splits, "num_warps": t["num_warps"], "num_stages": stages,
             "use_dot": True}
+
+
+@functools.cache
+def _tuning(gpu: str | None = None) -> dict:
+    """This GPU's numbers from tuning/decode.json (read once)."""
+    return common.tuning_table("decode", gpu)[1]
 
 
 def _interpreted() -> bool:
