@@ -19,4 +19,4 @@ info:
 	@py=$$(scripts/setup.sh) && $$py -m workbench info
 
 lab:
-	@py=$$(scripts/setup.sh) && $$py -m jupyter lab notebooks
+	@py=$$(scripts/setup.sh) && $$py -m jupyter lab notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)  # root: containers, our machines

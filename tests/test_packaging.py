@@ -86,3 +86,15 @@ def test_backend_is_interpreter_without_gpu():
         import os
 
         assert os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def test_environment_yml_pip_section_is_valid_for_pip(tmp_path):
+    """conda hands the pip section to pip as a requirements file: every line must be one pip accepts
+    (``--no-deps`` there was 'Invalid requirement')."""
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip_lines = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
+    req = tmp_path / "requirements.txt"
+    req.write_text("\n".join(pip_lines) + "\n")
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation",
+                        "--no-index", "-q", "-r", str(req)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
