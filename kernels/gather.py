@@ -8,7 +8,7 @@ import triton.language as tl
 
 from workbench.layout import Layout, addressing, to_nhd
 
-from .validate import table_stats
+from .validate import check_table_tensors, table_stats
 
 
 @triton.jit
@@ -49,26 +49,6 @@ def _paged_gather_kernel(
     tl.store(p_out, b_x, mask=m)
 
 
-def _check_table(block_table: torch.Tensor, seq_lens: torch.Tensor, device) -> None:
-    """Shapes, dtypes, strides and devices (host only; the values are :mod:`.validate`'s)."""
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be a 2-D int32 tensor, got {getattr(block_table, 'dtype', type(block_table))} "
-                         f"{tuple(getattr(block_table, 'shape', ()))}")
-    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or (
-        seq_lens.shape[0] != block_table.shape[0]
-    ):
-        raise ValueError(f"seq_lens must be int32 of shape [{block_table.shape[0]}], got "
-                         f"{getattr(seq_lens, 'dtype', type(seq_lens))} {tuple(getattr(seq_lens, 'shape', ()))}")
-    if block_table.device != device:
-        raise ValueError(f"block_table must be on the cache's device {device}, got {block_table.device}")
-    if seq_lens.device != device:
-        raise ValueError(f"seq_lens must be on the cache's device {device}, got {seq_lens.device}")
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
-    if seq_lens.shape[0] > 1 and seq_lens.stride(0) != 1:
-        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
-
-
 def paged_gather(
     cache: torch.Tensor,
     layout: Layout | str,
@@ -98,7 +78,7 @@ def paged_gather(
     """
     nhd_shape = to_nhd(cache[:0], layout, kind).shape  # cheap: no blocks, just the shape
     _, block_size, num_heads, head_dim = nhd_shape
-    _check_table(block_table, seq_lens, cache.device)
+    check_table_tensors(block_table, seq_lens, cache.device)
     stats = table_stats(block_table, seq_lens, block_size, cache.shape[0], check_ids=validate)  # the one sync
     total = stats.total
     if out is None:

@@ -24,6 +24,28 @@ class LenStats(NamedTuple):
     total: int
 
 
+def check_table_tensors(block_table, seq_lens, device, *, batch: int | None = None, owner: str = "the cache") -> None:
+    """A block table and its lengths as tensors: ``[B, W]`` and ``[B]`` int32 on ``device``, unit stride along
+    a row and along the lengths (host only; their values are :func:`table_stats`'). ``batch``: the ``B`` they
+    must have (default: the table's rows); ``owner`` names whose device ``device`` is, for the messages."""
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    B = (block_table.shape[0] if block_table.dim() else -1) if batch is None else batch
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be a 2-D int32 tensor of shape [{B}, max_blocks], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens must be int32 of shape [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on {owner}'s device {device}, got {t.device}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
+    if B > 1 and seq_lens.stride(0) != 1:
+        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
+
+
 def capturing(t: torch.Tensor) -> bool:
     """True while a CUDA graph is being captured on ``t``'s device (no host reads allowed then)."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()

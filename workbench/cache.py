@@ -259,6 +259,7 @@ class PagedKVCache:
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
         """Everything the write kernel will check, checked now: nothing may fail after the tables change."""
         from workbench.kernels import check_write_kv
+        from workbench.kernels.write.kernel import SOURCE_DTYPES
 
         want = (self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
@@ -268,7 +269,7 @@ class PagedKVCache:
                                  f"got {got}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on the cache's device {self.device}, got {t.device}")
-            if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            if t.dtype not in SOURCE_DTYPES:
                 raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
             if self.head_dim > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name} must have unit stride in head_dim (the last dim), got strides {t.stride()}")

@@ -8,12 +8,9 @@ import torch
 
 from workbench.layout import Layout
 
-from .. import common
 from ..validate import capturing
 from . import config
 from .checks import _check_inputs
-
-_FP8 = common.FP8_DTYPES
 
 
 def paged_decode(

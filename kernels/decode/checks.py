@@ -8,6 +8,8 @@ import torch
 from workbench import formats
 from workbench.layout import Layout, to_nhd
 
+from ..validate import check_table_tensors
+
 
 def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
@@ -68,27 +70,12 @@ def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int
 def _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q_dtype, device, D=None):
     """The caches against the queries (``Hq`` heads of ``D``, ``D=None``: the caches'), the block table and
     lengths against the batch of ``B``. Returns ``(kv heads, block_size)``."""
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    check_table_tensors(block_table, seq_lens, device, batch=B, owner="q")
     block_size, hkv, hd = _cache_geometry(k_cache, v_cache, layout, q_dtype, device)
     if D is not None and hd != D:
         raise ValueError(f"q head_dim {D} does not match the caches' head_dim {hd}")
     if hkv == 0 or Hq % hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the caches' kv heads ({hkv})")
-    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be int32 of shape [{B}, max_blocks], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")
-    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != B:
-        raise ValueError(f"seq_lens must be int32 of shape [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_table.device != device:
-        raise ValueError(f"block_table must be on q's device {device}, got {block_table.device}")
-    if seq_lens.device != device:
-        raise ValueError(f"seq_lens must be on q's device {device}, got {seq_lens.device}")
-    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError(f"block_table must have unit stride in its last dimension, got strides {block_table.stride()}")
-    if B > 1 and seq_lens.stride(0) != 1:
-        raise ValueError(f"seq_lens must be contiguous, got stride {seq_lens.stride(0)}")
     return hkv, block_size
 
 

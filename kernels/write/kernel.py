@@ -53,8 +53,7 @@ from workbench.backend import is_interpreted
 from .. import common
 
 FP8_DTYPES = common.FP8_DTYPES
-CAST_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SOURCE_DTYPES = CAST_DTYPES
+SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what K/V may arrive in
 FP8_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits, smallest normal exponent
 QUANT_NONE, QUANT_FP8, QUANT_INT8 = 0, 1, 2
 SCHEMES = ("head", "rows")
