@@ -2,7 +2,9 @@
 
     .venv/bin/python scripts/execute_notebooks.py notebooks/00_tour.ipynb [...]
 
-Widget state (plotly.js itself, megabytes) is stripped: it is rebuilt when the notebook runs.
+Widget state (plotly.js itself, megabytes) is not stored, so a stored widget output could only show its
+text/plain repr: it is dropped, and the output keeps the panel's static plotly snapshot, which JupyterLab
+draws until the notebook runs (and the live panel replaces it).
 """
 
 import os
@@ -21,5 +23,8 @@ for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
+        for output in cell.get("outputs", []):
+            if "application/vnd.plotly.v1+json" in output.get("data", {}):
+                output["data"].pop("application/vnd.jupyter.widget-view+json", None)
     nbformat.write(nb, path)
     print(f"executed {path} ({path.stat().st_size // 1024} KiB)")

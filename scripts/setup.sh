@@ -10,10 +10,22 @@
 # to pip (for example an index that serves CPU wheels).
 #
 # Re-running is cheap: a stamp keyed on pyproject.toml skips pip when nothing changed.
+#
+# stdout carries only the interpreter's path (callers do `py=$(scripts/setup.sh)`); pip's output and the
+# "[setup]" stage lines go to stderr.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-log() { echo "[setup] $*" >&2; }
+log() { echo "[setup] $*" >&2; }  # $SECONDS: bash counts from the script's start
+
+# pip warns once per package about a file:// index of the machine's pip config that does not exist (~120
+# lines here, nothing to act on); every other line of pip's output still reaches stderr.
+noise="^WARNING: Location 'file://[^']*' is ignored: it is neither a file nor a directory\.\$"
+pip_install() {
+  # pip's stdout and stderr through the filter to our stderr; `|| true`: grep exits 1 when no line is left,
+  # and pipefail then reports pip's own status
+  "${pip[@]}" "$@" 2>&1 | { grep --line-buffered -v -e "$noise" || true; } >&2
+}
 
 if [ -n "${WORKBENCH_PYTHON:-}" ]; then
   py=$WORKBENCH_PYTHON
@@ -37,16 +49,17 @@ pip=("$py" -m pip install --disable-pip-version-check -q)
 if "$py" -c 'import torch' 2>/dev/null; then
   log "keeping installed torch $("$py" -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  log "GPU found: installing torch (CUDA build)"
-  "${pip[@]}" torch >&2
+  log "GPU found: installing torch (CUDA build)…"
+  pip_install torch
 else
-  log "no GPU: installing CPU torch==${WORKBENCH_CPU_TORCH:-2.13.0}"
+  log "no GPU: installing torch==${WORKBENCH_CPU_TORCH:-2.13.0} (CPU)…"
   # shellcheck disable=SC2086
-  "${pip[@]}" "torch==${WORKBENCH_CPU_TORCH:-2.13.0}" ${WORKBENCH_TORCH_PIP_ARGS:-} >&2
+  pip_install "torch==${WORKBENCH_CPU_TORCH:-2.13.0}" ${WORKBENCH_TORCH_PIP_ARGS:-}
 fi
 
-log "installing the workbench (editable) with its dev tools"
-"${pip[@]}" -e ".[dev]" >&2
+log "installing the workbench (editable) and dev tools (about 2 minutes on a fresh machine; $SECONDS s so far)…"
+pip_install -e ".[dev]"
 rm -f "$stamp_dir"/.kv-workbench-*
 touch "$stamp"
+log "done in $SECONDS s"
 echo "$py"

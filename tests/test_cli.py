@@ -243,3 +243,62 @@ def test_bench_results_skips_smoke_runs(tmp_path, capsys):
                           _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
     assert main(["bench", "results", "--dir", str(tmp_path)]) == 0
     assert "no decode results" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ progress
+def test_fig2_sensitivity_shows_progress_on_stderr_and_keeps_json_on_stdout(monkeypatch, capsys):
+    import functools
+
+    from workbench.sim import fig2
+
+    monkeypatch.setattr(fig2, "sensitivity", functools.partial(fig2.sensitivity, n=60))  # seconds, not 15
+    assert main(["sim", "fig2", "--sensitivity", "--json", "--requests", "60"]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)["sensitivity"]
+    assert "sensitivity" in captured.err and f"{len(rows)}/{len(rows)}" in captured.err
+
+
+@pytest.mark.parametrize("bench, argv", [("allocator", ["--seconds", "0.01"]),
+                                         ("cache_kernels", ["--smoke", "--only", "copy"])])
+def test_bench_progress_goes_to_stderr(tmp_path, capsys, bench, argv):
+    assert main(["bench", bench, *argv, "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "%|" in captured.err and "%|" not in captured.out  # a tqdm bar, on stderr only
+
+
+def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monkeypatch, capsys):
+    """``tour`` with a stand-in for nbclient (no kernel): the hooks it passes print progress, the report inlines
+    plotly.js for the panel's snapshot, and neither file keeps widget state."""
+    import nbclient
+    import nbformat
+    import plotly.graph_objects as go
+    from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
+    from workbench.report import PLOTLY_MIME, WIDGET_MIME
+
+    class FakeClient:
+        def __init__(self, nb, **kwargs):
+            self.nb, self.kwargs = nb, kwargs
+
+        def execute(self):
+            assert self.kwargs["store_widget_state"] is False
+            for i, cell in enumerate(self.nb.cells):
+                if cell.cell_type == "code":
+                    self.kwargs["on_cell_execute"](cell=cell, cell_index=i)
+                    cell.outputs = [new_output("display_data", data={
+                        WIDGET_MIME: {"version_major": 2, "version_minor": 0, "model_id": "m"},
+                        PLOTLY_MIME: json.loads(go.Figure(go.Bar(y=[1, 2])).to_json()), "text/plain": "panel"})]
+                    self.kwargs["on_cell_executed"](cell=cell, cell_index=i, execute_reply={"content": {}})
+            self.nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+            return self.nb
+
+    monkeypatch.setattr(nbclient, "NotebookClient", FakeClient)
+    src = tmp_path / "t.ipynb"
+    nbformat.write(new_notebook(cells=[new_markdown_cell("# t"), new_code_cell("panel")]), src)
+    assert main(["tour", "--notebook", str(src), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    html = tmp_path / "out" / "t.html"
+    assert "[1/1] cell 1 ... " in out and f"report: {html} (" in out and " MB" in out
+    page = html.read_text()
+    assert "Plotly.newPlot" in page and "<script src" not in page and WIDGET_MIME not in page
+    assert "widgets" not in nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4).metadata

@@ -25,11 +25,44 @@ def test_paged_shares_add_up(lengths, block_size):
     assert 0 <= b["internal_fragmentation"] <= len(lengths) * (block_size - 1)
 
 
+MAX_LENS = [256, 512, 1024, 2048, 4096, 8192]  # the tour panel's max_len slider range, doubling
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(16, 200), st.integers(1, 20000))
+def test_random_batch_lengths_are_capped_by_max_len_and_independent_of_it(seed, num_requests, any_max_len):
+    batches = {m: memory.random_batch(num_requests, m, seed) for m in [*MAX_LENS, any_max_len]}
+    uncapped = memory.random_batch(num_requests, 10**9, seed)[1]
+    for m, (current, final) in batches.items():
+        assert len(current) == len(final) == num_requests
+        assert all(1 <= c <= f <= m for c, f in zip(current, final, strict=True))
+        assert final == [min(n, m) for n in uncapped]  # the workload's lengths, cut at the server's cap
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(32, 200), st.sampled_from([1, 16, 64]))
+def test_contiguous_token_share_falls_as_max_len_grows(seed, num_requests, block_size):
+    shares = []
+    for m in MAX_LENS:
+        current, final = memory.random_batch(num_requests, m, seed)
+        contiguous = memory.compare_allocation(current, final, m, block_size, bytes_per_token=1)
+        shares.append(contiguous["contiguous (reserve max_len)"]["token_share"])
+    assert all(a > b for a, b in zip(shares[:-1], shares[1:], strict=True)), shares
+
+
+def test_random_batch_median_is_in_the_hundreds():
+    final = memory.random_batch(4001, max_len=10**9, seed=3)[1]
+    assert 250 <= sorted(final)[2000] <= 350  # MEDIAN_LEN = 300, not tied to max_len
+    assert max(final) > 10 * memory.MEDIAN_LEN  # heavy tail: some requests are very long
+
+
 def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="block_size"):
         memory.blocks_for(3, 0)
     with pytest.raises(ValueError, match="current <= final"):
         memory.contiguous_breakdown([5], [4], 10, 1)
+    with pytest.raises(ValueError, match="max_len"):
+        memory.random_batch(4, 0)
+    with pytest.raises(ValueError, match="median"):
+        memory.random_batch(4, 100, median=0)
     with pytest.raises(ValueError, match="kv_dtype"):
         spec.dtype_size("fp7")
     with pytest.raises(ValueError, match="num_q_heads"):

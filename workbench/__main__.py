@@ -2,7 +2,8 @@
 
 Commands:
   info          device, backend (compiled or interpreter), versions
-  tour          execute notebooks/00_tour.ipynb headless, write reports/00_tour.html, print a summary
+  tour          execute notebooks/00_tour.ipynb headless, write reports/00_tour.html (charts work offline),
+                print a summary
   bench NAME    run the benchmark module workbench.bench.NAME (its own --help); results go to results/
                 (git-ignored) unless --out DIR
   sim NAME      run a simulator command of workbench.sim (its own --help)
@@ -44,9 +45,9 @@ def cmd_tour(args: argparse.Namespace) -> int:
     # UI-side libraries: imported here so the core never needs them.
     import nbformat
     from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
 
     from workbench.bench.harness import ensure_writable_dir
+    from workbench.report import CellProgress, offline_html
 
     src = Path(args.notebook)
     if not src.is_file():
@@ -63,14 +64,15 @@ def cmd_tour(args: argparse.Namespace) -> int:
         print(f"tour: argument --out: {e}", file=sys.stderr)
         return 2
     print(f"executing {src} ...", flush=True)
-    NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
-                   resources={"metadata": {"path": str(src.parent)}}).execute()
+    # no widget state: it holds each view's plotly.js (5 MB) and no viewer without a kernel can use it
+    NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
+                   resources={"metadata": {"path": str(src.parent)}}, **CellProgress(nb).hooks()).execute()
+    nb.metadata.pop("widgets", None)
     html_path = out_dir / (src.stem + ".html")
-    html, _ = HTMLExporter().from_notebook_node(nb)
-    html_path.write_text(html, encoding="utf-8")
+    html_path.write_text(offline_html(nb, title=src.stem), encoding="utf-8")
     nbformat.write(nb, out_dir / src.name)
     print("\n".join(_summary(nb)))
-    print(f"\nreport: {html_path}")
+    print(f"\nreport: {html_path} ({_megabytes(html_path)}; charts work offline)")
     print("explore the series interactively: make lab  (JupyterLab on notebooks/)")
     return 0
 
@@ -104,6 +106,10 @@ def _listing(title: str, described: dict[str, str]) -> str:
     """``title:`` then one ``name  description`` line per entry (the epilog of ``bench``/``sim --help``)."""
     width = max(map(len, described))
     return f"{title}:\n" + "\n".join(f"  {name:<{width}}  {text}" for name, text in described.items())
+
+
+def _megabytes(path: Path) -> str:
+    return f"{path.stat().st_size / 1e6:.1f} MB"
 
 
 def _summary(nb) -> list[str]:

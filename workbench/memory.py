@@ -1,9 +1,9 @@
 """Where KV memory goes: token states vs waste, for contiguous and paged allocation.
 
-Pure functions of request lengths; the tour's first panel and the fragmentation notebook
-plot them. Shares follow the vLLM paper (Figure 2): *token states* hold real K/V;
-*reservation* is memory held for tokens not generated yet; *internal fragmentation* is
-memory that will never be used inside an allocation.
+Pure functions of request lengths; the tour's memory panel plots them (the fragmentation
+notebook uses the serving simulator instead). Shares follow the vLLM paper (Figure 2):
+*token states* hold real K/V; *reservation* is memory held for tokens not generated yet;
+*internal fragmentation* is memory that will never be used inside an allocation.
 """
 
 from __future__ import annotations
@@ -61,18 +61,34 @@ def _bytes(tokens: int, reserved: int, internal: int, bpt: float) -> dict[str, f
     }
 
 
-def random_batch(num_requests: int, max_len: int, seed: int = 0) -> tuple[list[int], list[int]]:
-    """A batch caught mid-generation: final lengths ~ uniform(1, max_len), current ~ uniform(1, final).
+# Request lengths (prompt + output) come from the workload, not from the server: a log-normal with this
+# median and log-spread has mean ~495 tokens, ShareGPT's 161 + 338 (vLLM paper), and a long tail.
+MEDIAN_LEN = 300
+LEN_SIGMA = 1.0
 
-    A stand-in for a real trace (``workbench.sim`` has fitted ones); enough to show the effect.
+
+def random_batch(
+    num_requests: int, max_len: int, seed: int = 0, *, median: float = MEDIAN_LEN, sigma: float = LEN_SIGMA
+) -> tuple[list[int], list[int]]:
+    """A batch caught mid-generation on a server that caps requests at ``max_len`` tokens.
+
+    Each request's length is drawn log-normal (``median``, log-spread ``sigma``), independent of
+    ``max_len``, then cut at ``max_len`` (the server stops it there): ``final``. Each has done a
+    uniform fraction of it so far: ``current`` in ``[1, final]``. The same seed gives the same
+    requests at every ``max_len``, so only the server's reservation changes with it. A stand-in for
+    a real trace (``workbench.sim`` has fitted ones); enough to show the effect.
     """
     import random
 
     if num_requests < 0 or max_len < 1:
         raise ValueError(f"need num_requests >= 0 and max_len >= 1, got {num_requests}, {max_len}")
+    if median <= 0 or sigma < 0:
+        raise ValueError(f"need median > 0 and sigma >= 0, got {median}, {sigma}")
     rng = random.Random(seed)
-    final = [rng.randint(1, max_len) for _ in range(num_requests)]
-    current = [rng.randint(1, f) for f in final]
+    wanted = [rng.lognormvariate(math.log(median), sigma) for _ in range(num_requests)]
+    progress = [rng.random() for _ in range(num_requests)]  # a fraction: as far along at every max_len
+    final = [min(max_len, max(1, round(n))) for n in wanted]
+    current = [max(1, math.ceil(u * f)) for u, f in zip(progress, final, strict=True)]
     return current, final
 
 

@@ -23,8 +23,8 @@ How the codes are computed (``quant_math``):
 
 - ``"exact"``: IEEE division (``div_rn``), then rounding (half to even) onto the fp8 grid in fp32
   arithmetic before an exact cast, so the codes do not depend on the converter (the
-  interpreter's fp32 -> fp8 cast rounds ties up and drops carries into the exponent, DESIGN
-  section 6). Some 30 instructions an element: the fp8 write is compute-bound on the H200.
+  interpreter's fp32 -> fp8 cast rounds ties up and drops carries into the exponent: the midpoint
+  cases of ``tests/test_write_copy.py``). Some 30 instructions an element: the fp8 write is compute-bound on the H200.
 - ``"cast"``: IEEE division, then the converter rounds. On the GPU that is one
   ``cvt.rn.satfinite`` (round half to even, saturating), so the codes equal ``"exact"``'s; under
   the interpreter the software rounding is kept, because its converter is not exact.

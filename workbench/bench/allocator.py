@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from collections.abc import Callable
+
+from tqdm import tqdm
 
 from workbench.allocator import BlockManager, BlockPool
 from workbench.bench import harness
@@ -29,17 +32,24 @@ def rate(fn: Callable[[], int], seconds: float) -> float:
     return done / elapsed
 
 
-def measure(seconds: float = 1.0) -> list[dict]:
+BATCHES = (1, 16, 256)
+MEASUREMENTS = len(BATCHES) + 3  # then fork+free, prefix hit, prefix caching off
+
+
+def measure(seconds: float = 1.0, progress: bool = False) -> list[dict]:
+    """One row per measurement, each ``seconds`` long; ``progress``: a tqdm bar on stderr."""
     rows = []
+    bar = tqdm(total=MEASUREMENTS, desc="allocator", unit="op", file=sys.stderr, disable=not progress)
     pool = BlockPool(num_pages=100_000, page_tokens=16)
 
-    for batch in (1, 16, 256):
+    for batch in BATCHES:
         def pairs(batch=batch):
             for _ in range(64):
                 pool.decref(16, pool.allocate(16, batch))
             return 64 * batch
 
         rows.append({"op": "allocate+free", "batch_blocks": batch, "per_second": rate(pairs, seconds)})
+        bar.update()
 
     prompt = list(range(4096))
     m = BlockManager(pool)
@@ -52,6 +62,7 @@ def measure(seconds: float = 1.0) -> list[dict]:
 
     rows.append({"op": "fork+free (4096 tokens, 256 blocks)", "batch_blocks": 256,
                  "per_second": rate(fork_free, seconds)})
+    bar.update()
 
     for caching in (True, False):
         m2 = BlockManager(pool, prefix_caching=caching)
@@ -63,6 +74,8 @@ def measure(seconds: float = 1.0) -> list[dict]:
 
         name = "prefix hit add+free" if caching else "add+free, prefix caching off"
         rows.append({"op": f"{name} (4096 tokens)", "batch_blocks": 256, "per_second": rate(add_free, seconds)})
+        bar.update()
+    bar.close()
     m.check_invariants()
     return rows
 
@@ -77,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     out = harness.output_dir(parser, args.out)  # checked before the measurement, not after
     meta = harness.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # this benchmark never touches a GPU
-    rows = measure(args.seconds)
+    rows = measure(args.seconds, progress=True)  # 6 x --seconds: a bar on stderr, stdout keeps the table
     harness.print_table(rows, ["op", "batch_blocks", "per_second"])
     path = harness.write_results("allocator", rows, meta, out, extra={"seconds": args.seconds})
     print(f"wrote {path}")

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 import workbench
 from workbench.bench import harness
@@ -94,7 +96,7 @@ def _checked_time(ctx: Ctx, fn: Callable[[], object], check: Callable[[], tuple[
         try:
             tg = harness.time_us_graph(fn, rep_ms=REP_MS)
         except Exception as e:  # noqa: BLE001  (an implementation that cannot be captured still gets its plain time)
-            print(f"cache_kernels: CUDA graph timing failed: {type(e).__name__}: {e}")
+            tqdm.write(f"cache_kernels: CUDA graph timing failed: {type(e).__name__}: {e}")  # above the bar
     return err, ok, t, tg
 
 
@@ -303,8 +305,25 @@ def _peer_fractions(rows: list[dict]) -> None:
         r["frac_peer_copy"] = r["gbps"] / peer if (peer and r.get("gbps")) else None
 
 
-def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS) -> list[dict]:
+def steps(sizes: Sizes, sections=SECTIONS) -> int:
+    """How many (workload, layout) groups :func:`run` measures: its progress bar's total."""
+    n = len(Layout)
+    return ((2 * n if "prefill" in sections else 0) + (len(sizes.decode_tokens) * n if "decode" in sections else 0)
+            + (len(sizes.copy_pairs) if "copy" in sections else 0))
+
+
+def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS, progress: bool = False) -> list[dict]:
+    """Every row of the selected sections; ``progress``: a tqdm bar on stderr, one step per workload and layout
+    (minutes on a GPU: each launch variant compiles, then is timed plain and graph-replayed)."""
     rows: list[dict] = []
+    bar = tqdm(total=steps(sizes, sections), desc="cache_kernels", unit="step", file=sys.stderr,
+               disable=not progress)
+
+    def step(label: str, measure: Callable[..., list[dict]], *args, **kwargs) -> None:
+        bar.set_postfix_str(label)
+        rows.extend(measure(*args, **kwargs))
+        bar.update()
+
     s = sizes
     tokens = s.num_seqs * s.seq_len
     g = torch.Generator().manual_seed(0)
@@ -315,23 +334,24 @@ def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS) -> list[dict]:
     slots = _slots_prefill(s.num_seqs, s.seq_len, s.block_size, num_blocks, device, seed=2)
     if "prefill" in sections:
         for layout in Layout:  # (a) prefill
-            rows += _write_rows(ctx, "prefill", layout, torch.float16, slots, key, value, num_blocks, s.block_size,
-                                WRITE_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
-            rows += _write_rows(ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key, value, num_blocks,
-                                s.block_size, FP8_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+            step(f"prefill {layout}", _write_rows, ctx, "prefill", layout, torch.float16, slots, key, value,
+                 num_blocks, s.block_size, WRITE_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+            step(f"prefill-fp8 {layout}", _write_rows, ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key,
+                 value, num_blocks, s.block_size, FP8_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
     if "decode" in sections:
         for n in s.decode_tokens:  # (b) decode step: one token per sequence, random slots
             dslots = _slots_decode(n, s.block_size, num_blocks, device, seed=n)
             for layout in Layout:
-                rows += _write_rows(ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n], value[:n],
-                                    num_blocks, s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
+                step(f"decode-{n} {layout}", _write_rows, ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n],
+                     value[:n], num_blocks, s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
     if "copy" in sections:
         pool = make_pool(s.copy_layers, s.copy_blocks, "nhd", s.block_size, s.heads, s.head_dim, torch.float16,
                          device, seed=3)
         for pairs in s.copy_pairs:  # (c) block copy
             # graph replay only for the small (copy-on-write sized) copy: the big one is not launch-bound
-            rows += _copy_rows(ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS, graph=pairs < 1024,
-                               seed=pairs)
+            step(f"copy-{pairs}", _copy_rows, ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS,
+                 graph=pairs < 1024, seed=pairs)
+    bar.close()
     _peer_fractions(rows)
     return rows
 
@@ -373,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.copy_bw:
         print(f"copy bandwidth: {ctx.copy_bw:.0f} GB/s")
     t0 = time.perf_counter()
-    rows = run(SMOKE if args.smoke else FULL, ctx, device, tuple(args.only or SECTIONS))
+    rows = run(SMOKE if args.smoke else FULL, ctx, device, tuple(args.only or SECTIONS), progress=True)
     meta = harness.machine_meta()
     extra = {"copy_bw_gbps": ctx.copy_bw, "smoke": args.smoke, "backend": "interpreter" if not on_gpu else "cuda",
              "sections": list(args.only or SECTIONS), "wall_s": round(time.perf_counter() - t0, 1)}

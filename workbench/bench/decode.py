@@ -8,7 +8,8 @@ built once outside the timed call) and the peers the H200 image has:
 
 - ``sdpa_contiguous``: ``scaled_dot_product_attention`` on a contiguous ``[B, Hkv, L, D]`` cache,
   ``enable_gqa=True``. The ragged W5 pads every sequence to the longest and passes a boolean
-  mask (which rules out the flash backend: the "masked path" of DESIGN.md section 3).
+  mask, which rules out the flash backend: SDPA takes its slower masked path there
+  (``docs/workloads.md`` defines W1-W5).
 - ``gather_sdpa``: naive paging: index the pages into a contiguous tensor, then SDPA (timed together).
 - ``flex_paged``: ``torch.compile(flex_attention)`` with a block mask converted by
   ``torch.nn.attention.experimental._paged_attention.PagedAttention`` from the page table,
@@ -27,9 +28,11 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import workbench  # noqa: F401  (backend first)
 from workbench import formats
@@ -301,11 +304,14 @@ def run_gpu(quick: bool, tune: bool) -> tuple[list[dict], dict]:
     return rows, {"copy_gbps": copy_gbps}
 
 
-def run_smoke() -> list[dict]:
-    """Tiny workloads through whatever backend is active (the interpreter on a CPU): correctness only."""
+def run_smoke(progress: bool = False) -> list[dict]:
+    """Tiny workloads through whatever backend is active (the interpreter on a CPU): correctness only.
+
+    ``progress``: a tqdm bar over the workloads on stderr (~20 s in the interpreter, otherwise silent).
+    """
     rows = []
     dev = workbench.device()
-    for w in WORKLOADS.values():
+    for w in tqdm(WORKLOADS.values(), desc="decode smoke", unit="workload", file=sys.stderr, disable=not progress):
         s = w.smoke()
         for layout, bs in [("nhd", 16), ("vllm", 8)] if s.key == "W1" else [("nhd", 16)]:
             p = build_paged(s, layout=layout, block_size=bs, device=dev, seed=1)
@@ -354,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     out = harness.output_dir(ap, args.out)  # checked before the run, not after
     meta = harness.machine_meta()
     if args.smoke:
-        rows, extra = run_smoke(), {"mode": "smoke"}
+        rows, extra = run_smoke(progress=True), {"mode": "smoke"}
     else:
         rows, extra = run_gpu(args.quick, args.tune)
         extra["mode"] = "quick" if args.quick else "full"

@@ -231,14 +231,18 @@ def load_results(pattern: str, results_dir: Path | str | None = None, where: Map
     return [row for run in runs for row in run["rows"]]
 
 
-def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
-    """A plain fixed-width table of ``columns`` (floats with 3 significant digits)."""
+def print_table(rows: Sequence[dict], columns: Sequence[str], headers: Mapping[str, str] | None = None) -> None:
+    """A plain fixed-width table of ``columns`` (floats with 3 significant digits).
+
+    ``headers`` maps a column to a shorter title, so a wide table fits a notebook's output area.
+    """
 
     def fmt(v):
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
+    titles = [(headers or {}).get(c, c) for c in columns]
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
-    print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
+    widths = [max(len(t), *(len(row[i]) for row in cells)) if cells else len(t) for i, t in enumerate(titles)]
+    print("  ".join(t.rjust(w) for t, w in zip(titles, widths, strict=True)))
     for row in cells:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)))

@@ -1,4 +1,4 @@
-"""Decode-attention workloads (DESIGN.md section 3) and the fragmented paged caches they run on.
+"""Decode-attention workloads W1-W5 (``docs/workloads.md``) and the fragmented paged caches they run on.
 
 A :class:`Workload` is data: batch, context (fixed, or seeded uniform lengths for a ragged
 batch), heads and head_dim. :func:`build_paged` turns one into a paged K/V cache in any

@@ -93,7 +93,7 @@ def _fig2(args) -> int:
     d = fig2.breakdown(args.trace, seed=args.seed, n=args.requests, allocator=args.allocator,
                        block_size=args.block_size, saturated=not args.all_steps)
     if args.sensitivity:
-        d["sensitivity"] = fig2.sensitivity()
+        d["sensitivity"] = fig2.sensitivity(progress=True)  # ~15 s: a bar on stderr; stdout may be JSON
     if args.json:
         print(json.dumps(d, indent=1))
     else:

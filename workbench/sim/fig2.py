@@ -24,6 +24,10 @@ Our assumptions where the paper is silent (``sensitivity()`` varies each):
 
 from __future__ import annotations
 
+import sys
+
+from tqdm import tqdm
+
 from workbench.sim import engine
 from workbench.sim import strategies as st
 from workbench.sim import traces as tr
@@ -124,8 +128,11 @@ def _round(d: dict) -> dict:
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in d.items()}
 
 
-def sensitivity(n: int = 3000) -> list[dict]:
-    """Figure 2 under each changed assumption (first ``n`` ShareGPT requests): one row per variant."""
+def sensitivity(n: int = 3000, progress: bool = False) -> list[dict]:
+    """Figure 2 under each changed assumption (first ``n`` ShareGPT requests): one row per variant.
+
+    ``progress``: a tqdm bar over the variants on stderr (the command line's; stdout may carry JSON).
+    """
     variants: list[tuple[str, dict]] = [
         ("default", {}),
         ("buddy, most recently freed block first", {"allocator": "buddy-lifo"}),
@@ -144,7 +151,9 @@ def sensitivity(n: int = 3000) -> list[dict]:
         ("Alpaca trace", {"trace": "alpaca"}),
     ]
     rows = []
-    for label, kw in variants:
+    bar = tqdm(variants, desc="sensitivity", unit="variant", file=sys.stderr, disable=not progress)
+    for label, kw in bar:
+        bar.set_postfix_str(label, refresh=False)
         kw = dict(kw)
         trace = kw.pop("trace", "sharegpt")
         d = breakdown(trace, n=n, compare=True, **kw)  # Alpaca too: its distance is the argument for ShareGPT

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 SIM_STRATEGIES = ("paged", "paged-prealloc", "paged-adaptive", "orca-max", "orca-pow2", "orca-oracle")
+BLOCK_STRATEGIES = ("paged", "paged-prealloc", "paged-adaptive")  # the ones a block size applies to
+COMPACTING_STRATEGIES = ("paged-adaptive",)  # the ones compact_every applies to
 
 
 def sim_strategy(strategy: str = "paged", block_size: int = 16, compact_every: int = 0):

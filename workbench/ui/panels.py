@@ -1,13 +1,17 @@
-"""ipywidgets panels: controls wired to a pure function and a plotly FigureWidget.
+"""ipywidgets panels: controls wired to a pure function and a figure.
 
-A panel holds no logic of its own: on every change it calls ``compute`` (a function of
-the package) and ``draw`` (a figure builder in ``workbench.ui.figures``). Setting
-``panel.controls[name].value = x`` drives it without a browser (observers fire
-synchronously), which is how the notebooks test their panels under nbval.
+A panel holds no logic of its own: on every change it calls ``compute`` (a function of the package) and
+``draw`` (a figure builder in ``workbench.ui.figures``), keeps the result as ``panel.figure`` (a plain
+``go.Figure``: what the browser shows, readable from Python) and sends it to its ``PlotView``. Setting
+``panel.controls[name].value = x`` drives it without a browser (observers fire synchronously), which is how
+the notebooks test their panels under nbval; ``tests/browser`` moves the same controls in Chromium.
 """
 
 from __future__ import annotations
 
+import html
+import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,41 +20,93 @@ import plotly.graph_objects as go
 
 from workbench import memory, spec
 from workbench.ui import figures
+from workbench.ui.plot_view import PlotView, figure_json
+
+SLIDER_WIDTH = "330px"  # a track of ~200 px beside its label and readout: usable with a mouse
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+
+
+def arrange_controls(controls: dict[str, W.ValueWidget], live: bool = True) -> W.Box:
+    """Controls in a row that wraps onto more lines rather than squeezing sliders to nothing."""
+    for control in controls.values():
+        control.style.description_width = "initial"  # labels never truncated
+        if "Slider" in type(control).__name__:
+            control.layout.width = SLIDER_WIDTH
+            control.continuous_update = live  # live=False: recompute once, when the handle is released
+        elif isinstance(control, W.Checkbox):
+            control.indent = False
+        control.layout.margin = "2px 16px 2px 0"
+    return W.Box(list(controls.values()), layout=W.Layout(flex_flow="row wrap", align_items="center"))
 
 
 class Panel:
+    _ids = itertools.count()
+    _live: weakref.WeakValueDictionary[int, Panel] = weakref.WeakValueDictionary()
+
     def __init__(self, controls: dict[str, W.ValueWidget], compute: Callable[..., Any],
-                 draw: Callable[[Any], go.Figure]):
+                 draw: Callable[[Any], go.Figure], live: bool = True,
+                 enabled: dict[str, Callable[..., bool]] | None = None):
+        """``enabled[name](**values)`` says whether control ``name`` matters for the other values; when it
+        does not, the control is greyed out rather than left to change nothing."""
         self.controls = controls
+        self._enabled = enabled or {}
         self.compute = lambda: compute(**self.values())
         self._draw = draw
-        self.figure = go.FigureWidget(draw(self.compute()))
+        self._update_enabled()
+        self.figure: go.Figure = draw(self.compute())
+        self.view = PlotView(self.figure)
+        self.status = W.HTML()  # a failed redraw says why here instead of in the lab's log
+        self.id = next(Panel._ids)
+        Panel._live[self.id] = self
         for control in controls.values():
             control.observe(lambda _change: self.redraw(), names="value")
-        self.widget = W.VBox([W.HBox(list(controls.values())), self.figure])
+        self.widget = W.VBox([arrange_controls(controls, live), self.status, self.view],
+                             layout=W.Layout(width="100%"))
+        self.widget.add_class("wb-panel")
+        self.widget.add_class(f"wb-panel-{self.id}")
+
+    @classmethod
+    def live(cls) -> list[Panel]:
+        """The panels alive in this kernel, oldest first (the browser test compares them with the page)."""
+        return [cls._live[i] for i in sorted(cls._live)]
 
     def values(self) -> dict[str, Any]:
         return {name: w.value for name, w in self.controls.items()}
 
+    def _update_enabled(self) -> None:
+        for name, rule in self._enabled.items():
+            self.controls[name].disabled = not rule(**self.values())
+
     def redraw(self) -> None:
-        fresh = self._draw(self.compute())
-        with self.figure.batch_update():
-            self.figure.data = ()
-            self.figure.add_traces(fresh.data)
-            self.figure.layout = fresh.layout
+        self._update_enabled()
+        try:
+            fig = self._draw(self.compute())
+        except Exception as e:  # noqa: BLE001  (shown in the panel; the figure keeps its last good state)
+            self.status.value = (f"<span style='color:#b00020'>could not draw for {html.escape(str(self.values()))}:"
+                                 f" {type(e).__name__}: {html.escape(str(e))}</span>")
+            return
+        self.status.value = ""
+        self.figure = fig
+        self.view.show(fig)
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        """The live widget, plus a static snapshot of the figure for viewers without a kernel (a stored
+        notebook, the HTML report); the widget's renderer wins in JupyterLab."""
+        bundle = self.widget._repr_mimebundle_(**kwargs) or {}
+        bundle = dict(bundle[0] if isinstance(bundle, tuple) else bundle)
+        bundle[PLOTLY_MIME] = figure_json(self.figure)
+        names = ", ".join(self.controls)
+        bundle["text/plain"] = f"<interactive panel: {names}; run the notebook in JupyterLab to use it>"
+        return bundle
 
 
 def memory_panel(num_requests: int = 64, seed: int = 0) -> Panel:
     """Contiguous vs paged KV memory for a batch of requests; sliders for the knobs."""
     controls = {
         "model": W.Dropdown(options=sorted(spec.MODELS), value="llama-7b", description="model"),
-        "kv_dtype": W.Dropdown(options=["fp16", "bf16", "fp8_e4m3", "int8", "int4"], value="fp16",
-                               description="dtype"),
+        # by bytes per element: fp16 and bf16 take the same memory, so they are one choice here
+        "kv_dtype": W.Dropdown(options=[("fp16 / bf16", "fp16"), ("fp8 / int8", "fp8_e4m3"), ("int4", "int4")],
+                               value="fp16", description="dtype"),
         "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
                                         description="block size"),
         "max_len": W.IntSlider(value=2048, min=256, max=8192, step=256, description="max len"),
@@ -83,8 +139,8 @@ def sharing_panel() -> Panel:
         heat = figures.block_table_heatmap(r.seq_ids, r.block_tables, r.ref_counts)
         bars = figures.sharing_bars(r.blocks_used, r.blocks_unshared, r.cow_copies, r.prefix_hits)
         fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
-                            subplot_titles=(f"block tables ({100 * r.memory_saved:.0f}% of blocks saved)",
-                                            "blocks"))
+                            subplot_titles=(f"block tables: {r.tokens} token states in {r.blocks_used} blocks "
+                                            f"({100 * r.memory_saved:.0f}% of blocks saved)", "blocks"))
         fig.add_trace(heat.data[0], row=1, col=1)
         fig.add_trace(bars.data[0], row=1, col=2)
         fig.update_yaxes(autorange="reversed", row=1, col=1)
@@ -103,8 +159,9 @@ def coalescing_panel(num_kv_heads: int = 8) -> Panel:
         "kind": W.ToggleButtons(options=["k", "v"], value="k", description="cache"),
         "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=16, description="block size"),
         "head_dim": W.SelectionSlider(options=[32, 64, 80, 96, 128, 256], value=128, description="head_dim"),
-        "kv_dtype": W.Dropdown(options=["fp32", "fp16", "bf16", "fp8_e4m3", "int8"], value="fp16",
-                               description="dtype"),
+        # only the element size matters to the addresses: one choice per size
+        "kv_dtype": W.Dropdown(options=[("fp32", "fp32"), ("fp16 / bf16", "fp16"), ("fp8 / int8", "fp8_e4m3")],
+                               value="fp16", description="dtype"),
         "pad": W.SelectionSlider(options=[0, 1, 2, 4, 8, 16, 32, 64], value=0, description="pad (elems)"),
         "block_n": W.SelectionSlider(options=[1, 8, 16, 32, 64, 128], value=64, description="tile tokens"),
     }
@@ -166,4 +223,6 @@ def fragmentation_panel(num_requests: int = 2000) -> Panel:
         "kv_gib": W.FloatSlider(value=12.0, min=2.0, max=40.0, step=1.0, description="budget GiB"),
         "compact_every": W.SelectionSlider(options=[0, 16, 32, 64, 128, 256], value=0, description="compact every"),
     }
-    return Panel(controls, lambda **kw: sweeps.simulate(n=num_requests, **kw), figures.sim_run)
+    return Panel(controls, lambda **kw: sweeps.simulate(n=num_requests, **kw), figures.sim_run, live=False,
+                 enabled={"block_size": lambda strategy, **_: strategy in sweeps.BLOCK_STRATEGIES,
+                          "compact_every": lambda strategy, **_: strategy in sweeps.COMPACTING_STRATEGIES})

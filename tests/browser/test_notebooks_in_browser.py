@@ -1,0 +1,245 @@
+"""Every notebook as a user meets it: JupyterLab in headless Chromium, at 1280 and 1920 px.
+
+For each notebook: the stored copy shows its figures before anything runs (never a widget's text repr);
+Run All finishes with no error or stderr output; every plotly figure draws at its output area's width;
+then every panel's dropdowns and sliders are moved (keyboard on the slider handle) and after each change
+the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same data, no stale
+layout keys. Screenshots go to ``test-artifacts/browser/`` (``WORKBENCH_TEST_ARTIFACTS`` moves it).
+
+Needs Debian's chromium and the playwright package, which ``make test`` installs; elsewhere the test
+skips with that message, and with ``WORKBENCH_REQUIRE_BROWSER=1`` (set by ``make test``) it fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from lab_driver import CHROMIUM, COMPARE_JS, FIGURES_JS, FLATTEN_JS, KernelConsole, LabServer
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
+WIDTHS = (1280, 1920)
+ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "browser"
+MAX_OPTIONS = 4  # options tried per dropdown (then back to the first)
+PYTHON_SIDE = """
+import json as _json
+from workbench.ui.panels import Panel as _Panel
+from workbench.ui.plot_view import figure_json as _figure_json
+print(_json.dumps({p.id: {"figure": _figure_json(p.figure), "status": p.status.value} for p in _Panel.live()}))
+"""
+
+
+def _unavailable(reason: str):
+    if os.environ.get("WORKBENCH_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason} (WORKBENCH_REQUIRE_BROWSER=1; scripts/setup_browser.sh installs it)")
+    pytest.skip(f"{reason}: the browser test needs it; `make test` installs it (scripts/setup_browser.sh)")
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed")
+    if not Path(CHROMIUM).exists():
+        _unavailable(f"no Chromium at {CHROMIUM}")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = LabServer(NOTEBOOKS, tmp_path_factory.mktemp("lab"), env={"CI": "1"})  # CI: SMOKE sizes
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            yield server, browser
+            browser.close()
+    finally:
+        server.stop()
+        print(f"\nbrowser test screenshots: {ARTIFACTS}")
+
+
+def _menu(page, menu: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=menu).first.click()
+    page.locator(".lm-Menu-itemLabel", has_text=item).first.click()
+
+
+def _session(server: LabServer, name: str, timeout_s: float = 60) -> dict:
+    """The notebook's kernel session (the page creates it once the notebook has opened)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"{server.url}/api/sessions") as r:
+            found = [s for s in json.load(r) if s["path"].endswith(name) and s.get("kernel")]
+        if found:
+            return found[0]
+        time.sleep(0.5)
+    raise TimeoutError(f"no kernel session for {name} after {timeout_s:.0f} s")
+
+
+class Notebook:
+    """One notebook open in a page, with its kernel reachable from the test."""
+
+    def __init__(self, server: LabServer, browser, path: Path):
+        self.server, self.name = server, path.name
+        # a context and a workspace of its own: nothing restored from the previous notebook's page
+        self.context = browser.new_context(viewport={"width": WIDTHS[0], "height": 900})
+        self.page = self.context.new_page()
+        self.page_errors: list[str] = []
+        self.page.on("pageerror", lambda e: self.page_errors.append(str(e)))
+        self.page.add_init_script(FLATTEN_JS)
+        self.page.goto(f"{server.url}/lab/workspaces/{path.stem}/tree/{self.name}?reset")
+        self.page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+        self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+        dialog = self.page.locator(".jp-Dialog button", has_text="Select")
+        if dialog.count():
+            dialog.click()
+        session = _session(server, self.name)
+        self.session_id = session["id"]
+        self.connection = server.root / "runtime" / f"kernel-{session['kernel']['id']}.json"
+        self.console: KernelConsole | None = None
+
+    def run_all(self, timeout_s: float = 400) -> float:
+        t0 = time.monotonic()
+        _menu(self.page, "Edit", "Clear Outputs of All Cells")
+        _menu(self.page, "Run", "Run All Cells")
+        self.page.wait_for_function(
+            """() => { const ps = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+                       return ps.length > 0 && ps.every(p => /\\[\\d+\\]/.test(p.textContent)); }""",
+            timeout=timeout_s * 1000)
+        self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        return time.monotonic() - t0
+
+    def figures(self) -> list[dict]:
+        return self.page.evaluate(FIGURES_JS)
+
+    def python_side(self) -> dict[int, dict]:
+        if self.console is None:
+            self.console = KernelConsole(self.connection)
+        return {int(k): v for k, v in json.loads(self.console.run(PYTHON_SIDE)).items()}
+
+    def compare(self, panel_id: int, changed_from: str | None = None, timeout_s: float = 30) -> dict:
+        """Wait until the page shows the kernel's figure for this panel and, when ``changed_from`` is given,
+        a figure other than that one (the kernel may not have seen the change yet); return the comparison."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            py = self.python_side()[panel_id]
+            result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
+            result["status"] = py["status"]
+            result["changed"] = changed_from is None or _panel_data(self, panel_id) != changed_from
+            clean = not (result["stale"] or result["missing"] or result["differ"]) and result["data_same"]
+            if (clean and result["changed"]) or time.monotonic() > deadline:
+                return result
+            time.sleep(0.3)
+
+    def close(self) -> None:
+        if self.console is not None:
+            self.console.close()
+        self.context.close()
+        req = urllib.request.Request(f"{self.server.url}/api/sessions/{self.session_id}", method="DELETE")
+        urllib.request.urlopen(req).close()
+
+
+def _panel_data(nb: Notebook, panel_id: int) -> str:
+    """What the panel's figure shows: its data and its layout's text (titles, annotations), as one string."""
+    return nb.page.evaluate("""(pid) => { const gd = document.querySelector(`.wb-panel-${pid} .js-plotly-plot`);
+        const text = Object.entries(__wbFlatten(gd.layout)).filter(([k]) => /(^|[.])text$/.test(k));
+        return JSON.stringify([__wbFlatten({d: gd.data}), text]); }""", panel_id)
+
+
+def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | None = None) -> None:
+    r = nb.compare(panel_id, changed_from)
+    assert not r["status"], f"panel {panel_id} after {what}: {r['status']}"
+    assert not r["stale"], f"panel {panel_id} after {what}: stale layout keys on the page: {r['stale']}"
+    assert not r["missing"], f"panel {panel_id} after {what}: layout keys missing on the page: {r['missing']}"
+    assert not r["differ"], f"panel {panel_id} after {what}: layout values differ from the kernel's: {r['differ']}"
+    assert r["data_same"], f"panel {panel_id} after {what}: the page's data is not the kernel's"
+    assert r["changed"], f"panel {panel_id}: {what} changed nothing on the page"
+
+
+def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: bool = True) -> list[str]:
+    """Move every dropdown through a few options and every slider by a step (``full=False``: one option of
+    the first dropdown, the first slider, the first toggle); check the page against the kernel after each."""
+    options_per_dropdown = MAX_OPTIONS if full else 1
+    controls = slice(None) if full else slice(1)
+    panel = nb.page.locator(f".wb-panel-{panel_id}")
+    panel.scroll_into_view_if_needed()
+    moved = []
+    box = panel.bounding_box()
+    for control in panel.locator(".widget-inline-hbox, .widget-toggle-buttons").all():
+        cb = control.bounding_box()
+        assert cb["x"] + cb["width"] <= box["x"] + box["width"] + 1, \
+            f"panel {panel_id} at {width} px: a control overflows the panel: {control.inner_text()!r}"
+    for track in panel.locator(".noUi-target").all():
+        assert track.bounding_box()["width"] >= 100, f"panel {panel_id} at {width} px: slider track too narrow"
+
+    for i, select in enumerate(panel.locator("select").all()[controls]):
+        options = select.locator("option").all_inner_texts()
+        first = select.input_value()
+        current = select.evaluate("s => s.selectedOptions[0].text")
+        for label in [o for o in options if o != current][:options_per_dropdown]:
+            before = _panel_data(nb, panel_id)
+            select.select_option(label=label)
+            _assert_clean(nb, panel_id, f"dropdown {i} -> {label}", changed_from=before)
+            moved.append(f"dropdown {i} -> {label}")
+        select.select_option(value=first)
+        _assert_clean(nb, panel_id, f"dropdown {i} back")
+
+    # a greyed-out slider (it does not apply to the other settings) is left alone
+    for i, handle in enumerate(panel.locator(".noUi-target:not([disabled]) .noUi-handle").all()[controls]):
+        before = _panel_data(nb, panel_id)
+        at_max = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
+        handle.focus()
+        handle.press("ArrowLeft" if at_max else "ArrowRight")
+        _assert_clean(nb, panel_id, f"slider {i}", changed_from=before)
+        moved.append(f"slider {i}")
+
+    for i, group in enumerate(panel.locator(".widget-toggle-buttons").all()[controls]):
+        buttons = group.locator("button")
+        for j in range(buttons.count()):
+            if "mod-active" not in (buttons.nth(j).get_attribute("class") or ""):
+                before = _panel_data(nb, panel_id)
+                buttons.nth(j).click()
+                _assert_clean(nb, panel_id, f"toggle {i} -> {j}", changed_from=before)
+                moved.append(f"toggle {i} -> {j}")
+                break
+    panel.screenshot(path=shots)
+    return moved
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_in_browser(lab, path):
+    server, browser = lab
+    t0 = time.monotonic()
+    nb = Notebook(server, browser, path)
+    opened = time.monotonic() - t0
+    try:
+        text = nb.page.inner_text(".jp-Notebook")
+        assert "VBox(children" not in text and "model not found" not in text, \
+            "before Run All a panel shows a widget's text repr instead of its stored figure"
+        nb.page.screenshot(path=str(ARTIFACTS / f"{path.stem}-stored.png"))
+
+        seconds = nb.run_all()
+        stderr = nb.page.locator("[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
+        assert not stderr, f"cells wrote errors or warnings: {stderr[:3]}"
+        assert "Error displaying widget" not in nb.page.inner_text(".jp-Notebook")
+        panels = sorted({int(f["panel"].rsplit("-", 1)[1]) for f in nb.figures() if f["panel"]})
+        assert len(panels) == len(nb.python_side()), "a live panel has no figure on the page"
+
+        for width in WIDTHS:
+            nb.page.set_viewport_size({"width": width, "height": 900})
+            nb.page.wait_for_timeout(700)  # the ResizeObserver redraws at the new width
+            for f in nb.figures():
+                assert f["svg"] > 0, f"cell {f['cell']}: a figure did not render"
+                fits = abs(f["width"] - f["output_width"]) <= 2
+                assert fits, f"cell {f['cell']} at {width} px: figure {f['width']:.0f} px in {f['output_width']:.0f}"
+            for pid in panels:
+                _assert_clean(nb, pid, f"Run All at {width} px")
+                shot = str(ARTIFACTS / f"{path.stem}-{width}-panel{pid}.png")
+                moved = _exercise_panel(nb, pid, width, shot, full=width == WIDTHS[0])
+                assert moved, f"panel {pid} has no control the test could move"
+        assert not nb.page_errors, f"JavaScript errors on the page: {nb.page_errors[:3]}"
+        print(f"{path.name}: opened in {opened:.0f} s, ran in {seconds:.0f} s, {len(panels)} panel(s) checked at "
+              f"{WIDTHS} px; {time.monotonic() - t0:.0f} s in all")
+    finally:
+        nb.close()

@@ -1,0 +1,32 @@
+// The browser side of workbench.ui.plot_view.PlotView: one plotly figure, redrawn from the `figure` trait.
+function render({ model, el }) {
+  const Plotly = globalThis.Plotly;
+  const gd = document.createElement("div");
+  gd.className = "wb-plot";
+  el.appendChild(gd);
+  const config = { displaylogo: false };  // not `responsive`: it sizes the div to 100% of an auto height (0 px)
+  // Plotly.react replaces data and layout wholesale: nothing of the previous figure (an axis title, a shape,
+  // a narrowed domain) survives a redraw, so the page shows exactly what a fresh figure would.
+  const draw = (plot = Plotly.react) => {
+    const fig = model.get("figure") || {};
+    plot(gd, fig.data || [], fig.layout || {}, config);
+  };
+  draw();
+  model.on("change:figure", () => draw());
+  // A view renders before JupyterLab attaches it (0 px wide, so plotly falls back to 700 px); follow the
+  // output area's real width from then on, including sidebar toggles and window resizes. A fresh plot, not
+  // Plots.resize: that one relayouts with autosize and drops the figure's own height from the layout.
+  const observer = new ResizeObserver(() => {
+    if (gd.clientWidth > 0 && gd._fullLayout && Math.abs(gd._fullLayout.width - gd.clientWidth) > 1) {
+      draw(Plotly.newPlot);
+    }
+  });
+  observer.observe(el);
+  return () => {
+    observer.disconnect();
+    model.off("change:figure");
+    Plotly.purge(gd);
+  };
+}
+
+export default { render };
