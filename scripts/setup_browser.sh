@@ -27,5 +27,5 @@ start=$SECONDS
 log "installing Debian's chromium with apt (about 30 s)..."
 "${sudo[@]}" apt-get update -qq >&2
 DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
-  chromium fonts-dejavu-core >&2
+  chromium fonts-dejavu-core >/dev/null  # errors still reach stderr
 log "chromium $("$chromium" --version 2>/dev/null | awk '{print $2}') installed in $((SECONDS - start)) s"

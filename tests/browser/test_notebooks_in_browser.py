@@ -4,7 +4,8 @@ For each notebook: the stored copy shows its figures before anything runs (never
 Run All finishes with no error or stderr output; every plotly figure draws at its output area's width;
 then every panel's dropdowns and sliders are moved (keyboard on the slider handle) and after each change
 the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same data, no stale
-layout keys. Screenshots go to ``test-artifacts/browser/`` (``WORKBENCH_TEST_ARTIFACTS`` moves it).
+layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
+draw its charts with every network request refused. Screenshots go to ``test-artifacts/browser/`` (``WORKBENCH_TEST_ARTIFACTS`` moves it).
 
 Needs Debian's chromium and the playwright package, which ``make test`` installs; elsewhere the test
 skips with that message, and with ``WORKBENCH_REQUIRE_BROWSER=1`` (set by ``make test``) it fails instead.
@@ -30,7 +31,14 @@ PYTHON_SIDE = """
 import json as _json
 from workbench.ui.panels import Panel as _Panel
 from workbench.ui.plot_view import figure_json as _figure_json
-print(_json.dumps({p.id: {"figure": _figure_json(p.figure), "status": p.status.value} for p in _Panel.live()}))
+def _shown(c):  # a control's value as the page writes it
+    if hasattr(c, "label"):
+        return str(c.label)
+    if isinstance(c.value, bool):
+        return c.value
+    return format(c.value, c.readout_format) if isinstance(c.value, float) else str(c.value)
+print(_json.dumps({p.id: {"figure": _figure_json(p.figure), "status": p.status.value,
+                          "controls": [_shown(c) for c in p.controls.values()]} for p in _Panel.live()}))
 """
 
 
@@ -127,7 +135,10 @@ class Notebook:
             result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
             result["status"] = py["status"]
             result["changed"] = changed_from is None or _panel_data(self, panel_id) != changed_from
-            clean = not (result["stale"] or result["missing"] or result["differ"]) and result["data_same"]
+            # the kernel has every value the page's controls show (else it has not seen the last change yet)
+            result["controls"] = (self.page.evaluate(CONTROLS_JS, panel_id), py["controls"])
+            clean = (not (result["stale"] or result["missing"] or result["differ"]) and result["data_same"]
+                     and result["controls"][0] == result["controls"][1])
             if (clean and result["changed"]) or time.monotonic() > deadline:
                 return result
             time.sleep(0.3)
@@ -138,6 +149,19 @@ class Notebook:
         self.context.close()
         req = urllib.request.Request(f"{self.server.url}/api/sessions/{self.session_id}", method="DELETE")
         urllib.request.urlopen(req).close()
+
+
+# Each control's value as the page shows it, in the panel's order (its first child holds the controls).
+CONTROLS_JS = """(pid) => [...document.querySelector(`.wb-panel-${pid}`).firstElementChild.children].map(el => {
+    const select = el.querySelector('select');
+    if (select) return select.selectedOptions[0].text.replace(/\u00a0/g, ' ');  // options use no-break spaces
+    const readout = el.querySelector('.widget-readout');
+    if (readout) return readout.textContent.trim();
+    const box = el.querySelector('input[type=checkbox]');
+    if (box) return box.checked;
+    const active = el.querySelector('button.mod-active');
+    return active ? active.textContent.trim() : null;
+})"""
 
 
 def _panel_data(nb: Notebook, panel_id: int) -> str:
@@ -154,6 +178,8 @@ def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | No
     assert not r["missing"], f"panel {panel_id} after {what}: layout keys missing on the page: {r['missing']}"
     assert not r["differ"], f"panel {panel_id} after {what}: layout values differ from the kernel's: {r['differ']}"
     assert r["data_same"], f"panel {panel_id} after {what}: the page's data is not the kernel's"
+    page, kernel = r["controls"]
+    assert page == kernel, f"panel {panel_id} after {what}: the page's controls show {page}, the kernel has {kernel}"
     assert r["changed"], f"panel {panel_id}: {what} changed nothing on the page"
 
 
@@ -207,6 +233,12 @@ def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: b
     return moved
 
 
+def _stored_figures(path: Path) -> int:
+    """Outputs of the stored notebook that hold a plotly figure."""
+    cells = json.loads(path.read_text())["cells"]
+    return sum("application/vnd.plotly.v1+json" in o.get("data", {}) for c in cells for o in c.get("outputs", []))
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_in_browser(lab, path):
     server, browser = lab
@@ -217,6 +249,11 @@ def test_notebook_in_browser(lab, path):
         text = nb.page.inner_text(".jp-Notebook")
         assert "VBox(children" not in text and "model not found" not in text, \
             "before Run All a panel shows a widget's text repr instead of its stored figure"
+        stored = _stored_figures(path)
+        if stored:  # the stored figures (panels' snapshots included) draw before anything runs
+            nb.page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {stored}",
+                                      timeout=30_000)
+            nb.page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
         nb.page.screenshot(path=str(ARTIFACTS / f"{path.stem}-stored.png"))
 
         seconds = nb.run_all()
@@ -243,3 +280,31 @@ def test_notebook_in_browser(lab, path):
               f"{WIDTHS} px; {time.monotonic() - t0:.0f} s in all")
     finally:
         nb.close()
+
+
+def test_tour_report_shows_its_charts_offline(lab, tmp_path):
+    """``python -m workbench tour``'s report, opened with every network request refused, draws every chart."""
+    import subprocess
+    import sys
+
+    _, browser = lab
+    out = subprocess.run([sys.executable, "-m", "workbench", "tour", "--out", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "CI": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = tmp_path / "00_tour.html"
+    assert f"report: {report}" in out.stdout
+    context = browser.new_context(viewport={"width": WIDTHS[0], "height": 900})
+    page = context.new_page()
+    fetched = []
+    page.route("**/*", lambda route: route.continue_() if route.request.url.startswith("file:")
+               else (fetched.append(route.request.url), route.abort()))
+    try:
+        page.goto(report.as_uri())
+        expected = _stored_figures(ROOT / "notebooks" / "00_tour.ipynb")
+        page.wait_for_function(f"document.querySelectorAll('.js-plotly-plot .main-svg').length >= {expected}",
+                               timeout=30_000)
+        page.locator(".js-plotly-plot").first.scroll_into_view_if_needed()
+        page.screenshot(path=str(ARTIFACTS / "00_tour-report-offline.png"))
+        assert not fetched, f"the report asked the network for {fetched[:3]}"
+    finally:
+        context.close()

@@ -36,7 +36,8 @@ def arrange_controls(controls: dict[str, W.ValueWidget], live: bool = True) -> W
         elif isinstance(control, W.Checkbox):
             control.indent = False
         control.layout.margin = "2px 16px 2px 0"
-    return W.Box(list(controls.values()), layout=W.Layout(flex_flow="row wrap", align_items="center"))
+    return W.Box(list(controls.values()), layout=W.Layout(flex_flow="row wrap", align_items="center",
+                                                          padding="0 0 0 4px"))
 
 
 class Panel:
