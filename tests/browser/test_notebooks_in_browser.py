@@ -5,7 +5,8 @@ Run All finishes with no error or stderr output; every plotly figure draws at it
 then every panel's dropdowns and sliders are moved (keyboard on the slider handle) and after each change
 the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same data, no stale
 layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
-draw its charts with every network request refused. Screenshots go to ``test-artifacts/browser/`` (``WORKBENCH_TEST_ARTIFACTS`` moves it).
+draw its charts with every network request refused. Screenshots go to ``test-artifacts/browser/``
+(``WORKBENCH_TEST_ARTIFACTS`` moves it).
 
 Needs Debian's chromium and the playwright package, which ``make test`` installs; elsewhere the test
 skips with that message, and with ``WORKBENCH_REQUIRE_BROWSER=1`` (set by ``make test``) it fails instead.
