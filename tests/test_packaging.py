@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"pytorch": "torch"}  # conda-forge name -> PyPI name
+CONDA_NAMES = {"pytorch": "torch", "playwright-python": "playwright"}  # conda-forge name -> PyPI name
 NOT_PACKAGES = {"python", "pip"}
 
 

@@ -28,6 +28,10 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 WIDTHS = (1280, 1920)
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "browser"
 MAX_OPTIONS = 4  # options tried per dropdown (then back to the first)
+try:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+except ImportError:  # the fixture skips (or fails) with the reason
+    PlaywrightTimeout = TimeoutError
 PYTHON_SIDE = """
 import json as _json
 from workbench.ui.panels import Panel as _Panel
@@ -100,15 +104,21 @@ class Notebook:
         self.page.goto(f"{server.url}/lab/workspaces/{path.stem}/tree/{self.name}?reset")
         self.page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
         self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
-        dialog = self.page.locator(".jp-Dialog button", has_text="Select")
-        if dialog.count():
-            dialog.click()
+        self.dismiss_kernel_dialog()
         session = _session(server, self.name)
         self.session_id = session["id"]
         self.connection = server.root / "runtime" / f"kernel-{session['kernel']['id']}.json"
         self.console: KernelConsole | None = None
 
+    def dismiss_kernel_dialog(self, wait_ms: int = 2000) -> None:
+        """JupyterLab may ask which kernel to start (it can appear a moment after the notebook opens)."""
+        try:
+            self.page.locator(".jp-Dialog button", has_text="Select").click(timeout=wait_ms)
+        except PlaywrightTimeout:
+            pass
+
     def run_all(self, timeout_s: float = 400) -> float:
+        self.dismiss_kernel_dialog(wait_ms=200)
         t0 = time.monotonic()
         _menu(self.page, "Edit", "Clear Outputs of All Cells")
         _menu(self.page, "Run", "Run All Cells")
