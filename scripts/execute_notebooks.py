@@ -14,6 +14,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from workbench.report import PLOTLY_MIME, WIDGET_MIME
+
 os.environ.setdefault("CI", "1")  # SMOKE sizes, as nbval runs them
 for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]*.ipynb")):
     path = Path(name)
@@ -24,7 +26,7 @@ for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
         for output in cell.get("outputs", []):
-            if "application/vnd.plotly.v1+json" in output.get("data", {}):
-                output["data"].pop("application/vnd.jupyter.widget-view+json", None)
+            if PLOTLY_MIME in output.get("data", {}):
+                output["data"].pop(WIDGET_MIME, None)
     nbformat.write(nb, path)
     print(f"executed {path} ({path.stat().st_size // 1024} KiB)")

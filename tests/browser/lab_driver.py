@@ -81,7 +81,7 @@ class LabServer:
         self.log.close()
 
 
-# In-page helpers. Plotly keeps the figure a page shows on its graph div: `gd.data` and `gd.layout`.
+# In-page helpers. Every plotly figure on the page: its cell, its panel (if any), its width and its output's.
 FIGURES_JS = """
 () => [...document.querySelectorAll('.js-plotly-plot')].map(gd => {
   const panel = gd.closest('.wb-panel');
@@ -92,10 +92,8 @@ FIGURES_JS = """
   return {
     cell: cells.indexOf(cell),
     panel: panel ? [...panel.classList].find(c => c.startsWith('wb-panel-')) : null,
-    width: box.width, height: box.height, output_width: out.getBoundingClientRect().width,
+    width: box.width, output_width: out.getBoundingClientRect().width,
     svg: gd.querySelector('svg.main-svg') ? gd.querySelector('svg.main-svg').innerHTML.length : 0,
-    data: JSON.parse(JSON.stringify(gd.data || [], (k, v) => ArrayBuffer.isView(v) ? Array.from(v) : v)),
-    layout: JSON.parse(JSON.stringify(gd.layout || {})),
   };
 })
 """
@@ -114,8 +112,9 @@ window.__wbFlatten = (o, prefix = '', out = {}) => {
 };
 """
 
-# Draw the kernel's figure afresh in a hidden div of the same width and compare it with what the panel shows:
-# keys only the panel has are stale (left by an earlier figure), keys only the fresh plot has are missing.
+# Plotly keeps the figure a page shows on its graph div (`gd.data`, `gd.layout`). Draw the kernel's figure
+# afresh in a hidden div of the same width and compare it with what the panel shows: keys only the panel
+# has are stale (left by an earlier figure), keys only the fresh plot has are missing.
 COMPARE_JS = """
 async ([pid, fig]) => {
   const gd = document.querySelector(`.wb-panel-${pid} .js-plotly-plot`);
@@ -124,7 +123,6 @@ async ([pid, fig]) => {
   document.body.appendChild(div);
   await Plotly.newPlot(div, fig.data, fig.layout);
   const shown = __wbFlatten(gd.layout), fresh = __wbFlatten(div.layout);
-  if (shown.autosize === true) delete shown.autosize;  // plotly's own resize records the default
   const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
   const result = {
     stale: Object.keys(shown).filter(k => !(k in fresh)),

@@ -19,11 +19,11 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from workbench import memory, spec
+from workbench.report import PLOTLY_MIME
 from workbench.ui import figures
 from workbench.ui.plot_view import PlotView, figure_json
 
 SLIDER_WIDTH = "330px"  # a track of ~200 px beside its label and readout: usable with a mouse
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
 def arrange_controls(controls: dict[str, W.ValueWidget], live: bool = True) -> W.Box:
@@ -93,8 +93,7 @@ class Panel:
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The live widget, plus a static snapshot of the figure for viewers without a kernel (a stored
         notebook, the HTML report); the widget's renderer wins in JupyterLab."""
-        bundle = self.widget._repr_mimebundle_(**kwargs) or {}
-        bundle = dict(bundle[0] if isinstance(bundle, tuple) else bundle)
+        bundle = dict(self.widget._repr_mimebundle_(**kwargs) or {})
         bundle[PLOTLY_MIME] = figure_json(self.figure)
         names = ", ".join(self.controls)
         bundle["text/plain"] = f"<interactive panel: {names}; run the notebook in JupyterLab to use it>"
