@@ -173,3 +173,25 @@ def quantize_rcp_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -
     if fmt.codes == "int":
         return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
     return q.clamp(fmt.qmin, fmt.qmax).to(dtype)
+
+
+def dequantize_cache_ref(scheme, cache: torch.Tensor, layout: Layout | str, kind: str, head_dim: int) -> torch.Tensor:
+    """Values of every slot of a quantized cache as fp32 NHD ``[num_blocks, block_size, heads, head_dim]``:
+    codes read in ``layout`` and scales from the blocks (``workbench.quant.blocks``), ``scheme``'s arithmetic."""
+    from workbench.quant import blocks as qblocks
+    from workbench.quant import unpack
+
+    nhd = to_nhd(cache, layout, kind)  # [nb, bs, H, DC]
+    nb, bs, h, _ = nhd.shape
+    if not scheme.quantized or scheme.static:
+        return nhd.float()
+    sc = qblocks.block_scales(scheme, kind, bs, h, head_dim)
+    scale, zero = qblocks.scale_views(qblocks.plane_of(cache), sc)  # [nb, token groups, H, channel groups]
+    codes = unpack(nhd, scheme.bits).float() if scheme.packed else nhd.float()  # [nb, bs, H, D]
+    tok = torch.arange(bs, device=cache.device) // sc.tokens_per_group
+    ch = torch.arange(head_dim, device=cache.device) // sc.channels_per_group
+    s = scale.float()[:, tok][..., ch]  # [nb, bs, H, D]
+    out = codes * s
+    if zero is not None:
+        out = out + zero.float()[:, tok][..., ch]
+    return out

@@ -15,6 +15,15 @@ def device() -> torch.device:
     return workbench.device()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: one torch thread (two stall each other on a busy 2-core CPU, as under pytest -n 2)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ---- tolerances --------------------------------------------------------------------------------------------------
 class Tol(NamedTuple):
     """``atol``, ``rtol`` for elementwise checks (``assert_close_report(got, ref, *tol(dtype))``); ``rtol`` is

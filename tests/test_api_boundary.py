@@ -308,7 +308,7 @@ def _bad_kv(kind, k):
             "layers": k[:1]}[kind]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), layout=st.sampled_from(["nhd", "hnd", "vllm"]),
        prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=9), min_size=1, max_size=3))
 def test_cache_refuses_bad_arguments_and_changes_nothing(data, layout, prompts):

@@ -283,7 +283,7 @@ class CacheMachine(RuleBasedStateMachine):
 
 def _machine(layout):
     cls = type(f"Cache{layout.name}", (CacheMachine,), {"layout": layout})
-    cls.TestCase.settings = settings(max_examples=30, stateful_step_count=20, deadline=None,
+    cls.TestCase.settings = settings(max_examples=15, stateful_step_count=20, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
     return cls.TestCase
 

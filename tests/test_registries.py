@@ -84,20 +84,22 @@ def test_formats_agree_with_spec_cache_and_kernels():
     import torch
     from workbench.kernels.write import quant_mode
 
-    from workbench import formats, spec
+    from workbench import formats, quant, spec
     from workbench.cache import PagedKVCache
 
     for name, fmt in formats.FORMATS.items():
         assert spec.dtype_size(name) == fmt.bytes_per_value and spec.TORCH_DTYPES[name] == fmt.storage
-        if fmt.writable:
-            scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fmt.quantized else {}
-            c = PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=name, **scales)
-            assert c.format is fmt and c.dtype == fmt.storage
-            mode, qmin, qmax = quant_mode(fmt.storage)
-            assert (qmin, qmax) == (fmt.qmin, fmt.qmax) and (mode == 0) == (not fmt.quantized)
-        else:
-            with pytest.raises(ValueError, match="no write kernel"):
-                PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=name)
+        schemes = [s for s in quant.SCHEMES.values() if s.format_name == name]
+        assert schemes and all(s.format is fmt for s in schemes), f"no quant scheme stores {name}"
+        if name in ("uint8", "int4", "int2"):  # codes whose scales live in the blocks: named by scheme only
+            continue
+        scales = {"k_scale": torch.ones(1), "v_scale": torch.ones(1)} if fmt.quantized else {}
+        c = PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=name, **scales)
+        assert c.format is fmt and c.dtype == fmt.storage
+        mode, qmin, qmax = quant_mode(fmt.storage)
+        assert (qmin, qmax) == (fmt.qmin, fmt.qmax) and (mode == 0) == (not fmt.quantized)
+    with pytest.raises(ValueError, match="uint8 codes"):
+        PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=torch.uint8)
     assert formats.get("fp8") is formats.FORMATS["fp8_e4m3"] and formats.get(torch.int8).name == "int8"
     with pytest.raises(ValueError, match="kv_dtype"):
         formats.get("fp7")
@@ -111,11 +113,10 @@ def test_scale_granularity_is_checked_per_kernel():
     fp8 = formats.get("fp8_e4m3")
     assert fp8.check_scale("k_scale", torch.ones(1), 4) == "tensor"
     assert fp8.check_scale("k_scale", torch.ones(4), 4) == "head"
-    assert fp8.check_scale("k_scale", torch.ones(1), 4, kernel="decode") == "tensor"
-    with pytest.raises(ValueError, match="k_scale.*1 value"):
-        fp8.check_scale("k_scale", torch.ones(4), 4, kernel="decode")
-    with pytest.raises(ValueError, match="no decode kernel"):
-        formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode")
+    assert fp8.check_scale("k_scale", torch.ones(4), 4, kernel="decode") == "head"
+    assert formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode") == "tensor"
+    with pytest.raises(ValueError, match="k_scale.*1 value or 4 values"):
+        fp8.check_scale("k_scale", torch.ones(3), 4, kernel="decode")
     with pytest.raises(ValueError, match="only for quantized"):
         formats.get("fp16").check_scale("k_scale", torch.ones(1), 4)
 
@@ -127,11 +128,14 @@ def test_decode_refuses_a_format_it_cannot_read_naming_it():
     import workbench
 
     dev = workbench.device()
-    k = torch.zeros(4, 16, 2, 16, dtype=torch.int8, device=dev)  # an int8 cache: written by write_kv, not decodable
+    k = torch.zeros(4, 16, 2, 16, dtype=torch.uint8, device=dev)  # uint8 codes: which scheme is not in the dtype
     table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
     lens = torch.ones(1, dtype=torch.int32, device=dev)
     q = torch.randn(1, 2, 16, device=dev).half()
-    with pytest.raises(ValueError, match="kv format int8.*cannot read"):
+    with pytest.raises(ValueError, match="uint8 codes.*name the scheme"):
         paged_decode(q, k, k, "nhd", table, lens)
-    with pytest.raises(ValueError, match="kv format int8"):
+    with pytest.raises(ValueError, match="uint8 codes.*name the scheme"):
         DecodePlan(table, lens, layout="nhd", k_cache=k, v_cache=k, num_q_heads=2, q_dtype=torch.float16)
+    f64 = torch.zeros(4, 16, 2, 16, dtype=torch.float64, device=dev)
+    with pytest.raises(ValueError, match="k_cache must be a quantization scheme"):
+        paged_decode(q, f64, f64, "nhd", table, lens)

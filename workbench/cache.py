@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench import formats
+from workbench import quant
 from workbench.allocator import BlockManager, BlockPool, Placement
 from workbench.allocator.errors import token_ids
 from workbench.layout import Layout, block_shape, block_view
+from workbench.quant import blocks as qblocks
 
 ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction
 
@@ -48,14 +49,6 @@ class FlashInferMetadata:
     page_size: int
 
 
-def _writable_format(kv_dtype) -> formats.KVFormat:
-    fmt = formats.get(kv_dtype)
-    if not fmt.writable:
-        writable = sorted(n for n, f in formats.FORMATS.items() if f.writable)
-        raise ValueError(f"kv_dtype {fmt.name} has no write kernel yet; the cache stores {writable}")
-    return fmt
-
-
 class PagedKVCache:
     """K/V of ``num_layers`` layers in paged storage.
 
@@ -66,8 +59,11 @@ class PagedKVCache:
         block_sizes: block sizes a sequence may get (each divides ``page_tokens``); default ``(page_tokens,)``.
         policy: block-size policy (``workbench.allocator.FixedBlockSize`` / ``ByExpectedLength``).
         layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
-        kv_dtype: storage dtype (name or torch dtype; ``"fp8"`` means e4m3); fp8/int8 need
-            ``k_scale``/``v_scale``.
+        kv_dtype: how K/V is stored: a ``workbench.quant`` scheme or its name (``"fp16"``, ``"fp8_e4m3/token"``,
+            ``"int8_asym/token"``, ``"int4/kivi"``, ...; ``workbench.quant.SCHEMES``), a format name or a torch dtype
+            (``"fp8"`` means e4m3 with static scales). Static fp8/int8 schemes need ``k_scale``/``v_scale``
+            (``Scheme.calibrate`` computes them); ``token`` and ``group`` schemes compute their scales on write and
+            keep them in the blocks (``workbench.quant.blocks``); KIVI keeps each sequence's newest tokens in fp16.
         device: default ``workbench.device()``.
         prefix_caching: reuse cached full blocks of a matching prefix.
         k_scale, v_scale: fp32 dequantization scales (one element, or one per kv head) for 1-byte dtypes.
@@ -85,27 +81,40 @@ class PagedKVCache:
                  prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, zero_storage: bool = False):
         import workbench
+        from workbench.kernels.decode.quant import check_kernel_shape
 
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         self.layout = Layout.parse(layout)
-        self.format = _writable_format(kv_dtype)  # workbench.formats: what the kernels and references ask
+        self.scheme = quant.resolve(kv_dtype)  # workbench.quant: codes, scales, residual
+        self.format = self.scheme.format  # workbench.formats: what the kernels and references ask
         self.dtype = self.format.storage
         self.device = torch.device(device) if device is not None else workbench.device()
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
-        quantized = self.format.quantized
-        if quantized != (k_scale is not None) or quantized != (v_scale is not None):
-            raise ValueError(f"k_scale and v_scale are needed exactly for quantized kv_dtype, got {self.format.name} "
-                             f"with k_scale={k_scale is not None}, v_scale={v_scale is not None}")
+        static = self.scheme.static
+        if static != (k_scale is not None) or static != (v_scale is not None):
+            raise ValueError(f"k_scale and v_scale are needed exactly for static-scale schemes (fp8/int8 per tensor or "
+                             f"head), got {self.scheme.name} with k_scale={k_scale is not None}, "
+                             f"v_scale={v_scale is not None}")
         elem = self.dtype.itemsize
-        for bs in self.pool_sizes:  # validates the layout against head_dim / dtype early
-            block_shape(self.layout, "k", bs, num_kv_heads, head_dim, elem)
-        self.token_bytes = num_kv_heads * head_dim * elem  # one token's K (or V) in one layer
+        self.code_dim = qblocks.code_dim(self.scheme, head_dim)  # elements a row (packed codes: bytes)
+        for bs in self.pool_sizes:  # validates the scheme and layout against the shape early, naming both
+            try:
+                self.scheme.check_shape(num_kv_heads, head_dim)
+                check_kernel_shape(self.scheme, head_dim)
+                block_shape(self.layout, "k", bs, num_kv_heads, self.code_dim, elem)
+                qblocks.block_bytes(self.scheme, bs, num_kv_heads, head_dim)
+            except ValueError as e:
+                raise ValueError(f"kv_dtype {self.scheme.name} cannot be stored in the {self.layout.value} layout with "
+                                 f"{num_kv_heads} heads x {head_dim} dims, block size {bs}: {e}") from None
+        self.token_bytes = num_kv_heads * self.code_dim * elem  # one token's K (or V) codes in one layer
         bpp_lcm = math.lcm(*(page_tokens // bs for bs in self.pool_sizes))
         step = ALIGN * bpp_lcm
-        self.page_bytes = -(-page_tokens * self.token_bytes // step) * step
+        need = max(page_tokens // bs * qblocks.block_bytes(self.scheme, bs, num_kv_heads, head_dim)
+                   for bs in self.pool_sizes)  # codes and the blocks' scales
+        self.page_bytes = -(-need // step) * step
         if self.page_bytes % elem:
             raise ValueError(f"page of {self.page_bytes} bytes is not a whole number of {self.dtype} elements")
         self.page_elems = self.page_bytes // elem
@@ -118,9 +127,13 @@ class PagedKVCache:
         self.k_scale, self.v_scale = (torch.as_tensor(sc, dtype=torch.float32, device=self.device).reshape(-1)
                                       if sc is not None else None for sc in (k_scale, v_scale))
         for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
-            self.format.check_scale(name, sc, num_kv_heads)
+            if static:
+                self.format.check_scale(name, sc, num_kv_heads)
             if sc is not None and not (bool(torch.isfinite(sc).all()) and bool((sc > 0).all())):
                 raise ValueError(f"{name} must hold finite positive values, got {sc.tolist()}")
+        self.nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)  # NaN/Inf the write kernels saw
+        self._quantized: dict = {}  # seq_id -> tokens stored as codes (the rest is the fp16 residual)
+        self._residual: dict = {}  # seq_id -> (k, v) [num_layers, n, heads, head_dim] fp16, the newest tokens
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
@@ -137,8 +150,26 @@ class PagedKVCache:
 
     @property
     def padding_bytes(self) -> dict[int, int]:
-        """Per size class: bytes of alignment padding per block (K or V plane, one layer)."""
-        return {bs: self.block_stride(bs) * self.dtype.itemsize - bs * self.token_bytes for bs in self.pool_sizes}
+        """Per size class: bytes of alignment padding per block (K or V plane, one layer; scales not counted)."""
+        return {bs: self.block_stride(bs) * self.dtype.itemsize
+                - qblocks.block_bytes(self.scheme, bs, self.num_kv_heads, self.head_dim) for bs in self.pool_sizes}
+
+    def scales(self, layer: int, kind: str, block_size: int | None = None):
+        """``(scale, zero)`` views ``[num_blocks, token groups, heads, channel groups]`` of the scales kept in the
+        blocks of one layer and kind (``workbench.quant.blocks``); ``(None, None)`` for schemes without any."""
+        bs = block_size or self.pool_sizes[0]
+        if kind not in ("k", "v"):
+            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        sc = qblocks.block_scales(self.scheme, kind, bs, self.num_kv_heads, self.head_dim)
+        if sc is None:
+            return None, None
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return qblocks.scale_views(self.blocks(bs)[layer, "kv".index(kind)], sc)
+
+    def nonfinite_count(self) -> int:
+        """NaN/Inf values the write kernels have seen (a device read)."""
+        return int(self.nonfinite)
 
     @property
     def total_bytes(self) -> int:
@@ -155,7 +186,7 @@ class PagedKVCache:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         return block_view(self.blocks(block_size)[layer, kind], self.layout, "kv"[kind], block_size,
-                          self.num_kv_heads, self.head_dim)
+                          self.num_kv_heads, self.code_dim)
 
     def k_cache(self, layer: int, block_size: int | None = None) -> torch.Tensor:
         """Layer ``layer``'s K for one size class, in the cache's layout: ``[num_blocks, *block_shape]``."""
@@ -190,9 +221,25 @@ class PagedKVCache:
 
     def fork(self, parent_id, child_id) -> None:
         self.manager.fork(parent_id, child_id)
+        if parent_id in self._quantized:
+            self._quantized[child_id] = self._quantized[parent_id]
+        if parent_id in self._residual:
+            self._residual[child_id] = self._residual[parent_id]  # never written in place: sharing is safe
 
     def free(self, seq_id) -> None:
         self.manager.free(seq_id)
+        self._quantized.pop(seq_id, None)
+        self._residual.pop(seq_id, None)
+
+    def quantized_tokens(self, seq_id) -> int:
+        """Tokens of the sequence stored in its blocks (all of them but a KIVI scheme's fp16 residual)."""
+        n = self.manager.num_tokens(seq_id)
+        return self._quantized.get(seq_id, n)
+
+    def residual(self, seq_id) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sequence's newest tokens kept in fp16 (KIVI), ``(k, v)`` ``[num_layers, n, heads, head_dim]``."""
+        self.manager.num_tokens(seq_id)  # validates seq_id
+        return self._residual.get(seq_id)
 
     def copy_blocks(self, block_size: int, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy blocks ``src -> dst`` of one size class, in every layer, K and V (the kernel checks the ids)."""
@@ -218,6 +265,70 @@ class PagedKVCache:
         ks = [paged_gather(self.k_cache(layer, bs), self.layout, "k", table, lens) for layer in range(self.num_layers)]
         vs = [paged_gather(self.v_cache(layer, bs), self.layout, "v", table, lens) for layer in range(self.num_layers)]
         return torch.stack(ks), torch.stack(vs)
+
+    def read(self, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V as attention reads them, fp32 ``[num_layers, num_tokens, heads, head_dim]``:
+        codes dequantized with the blocks' (or the static) scales, then the fp16 residual (PyTorch, for checks)."""
+        from workbench.kernels.reference import dequantize_cache_ref, paged_gather_ref
+
+        bs = self.manager.block_size(seq_id)
+        n = self.quantized_tokens(seq_id)
+        table = torch.tensor([self.manager.block_table(seq_id) or [0]], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([n], dtype=torch.int32, device=self.device)
+        out = []
+        for kind, view in (("k", self.k_cache), ("v", self.v_cache)):
+            scale = self.k_scale if kind == "k" else self.v_scale
+            layers = []
+            for layer in range(self.num_layers):
+                vals = dequantize_cache_ref(self.scheme, view(layer, bs), self.layout, kind, self.head_dim)
+                x = paged_gather_ref(vals, "nhd", kind, table, lens)  # [n, H, D]
+                if scale is not None:
+                    x = x * scale.reshape(1, -1, 1)
+                layers.append(x)
+            x = torch.stack(layers)
+            res = self._residual.get(seq_id)
+            if res is not None:
+                x = torch.cat([x, res["kv".index(kind)].float()], 1)
+            out.append(x)
+        return out[0], out[1]
+
+    def decode(self, q: torch.Tensor, seq_ids: Sequence, layer: int, *, sm_scale: float | None = None,
+               **launch) -> torch.Tensor:
+        """Decode attention of one query token per sequence over layer ``layer``: ``q`` ``[B, Hq, head_dim]`` ->
+        ``[B, Hq, head_dim]``. The paged decode kernel reads the blocks (dequantizing inside its loop); a KIVI
+        scheme's fp16 residual is attended by the same kernel and merged by log-sum-exp."""
+        from workbench.kernels import DecodePlan, merge_state, paged_decode
+
+        meta = self.vllm_metadata(seq_ids)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        bs = meta.block_size
+        k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
+        kw = dict(quant=self.scheme, sm_scale=sm_scale, **launch)
+        if self.scheme.static:
+            kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        residuals = [self._residual.get(s) for s in seq_ids]
+        if not any(r is not None for r in residuals):
+            return paged_decode(q, k_cache, v_cache, self.layout, meta.block_table, meta.seq_lens, **kw)
+        lens = torch.tensor([self.quantized_tokens(s) for s in seq_ids], dtype=torch.int32, device=self.device)
+        plan = DecodePlan(meta.block_table, lens, layout=self.layout, k_cache=k_cache, v_cache=v_cache,
+                          num_q_heads=q.shape[1], q_dtype=q.dtype, return_lse=True, **kw)
+        o_blocks, s_blocks = plan.run(q, k_cache, v_cache)
+        width = max(r[0].shape[1] if r is not None else 0 for r in residuals)
+        B = len(seq_ids)
+        rk = torch.zeros((B, width, self.num_kv_heads, self.head_dim), dtype=torch.float16, device=self.device)
+        rv = torch.zeros_like(rk)
+        for i, r in enumerate(residuals):
+            if r is not None:
+                rk[i, :r[0].shape[1]] = r[0][layer]
+                rv[i, :r[1].shape[1]] = r[1][layer]
+        r_lens = torch.tensor([r[0].shape[1] if r is not None else 0 for r in residuals], dtype=torch.int32,
+                              device=self.device)
+        table = torch.arange(B, dtype=torch.int32, device=self.device)[:, None]  # sequence i owns "block" i
+        r_plan = DecodePlan(table, r_lens, layout="nhd", k_cache=rk.to(q.dtype), v_cache=rv.to(q.dtype),
+                            num_q_heads=q.shape[1], q_dtype=q.dtype, return_lse=True, sm_scale=sm_scale, **launch)
+        o_res, s_res = r_plan.run(q, rk.to(q.dtype), rv.to(q.dtype))
+        return merge_state(o_blocks, s_blocks, o_res, s_res)[0]
 
     # ---- exports -------------------------------------------------------------------
     def _batch(self, seq_ids: Sequence) -> int:
@@ -259,6 +370,7 @@ class PagedKVCache:
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
         """Everything the write kernel will check, checked now: nothing may fail after the tables change."""
         from workbench.kernels import check_write_kv
+        from workbench.kernels.write.api import check_dynamic_write
         from workbench.kernels.write.kernel import SOURCE_DTYPES
 
         want = (self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
@@ -273,33 +385,74 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
             if self.head_dim > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name} must have unit stride in head_dim (the last dim), got strides {t.stride()}")
+            if self.scheme.quantized and num_tokens:
+                quant.check_finite(name, t)  # the Python path refuses NaN/Inf before anything changes
         if num_tokens:
             bs = self.pool_sizes[0]
             try:
-                check_write_kv(k[0], v[0], self.k_cache(0, bs), self.v_cache(0, bs), self.layout.value,
-                               self.k_scale, self.v_scale)
+                if self.scheme.granularity in ("token", "group"):
+                    n = self.scheme.group if self.scheme.packed and self.scheme.key_mode == "channel" else num_tokens
+                    slots = torch.empty(n, dtype=torch.int64, device=self.device)
+                    kk, vv = (t[0, :1].expand(n, -1, -1) for t in (k, v))  # the shape a group write has
+                    check_dynamic_write(kk, vv, self.k_cache(0, bs), self.v_cache(0, bs), self.layout, slots,
+                                        self.scheme)
+                else:
+                    check_write_kv(k[0], v[0], self.k_cache(0, bs), self.v_cache(0, bs), self.layout.value,
+                                   self.k_scale, self.v_scale)
             except ValueError as e:
                 raise ValueError(f"k/v cannot be written to this cache: {e}") from None
 
     def _write_or_undo(self, cp, placement: Placement, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write, then publish the new full blocks; if the write fails anyway, undo the add/append."""
+        seq = placement.seq_id
         try:
-            self._apply(placement, k, v)
+            written, residual = self._apply(placement, k, v)
         except BaseException:
             self.manager.restore(cp, placement)
             raise
-        self.manager.publish(placement.seq_id)
+        if self.scheme.residual or self.scheme.packed:  # only KIVI keeps tokens outside the blocks
+            self._quantized[seq] = written
+            if residual is None:
+                self._residual.pop(seq, None)
+            else:
+                self._residual[seq] = residual
+        self.manager.publish(seq, upto=written)
 
-    def _apply(self, placement: Placement, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy-on-write copies first, then write the new tokens' K/V through the slot mapping."""
+    def _apply(self, placement: Placement, k: torch.Tensor, v: torch.Tensor):
+        """Copy-on-write copies first, then write the new tokens' K/V through the slot mapping. Returns
+        ``(tokens now in the blocks, the new fp16 residual or None)``; changes no Python state."""
         from workbench.kernels import write_kv
 
         bs = placement.block_size
+        seq = placement.seq_id
         self.copy_blocks(bs, placement.copies)
-        if not placement.slots:
-            return
-        slots = torch.tensor(placement.slots, dtype=torch.int64, device=self.device)
-        first = placement.first - (self.manager.num_tokens(placement.seq_id) - k.shape[1])  # index into k/v
+        total = self.manager.num_tokens(seq)
+        first = placement.first - (total - k.shape[1])  # index into k/v of the first token not yet in the cache
+        done = self._quantized.get(seq, placement.first)  # tokens already in the blocks
+        residual = None
+        if self.scheme.packed:  # KIVI: the oldest whole groups go to the blocks, the newest tokens stay in fp16
+            old = self._residual.get(seq)
+            new_k, new_v = k[:, first:].to(torch.float16), v[:, first:].to(torch.float16)
+            pend_k = torch.cat([old[0], new_k], 1) if old is not None else new_k  # tokens [done, total)
+            pend_v = torch.cat([old[1], new_v], 1) if old is not None else new_v
+            target = max(done, self.scheme.quantized_tokens(total))
+            n = target - done
+            src_k, src_v = pend_k[:, :n], pend_v[:, :n]
+            residual = (pend_k[:, n:].contiguous(), pend_v[:, n:].contiguous()) if target < total else None
+            slots = self.manager.slot_mapping(seq, done, target)
+        else:
+            target = total
+            src_k, src_v = k[:, first:], v[:, first:]
+            slots = placement.slots
+        if not slots:
+            return target, residual
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        dynamic = self.scheme.granularity in ("token", "group")
         for layer in range(self.num_layers):
-            write_kv(k[layer, first:], v[layer, first:], self.k_cache(layer, bs), self.v_cache(layer, bs),
-                     self.layout, slots, k_scale=self.k_scale, v_scale=self.v_scale, validate=False)
+            if dynamic:
+                write_kv(src_k[layer], src_v[layer], self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
+                         slot_t, quant=self.scheme, nonfinite=self.nonfinite, validate=False)
+            else:
+                write_kv(src_k[layer], src_v[layer], self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
+                         slot_t, k_scale=self.k_scale, v_scale=self.v_scale, validate=False)
+        return target, residual

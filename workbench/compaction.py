@@ -393,8 +393,24 @@ def _copy_rehomed(cache, rehomes: tuple[Rehome, ...]) -> int:
                 src = view(layer, sbs).movedim(ax, 1)  # [blocks, block_size, ...]
                 dst = view(layer, dbs).movedim(ax, 1)
                 dst[db, dt] = src[sb, st]  # in place through the view
+                _copy_token_scales(cache, layer, kind, sbs, dbs, sb, st, db, dt)
         written += 2 * cache.num_layers * cache.token_bytes * len(idx[0])
     return written
+
+
+def _copy_token_scales(cache, layer, kind, sbs, dbs, sb, st, db, dt) -> None:
+    """The scales kept in blocks (``workbench.quant.blocks``) follow their tokens: per token, or per key group
+    (both size classes hold whole groups, so a group's first token carries its row)."""
+    s_src, z_src = cache.scales(layer, kind, sbs)
+    if s_src is None:
+        return
+    s_dst, z_dst = cache.scales(layer, kind, dbs)
+    tg = sbs // s_src.shape[1]  # tokens per scale row
+    first = st % tg == 0
+    rows = (sb[first], st[first] // tg), (db[first], dt[first] // tg)
+    s_dst[rows[1]] = s_src[rows[0]]
+    if z_src is not None:
+        z_dst[rows[1]] = z_src[rows[0]]
 
 
 def kv_snapshot(cache) -> dict:

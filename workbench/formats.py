@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCALE_GRANULARITIES = ("tensor", "head")
+SCALE_GRANULARITIES = ("tensor", "head")  # static scales (workbench.quant adds "token" and "group")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,8 @@ class KVFormat:
 
 def _fp8(name: str, dtype: torch.dtype) -> KVFormat:
     qmax = float(torch.finfo(dtype).max)
-    return KVFormat(name, dtype, 8, "fp8", -qmax, qmax, write_scales=SCALE_GRANULARITIES, decode_scales=("tensor",))
+    return KVFormat(name, dtype, 8, "fp8", -qmax, qmax, write_scales=SCALE_GRANULARITIES,
+                    decode_scales=SCALE_GRANULARITIES)
 
 
 FORMATS: dict[str, KVFormat] = {f.name: f for f in [
@@ -92,8 +93,12 @@ FORMATS: dict[str, KVFormat] = {f.name: f for f in [
     KVFormat("bf16", torch.bfloat16, 16, "cast"),
     _fp8("fp8_e4m3", torch.float8_e4m3fn),
     _fp8("fp8_e5m2", torch.float8_e5m2),
-    KVFormat("int8", torch.int8, 8, "int", -128.0, 127.0, write_scales=SCALE_GRANULARITIES, decode_scales=None),
-    KVFormat("int4", torch.uint8, 4, "int", -8.0, 7.0, write_scales=None, decode_scales=None),  # two codes a byte
+    KVFormat("int8", torch.int8, 8, "int", -128.0, 127.0, write_scales=SCALE_GRANULARITIES,
+             decode_scales=SCALE_GRANULARITIES),
+    # asymmetric codes, their scales and zero points in the blocks (workbench.quant): no static scales
+    KVFormat("uint8", torch.uint8, 8, "int", 0.0, 255.0),
+    KVFormat("int4", torch.uint8, 4, "int", 0.0, 15.0),  # two codes a byte
+    KVFormat("int2", torch.uint8, 2, "int", 0.0, 3.0),  # four codes a byte
 ]}
 
 ALIASES = {"fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2", "float16": "fp16", "half": "fp16",

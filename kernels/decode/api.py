@@ -10,6 +10,7 @@ from workbench.layout import Layout
 
 from ..validate import capturing
 from . import config
+from . import quant as _quant
 from .checks import _check_inputs
 
 
@@ -48,8 +49,8 @@ def paged_decode(
         sm_scale: softmax scale, default ``1 / sqrt(D)``.
         num_splits: split-KV chunks per sequence; ``None`` asks :func:`decode_config`.
         out: optional ``[B, Hq, D]`` output buffer (q's dtype).
-        k_scale, v_scale: dequantization scales (read = stored * scale), floats or one-element
-            fp32 tensors (no host sync); default 1.
+        k_scale, v_scale: static dequantization scales (read = stored * scale) of fp8 / int8 caches: floats,
+            or fp32 tensors of one value or one per kv head (no host sync); default 1.
         max_seq_len: ``max(seq_lens)`` if the caller knows it. Without it the wrapper reads
             ``seq_lens`` on the host (a device sync, not allowed inside CUDA-graph capture) and
             also checks the lengths against the block table (and takes their mean).
@@ -62,7 +63,9 @@ def paged_decode(
             being captured. Benchmarks and graph-capture callers pass ``validate=False`` together with
             ``max_seq_len``: then the call does no device work besides the kernels. The kernel trusts the
             table: an out-of-range id reads outside the cache.
-        **launch: overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
+        **launch: ``quant``: the ``workbench.quant`` scheme (name or object) of a cache whose scales live in its
+            blocks (``"fp8_e4m3/token"``, ``"int8_asym/token"``, ``"int4/kivi"``, ...; the dtype alone says fp16 /
+            bf16 / fp32 / static fp8 and int8); and overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
             ``use_dot``; and ``k3d`` (default True): the vLLM split key read in page runs (see
             ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower).
 
@@ -72,7 +75,8 @@ def paged_decode(
     from .plan import DecodePlan
 
     layout = Layout.parse(layout)
-    B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out)
+    scheme = _quant.scheme_of(k_cache.dtype, launch.get("quant")) if isinstance(k_cache, torch.Tensor) else None
+    B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out, scheme)
     key = None
     if max_seq_len is not None and not (validate and not capturing(q)):
         # nothing to read on the device: the plan depends on metadata only, so it is cached on it (the table and
@@ -80,7 +84,8 @@ def paged_decode(
         key = (layout, q.dtype, q.device, B, Hq, k_cache.dtype, tuple(k_cache.shape), k_cache.stride(),
                tuple(v_cache.shape), v_cache.stride(), block_table.data_ptr(), tuple(block_table.shape),
                block_table.stride(0), seq_lens.data_ptr(), max_seq_len, config.mean_key(mean_seq_len), num_splits,
-               _scale_key(k_scale), _scale_key(v_scale), sm_scale, tuple(sorted(launch.items())) if launch else ())
+               _scale_key(k_scale), _scale_key(v_scale), sm_scale,
+               tuple(sorted((k, str(v)) for k, v in launch.items())) if launch else ())
         plan = _PLANS.get(key)
         if plan is not None:
             _PLANS.move_to_end(key)

@@ -11,7 +11,7 @@ from workbench.layout import Layout, to_nhd
 from ..validate import check_table_tensors
 
 
-def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
+def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out, scheme=None):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -23,7 +23,8 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out):
     if q.stride(2) != 1:
         raise ValueError("q must have unit stride in its last dimension")
     B, Hq, D = q.shape
-    hkv, block_size = _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q.dtype, q.device, D)
+    hkv, block_size = _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q.dtype, q.device, D,
+                                   scheme)
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1
                             or out.device != q.device):
         raise ValueError(f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} with unit last stride, "
@@ -52,7 +53,8 @@ def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int
         raise ValueError(f"k_cache stores kv format {fmt.name}, which paged decode cannot read (no decode kernel); "
                          f"it reads {readable}")
     if k_cache.dtype != q_dtype and not fmt.quantized:
-        raise ValueError(f"k_cache dtype must be q's ({q_dtype}) or a quantized format (fp8), got {k_cache.dtype}")
+        raise ValueError(f"k_cache dtype must be q's ({q_dtype}) or a quantized format (fp8, int8, uint8 codes), got "
+                         f"{k_cache.dtype}")
     shapes = {}
     for name, cache, kind in (("k_cache", k_cache, "k"), ("v_cache", v_cache, "v")):
         want_dim = 5 if layout is Layout.VLLM and kind == "k" else 4
@@ -67,26 +69,31 @@ def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int
     return shapes["k_cache"]
 
 
-def _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q_dtype, device, D=None):
+def _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q_dtype, device, D=None, scheme=None):
     """The caches against the queries (``Hq`` heads of ``D``, ``D=None``: the caches'), the block table and
     lengths against the batch of ``B``. Returns ``(kv heads, block_size)``."""
     check_table_tensors(block_table, seq_lens, device, batch=B, owner="q")
     block_size, hkv, hd = _cache_geometry(k_cache, v_cache, layout, q_dtype, device)
-    if D is not None and hd != D:
-        raise ValueError(f"q head_dim {D} does not match the caches' head_dim {hd}")
+    if D is not None:
+        want = D * scheme.bits // 8 if scheme is not None and scheme.packed else D
+        if hd != want:
+            packed = f" ({scheme.name} packs head_dim {D} into {want} bytes)" if want != D else ""
+            raise ValueError(f"q head_dim {D} does not match the caches' rows of {hd} elements{packed}")
     if hkv == 0 or Hq % hkv:
         raise ValueError(f"q heads ({Hq}) must be a multiple of the caches' kv heads ({hkv})")
     return hkv, block_size
 
 
-def _scale_arg(name, value, device):
-    """(pointer or None, float) for a k/v scale given as a float or a one-element fp32 tensor."""
+def _scale_arg(name, value, device, num_kv_heads=1):
+    """(pointer or None, float) for a static k/v scale: a float, or an fp32 tensor of one element or one per kv head."""
     if value is None:
         return None, 1.0
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.dtype != torch.float32 or value.device != device:
-            raise ValueError(f"{name} must be a float or a one-element fp32 tensor on {device} (decode reads one "
-                             f"scale per tensor: workbench.formats, decode_scales), got {value.dtype} "
-                             f"{tuple(value.shape)} on {value.device}")
-        return value.reshape(1), 1.0
+        if value.numel() not in (1, num_kv_heads) or value.dtype != torch.float32 or value.device != device \
+                or (value.numel() > 1 and value.dim() != 1):
+            raise ValueError(f"{name} must be a float or an fp32 tensor of 1 or {num_kv_heads} values (per kv head) "
+                             f"on {device}, got {value.dtype} {tuple(value.shape)} on {value.device}")
+        return value.reshape(-1).contiguous(), 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a float or an fp32 tensor, got {type(value).__name__}")
     return None, float(value)

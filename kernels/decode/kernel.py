@@ -17,6 +17,14 @@ back), so a warp reads whole runs, and permuted in registers to the ``[D, BLOCK_
 tile has tokens as its fast axis. The loop then takes whole tiles only: a mask along the value's vector
 axis would break its 16-byte copies, so the partial last tile is done after the loop, masked.
 
+Quantized caches (``QMODE``, see ``workbench.quant``): codes are read in their own dtype and turned into the
+MMA operand in registers, never through a separate dequantization pass. Per-tensor and per-head scales
+fold into the score scale and the output (free); per-token scales (fp8 / int8, in the block after its
+codes) multiply the score columns and the probabilities (``p * scale * QMAX``, so the fp16 operand keeps
+its precision; the ``QMAX`` comes off with the normalisation), zero points add ``z * sum(q)`` to the scores
+and ``sum(p * z)`` to the output; packed int4/int2 codes (KIVI groups) are unpacked slice by slice (one
+shift and one mask), scaled with their group's fp16 scale and zero point and joined into the operand tile.
+
 A sequence of length 0 gives an output of zeros.
 """
 
@@ -60,23 +68,129 @@ def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.c
         o_tok = o_n % PAGE  # [BLOCK_N]
     o_krow = i_pg * s_blk_k + o_tok * s_tok_k  # [BLOCK_N] int64: pages can lie beyond 2**31 elements
     o_vrow = i_pg * s_blk_v + o_tok * s_tok_v  # [BLOCK_N]
-    return o_krow, o_vrow
+    return o_krow, o_vrow, i_pg, o_tok
+
+
+@triton.jit
+def _int_operand(b, CODES: tl.constexpr, FAST: tl.constexpr, out_dtype: tl.constexpr):
+    """int8 codes -> ``c``, uint8 codes -> ``c - 128`` (centred), exact, as ``out_dtype``. ``FAST`` (fp16, GPU): four
+    codes a register, each byte permuted under 0x64 (the fp16 1024 + byte) and 1152 subtracted, 5 instructions for
+    4 codes where a convert is one a code (FasterTransformer's trick; int8 flips its sign bit first)."""
+    if FAST:
+        flip: tl.constexpr = "xor.b32 t, $2, 0x80808080;" if CODES == 1 else "mov.b32 t, $2;"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; " + flip + " mov.b32 m, 0x64806480; "
+            "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
+            "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+            "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+    if CODES == 1:
+        return b.to(out_dtype)
+    return (b.to(tl.float32) - 128.0).to(out_dtype)
+
+
+@triton.jit
+def _row_scales(sc_base, i_pg, o_tok, m_n, sc_blk, sc_tg, z_off, TG: tl.constexpr, HAS_ZERO: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Per-token scales (and zero points) ``[BLOCK_N]`` fp32 of one head from the blocks' scale arrays; rows past
+    the end read 0 (their scale may be anything, and ``p * scale`` must stay 0 there)."""
+    o_s = i_pg * sc_blk + (o_tok // TG) * sc_tg  # [BLOCK_N]
+    if MASKED:
+        b_sc = tl.load(sc_base + o_s, mask=m_n, other=0.0).to(tl.float32)
+    else:
+        b_sc = tl.load(sc_base + o_s).to(tl.float32)
+    b_z = b_sc
+    if HAS_ZERO:
+        if MASKED:
+            b_z = tl.load(sc_base + z_off + o_s, mask=m_n, other=0.0).to(tl.float32)
+        else:
+            b_z = tl.load(sc_base + z_off + o_s).to(tl.float32)
+    return b_sc, b_z
+
+
+@triton.jit
+def _slice_params(sc_base, o_srow, m_n, z_off, k: tl.constexpr, DC: tl.constexpr, TG: tl.constexpr,
+                  DG: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp16 scale and zero point of every (token, channel) of slice ``k``, broadcastable to ``[BLOCK_N, DC]``: a
+    vector per token when the slice is one channel group, a row per page when a key group is a whole page
+    (KIVI's per-channel keys), else one read per element (from L1)."""
+    o_c = k * DC + tl.arange(0, DC)  # [DC] channels of this slice
+    if TG == 1 and DG % DC == 0:  # per token, the slice inside one channel group
+        o_p = o_srow + (k * DC) // DG  # [BLOCK_N]
+        b_s = tl.load(sc_base + o_p, mask=m_n, other=0.0)[:, None]
+        b_z = tl.load(sc_base + z_off + o_p, mask=m_n, other=0.0)[:, None]
+    elif TG == 1 and DC % DG == 0 and DG > 1:  # per token, a few channel groups in the slice: [BLOCK_N, groups]
+        NGS: tl.constexpr = DC // DG
+        o_p = o_srow[:, None] + ((k * DC) // DG + tl.arange(0, NGS))[None, :]  # [BLOCK_N, NGS]
+        b_s = tl.load(sc_base + o_p, mask=m_n[:, None], other=0.0)
+        b_z = tl.load(sc_base + z_off + o_p, mask=m_n[:, None], other=0.0)
+        b_s = tl.reshape(tl.broadcast_to(b_s[:, :, None], (BLOCK_N, NGS, DG)), (BLOCK_N, DC))
+        b_z = tl.reshape(tl.broadcast_to(b_z[:, :, None], (BLOCK_N, NGS, DG)), (BLOCK_N, DC))
+    elif DG == 1 and TG == PAGE and BLOCK_N % PAGE == 0:  # one key group per page: [pages, DC] rows
+        NPG: tl.constexpr = BLOCK_N // PAGE
+        o_prow = tl.max(tl.reshape(o_srow, (NPG, PAGE)), 1)  # [NPG] the same within a page
+        o_p = o_prow[:, None] + o_c[None, :]  # [NPG, DC]
+        b_s = tl.reshape(tl.broadcast_to(tl.load(sc_base + o_p)[:, None, :], (NPG, PAGE, DC)), (BLOCK_N, DC))
+        b_z = tl.reshape(tl.broadcast_to(tl.load(sc_base + z_off + o_p)[:, None, :], (NPG, PAGE, DC)), (BLOCK_N, DC))
+    else:
+        o_p = o_srow[:, None] + (o_c // DG)[None, :]  # [BLOCK_N, DC] scale element of (token, channel)
+        b_s = tl.load(sc_base + o_p, mask=m_n[:, None], other=0.0)
+        b_z = tl.load(sc_base + z_off + o_p, mask=m_n[:, None], other=0.0)
+    return b_s, b_z
+
+
+@triton.jit
+def _unpack_slice(b_c, sc_base, o_srow, m_n, z_off, k: tl.constexpr, DC: tl.constexpr, BITS: tl.constexpr,
+                  TG: tl.constexpr, DG: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  out_dtype: tl.constexpr):
+    """Channels ``[k * DC, (k + 1) * DC)`` of a packed tile ``b_c`` ``[BLOCK_N, DC]`` (uint8): codes ``* scale +
+    zero`` with each channel group's fp16 parameters, as ``out_dtype``."""
+    b_code = ((b_c >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)  # [BLOCK_N, DC]
+    b_s, b_z = _slice_params(sc_base, o_srow, m_n, z_off, k, DC, TG, DG, PAGE, BLOCK_N)
+    return (b_code * b_s.to(tl.float32) + b_z.to(tl.float32)).to(out_dtype)
+
+
+@triton.jit
+def _unpack_tile(b_c, sc_base, i_pg, o_tok, m_n, sc_blk, sc_tg, z_off, DC: tl.constexpr, BITS: tl.constexpr,
+                 TG: tl.constexpr, DG: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 out_dtype: tl.constexpr):
+    """A packed tile ``[BLOCK_N, DC]`` -> values ``[BLOCK_N, DC * 8 // BITS]`` (``workbench.quant.pack``'s order:
+    slice ``k`` of the channels in bits ``[k * BITS, (k + 1) * BITS)``)."""
+    o_srow = i_pg * sc_blk + (o_tok // TG) * sc_tg + tl.zeros([BLOCK_N], tl.int64)  # [BLOCK_N]
+    b_0 = _unpack_slice(b_c, sc_base, o_srow, m_n, z_off, 0, DC, BITS, TG, DG, PAGE, BLOCK_N, out_dtype)
+    b_1 = _unpack_slice(b_c, sc_base, o_srow, m_n, z_off, 1, DC, BITS, TG, DG, PAGE, BLOCK_N, out_dtype)
+    if BITS == 4:  # one return: the compiler types every return, pruned branch or not
+        b_x = tl.reshape(tl.permute(tl.join(b_0, b_1), (0, 2, 1)), (BLOCK_N, 2 * DC))
+    else:
+        b_2 = _unpack_slice(b_c, sc_base, o_srow, m_n, z_off, 2, DC, BITS, TG, DG, PAGE, BLOCK_N, out_dtype)
+        b_3 = _unpack_slice(b_c, sc_base, o_srow, m_n, z_off, 3, DC, BITS, TG, DG, PAGE, BLOCK_N, out_dtype)
+        b_j = tl.join(tl.join(b_0, b_1), tl.join(b_2, b_3))  # [BLOCK_N, DC, 2, 2]: [n, j, w, u] = slice 2u + w
+        b_x = tl.reshape(tl.permute(b_j, (0, 3, 2, 1)), (BLOCK_N, 4 * DC))
+    return b_x
 
 
 @triton.jit
 def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
                  k_s_blk, k_s_tok, k_s_dgrp, v_s_blk, v_s_tok, v_s_d,
+                 ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
                  KX: tl.constexpr, V_TRANS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
                  K3D: tl.constexpr, MASKED: tl.constexpr, V_ALIGN: tl.constexpr, G_PAD: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, QMODE: tl.constexpr, QMAX: tl.constexpr, DC: tl.constexpr, BLOCK_DC: tl.constexpr,
+                 BITS: tl.constexpr, K_TG: tl.constexpr, K_DG: tl.constexpr, V_TG: tl.constexpr, V_DG: tl.constexpr,
+                 CODES: tl.constexpr, FAST_INT: tl.constexpr):
     """One tile of tokens ``[start, start + BLOCK_N)``: scores, online-softmax update, ``acc += p @ v``.
 
     ``MASKED``: the tile may run past ``hi`` (otherwise every token is valid and nothing is masked).
-    Returns the updated ``(b_m [G_PAD], b_l [G_PAD], b_acc [G_PAD, BLOCK_D])``."""
+    ``QMODE``: 0 plain or per-tensor / per-head scales (folded outside), 2 per-token scales, 3 per-token scales
+    and zero points, 4 packed groups (module docstring); ``DC`` stored elements per row (``HEAD_DIM`` but for
+    packed codes). Returns the updated ``(b_m [G_PAD], b_l [G_PAD], b_acc [G_PAD, BLOCK_D])``."""
     o_n = start + tl.arange(0, BLOCK_N)
     m_n = o_n < hi  # [BLOCK_N]
-    o_krow, o_vrow = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N, ASM)
+    o_krow, o_vrow, i_pg, o_tok = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N,
+                                             ASM)
+    if QMODE == 4:  # packed codes: the tile is DC bytes a row
+        o_d = tl.arange(0, BLOCK_DC)
+        m_d = o_d < DC
     if K3D:
         # the split key, per d-group: a page's tokens are back-to-back x-element (16-byte) chunks, so
         # the tile is [D // x, pages, run] with runs of RUN tokens * x contiguous elements: lanes walk
@@ -130,7 +244,7 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
         else:
             b_v = tl.load(v_base + o_v, mask=m_d[None, :], other=0.0)
         if MASKED:
-            b_v = tl.where(m_n[:, None], b_v, 0.0)  # [BLOCK_N, BLOCK_D]
+            b_v = tl.where(m_n[:, None], b_v, tl.zeros_like(b_v))  # [BLOCK_N, BLOCK_D], in the codes' dtype
     else:
         p_v = v_base + o_vrow[:, None] + o_d[None, :]
         if MASKED:
@@ -140,6 +254,25 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
         else:
             b_v = tl.load(p_v, mask=m_d[None, :], other=0.0)
 
+    if QMODE == 4:  # unpack in registers: [BLOCK_N, DC] bytes -> [BLOCK_N, BLOCK_D] operands
+        b_k = _unpack_tile(b_k, ks_base, i_pg, o_tok, m_n, ks_blk, ks_tg, kz_off, DC, BITS, K_TG, K_DG, PAGE,
+                           BLOCK_N, b_q.dtype)
+        b_v = _unpack_tile(b_v, vs_base, i_pg, o_tok, m_n, vs_blk, vs_tg, vz_off, DC, BITS, V_TG, V_DG, PAGE,
+                           BLOCK_N, b_q.dtype)
+        if MASKED:
+            b_v = tl.where(m_n[:, None], b_v, 0.0)  # rows past the end: their scales are anything
+    if QMODE == 2 or QMODE == 3:
+        b_ksc, b_kz = _row_scales(ks_base, i_pg, o_tok, m_n, ks_blk, ks_tg, kz_off, K_TG, QMODE == 3, MASKED)
+        b_vsc, b_vz = _row_scales(vs_base, i_pg, o_tok, m_n, vs_blk, vs_tg, vz_off, V_TG, QMODE == 3, MASKED)
+        if QMODE == 3:  # uint8 codes are read centred (c - 128): the zero points take the 128 * scale
+            b_kz = b_kz + 128.0 * b_ksc
+            b_vz = b_vz + 128.0 * b_vsc
+    if CODES != 0:  # int8 / uint8 codes -> the MMA operand, right after the load
+        if K3D:
+            b_kt = _int_operand(b_kt, CODES, FAST_INT, b_q.dtype)
+        else:
+            b_k = _int_operand(b_k, CODES, FAST_INT, b_q.dtype)
+        b_v = _int_operand(b_v, CODES, FAST_INT, b_q.dtype)
     if K3D:
         b_kt = b_kt.to(b_q.dtype)
         if IEEE:
@@ -156,6 +289,10 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
         b_s = tl.sum(b_q * b_k.to(tl.float32), axis=1)[None, :]  # [1, BLOCK_N]
     else:
         b_s = tl.sum(b_q[:, None, :] * b_k.to(tl.float32)[None, :, :], axis=2)  # [G_PAD, BLOCK_N]
+    if QMODE == 2 or QMODE == 3:  # k = code * scale (+ zero): q . k = (q . code) * scale (+ zero * sum(q))
+        b_s = b_s * b_ksc[None, :]
+        if QMODE == 3:
+            b_s += b_qsum[:, None] * b_kz[None, :]
     if MASKED:
         b_s = tl.where(m_n[None, :], b_s * s_scale, float("-inf"))
     else:
@@ -165,16 +302,21 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
     b_p = tl.exp2(b_s - b_m_new[:, None])  # [G_PAD, BLOCK_N]
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     b_acc = b_acc * b_alpha[:, None]
+    b_pv = b_p
+    if QMODE == 2 or QMODE == 3:  # v = code * scale (+ zero); p * scale * QMAX keeps the fp16 operand normal
+        b_pv = b_p * (b_vsc * QMAX)[None, :]
+        if QMODE == 3:  # codes centred on 0 (exact in fp16): (c - 128) s + (z + 128 s), half the cancellation
+            b_acc += (tl.sum(b_p * b_vz[None, :], 1) * QMAX)[:, None]
     if USE_DOT:
         b_v = b_v.to(b_q.dtype)
         if IEEE:
-            b_acc += tl.dot(b_p, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
+            b_acc += tl.dot(b_pv, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
         else:
-            b_acc += tl.dot(b_p.to(b_q.dtype), b_v)
+            b_acc += tl.dot(b_pv.to(b_q.dtype), b_v)
     elif G_PAD == 1:
-        b_acc += tl.sum(tl.trans(b_p) * b_v.to(tl.float32), axis=0)[None, :]
+        b_acc += tl.sum(tl.trans(b_pv) * b_v.to(tl.float32), axis=0)[None, :]
     else:
-        b_acc += tl.sum(b_p[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
+        b_acc += tl.sum(b_pv[:, :, None] * b_v.to(tl.float32)[None, :, :], axis=1)
     return b_m_new, b_l, b_acc
 
 
@@ -198,6 +340,9 @@ def _paged_decode_kernel(
     v_s_blk, v_s_tok, v_s_head, v_s_d,  # each in units of its V_*M elements
     chunk,  # tokens per split, a multiple of BLOCK_N
     num_splits,
+    s_sc_h,  # head stride of k_scale_ptr / v_scale_ptr: 0 per tensor, 1 per head (SCALE_PTR)
+    ks_blk, ks_off, ks_tg, ks_h, kz_off,  # K's scale arrays in blocks (QMODE >= 2), in scale elements: block
+    vs_blk, vs_off, vs_tg, vs_h, vz_off,  # stride, offset in a block, token-group and head strides, zero offset
     G: tl.constexpr,  # query heads per kv head
     G_PAD: tl.constexpr,  # G rounded up (>= 16 for tl.dot)
     HEAD_DIM: tl.constexpr,
@@ -221,6 +366,16 @@ def _paged_decode_kernel(
     V_ALIGN: tl.constexpr,  # min(V_BM, V_DM): alignment of a page's V run (V_TRANS)
     ASM: tl.constexpr,  # block-table loads through inline PTX (GPU only)
     K3D: tl.constexpr,  # split key read as [D // x, pages, run * x] tiles (lanes along tokens), then permuted
+    QMODE: tl.constexpr = 0,  # 0 plain / static scales, 2 per-token, 3 per-token asymmetric, 4 packed groups
+    QMAX: tl.constexpr = 1.0,  # the code range's max (per-token schemes: p * scale * QMAX)
+    SC_DTYPE: tl.constexpr = tl.float32,  # the scale arrays' dtype (fp16 for packed groups)
+    DC: tl.constexpr = 0,  # stored elements per row (packed: HEAD_DIM * BITS // 8)
+    BLOCK_DC: tl.constexpr = 16,
+    BITS: tl.constexpr = 8,
+    K_TG: tl.constexpr = 1, K_DG: tl.constexpr = 1,  # tokens / channels per scale group, K and V
+    V_TG: tl.constexpr = 1, V_DG: tl.constexpr = 1,
+    CODES: tl.constexpr = 0,  # 1 int8 codes, 2 uint8 codes (read centred), 0 float / packed
+    FAST_INT: tl.constexpr = False,  # int codes to fp16 four a register by byte permutes (GPU, fp16 queries)
 ):
     i_s = tl.program_id(0)
     i_hk = tl.program_id(1)
@@ -241,11 +396,17 @@ def _paged_decode_kernel(
     p_q = q_ptr + i_b.to(tl.int64) * s_qb + i_hq[:, None] * s_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [G_PAD, BLOCK_D]
     if SCALE_PTR:
-        k_scale = tl.load(k_scale_ptr)
-        v_scale = tl.load(v_scale_ptr)
+        k_scale = tl.load(k_scale_ptr + i_hk * s_sc_h)
+        v_scale = tl.load(v_scale_ptr + i_hk * s_sc_h)
     s_scale = qk_scale * k_scale
     if IEEE or not USE_DOT:
         b_q = b_q.to(tl.float32)
+    # the blocks' scale arrays, read through the caches' own pointers (the scales live in the blocks)
+    ks_base = k_ptr.to(tl.pointer_type(SC_DTYPE)) + (ks_off + i_hk.to(tl.int64) * ks_h)
+    vs_base = v_ptr.to(tl.pointer_type(SC_DTYPE)) + (vs_off + i_hk.to(tl.int64) * vs_h)
+    b_qsum = tl.sum(b_q.to(tl.float32), 1)  # [G_PAD] for zero points: q . (code * s + z) = s (q . code) + z sum(q)
+    if QMODE == 2 or QMODE == 3:
+        v_scale = v_scale / QMAX  # the probabilities carried scale * QMAX
 
     k_base = k_ptr + i_hk.to(tl.int64) * (k_s_head * K_HM)
     v_base = v_ptr + i_hk.to(tl.int64) * (v_s_head * V_HM)
@@ -261,13 +422,17 @@ def _paged_decode_kernel(
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
             k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not V_TRANS, V_ALIGN, G_PAD, ASM)
+            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not V_TRANS, V_ALIGN, G_PAD, ASM,
+            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
     if V_TRANS:
         if hi % BLOCK_N != 0:
             b_m, b_l, b_acc = _attend_tile(
                 b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
                 k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM)
+                ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM,
+                QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
 
     b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
     b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]

@@ -35,6 +35,7 @@ from ..validate import LenStats, capturing
 from . import checks as _checks
 from . import config as _config
 from . import kernel as _kernel
+from . import quant as _quant
 from .merge import _merge_states_kernel
 
 _Q_DTYPES = common.Q_DTYPES
@@ -100,7 +101,7 @@ class DecodePlan:
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, block_table)
         B = block_table.shape[0] if block_table.dim() >= 1 else -1
         hkv, block_size = _checks._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, hq, q_dtype, device)
-        D = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
+        D = _values_head_dim(k_cache, v_cache, layout, q_dtype, device, launch.get("quant"))
         self._setup(layout, block_table, seq_lens, k_cache, v_cache, B, hq, D, hkv, block_size, q_dtype, device,
                     max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch,
                     return_lse=return_lse)
@@ -133,7 +134,8 @@ class DecodePlan:
         """
         layout = Layout.parse(layout)
         hq, device = _check_heads_and_dtype(num_q_heads, q_dtype, kv_indptr, name="kv_indptr")
-        block_size, _, D = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+        block_size, _, _ = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)
+        D = _values_head_dim(k_cache, v_cache, layout, q_dtype, device, kwargs.get("quant"))
         for name, t in (("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -185,9 +187,18 @@ class DecodePlan:
     def _setup(self, layout, block_table, seq_lens, k_cache, v_cache, B, Hq, D, hkv, block_size, q_dtype, device,
                max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch, stats=None,
                scratch=True, return_lse=False):
+        launch = dict(launch)
+        scheme = _quant.scheme_of(k_cache.dtype, launch.pop("quant", None))
         bad = set(launch) - set(_config.LAUNCH_KEYS)
         if bad:
             raise ValueError(f"launch options must be among {_config.LAUNCH_KEYS}, got {sorted(bad)}")
+        dq = _quant.decode_quant(scheme, k_cache, v_cache, block_size, hkv, D, k_scale, v_scale, q_dtype,
+                                 _config._interpreted())
+        if scheme.packed:
+            launch["k3d"] = False  # packed keys are read as [BLOCK_N, bytes] rows, then unpacked
+        if not _config._interpreted():
+            for k, v in _quant.launch_defaults(scheme).items():
+                launch.setdefault(k, v)
         if max_seq_len is not None and max_seq_len < 0:
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
         check_ids = validate and not capturing(block_table)
@@ -201,7 +212,7 @@ class DecodePlan:
             max_seq_len = stats.max
             mean_seq_len = stats.total / B if B else 0.0
         f = dict(layout=layout, batch_size=B, num_q_heads=Hq, num_kv_heads=hkv, head_dim=D, block_size=block_size,
-                 q_dtype=q_dtype, kv_dtype=k_cache.dtype, device=device, max_seq_len=int(max_seq_len),
+                 q_dtype=q_dtype, kv_dtype=k_cache.dtype, quant=scheme, device=device, max_seq_len=int(max_seq_len),
                  block_table=block_table, seq_lens=seq_lens, return_lse=bool(return_lse), _q_shape=(B, Hq, D),
                  _k_meta=(tuple(k_cache.shape), k_cache.stride()), _v_meta=(tuple(v_cache.shape), v_cache.stride()))
         if B == 0:  # nothing to launch (the launch options are not even looked at, as paged_decode always did)
@@ -211,8 +222,14 @@ class DecodePlan:
         splits, chunk, geo = _config._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
                                                  f["max_seq_len"], mean_seq_len, num_splits, launch, interp,
                                                  0 if interp else _config._num_sms(device))
-        ks_ptr, ks_val = _checks._scale_arg("k_scale", k_scale, device)
-        vs_ptr, vs_val = _checks._scale_arg("v_scale", v_scale, device)
+        ks_ptr, ks_val = _checks._scale_arg("k_scale", k_scale, device, hkv)
+        vs_ptr, vs_val = _checks._scale_arg("v_scale", v_scale, device, hkv)
+        s_sc_h = 1 if (ks_ptr is not None and ks_ptr.numel() > 1) or (vs_ptr is not None and vs_ptr.numel() > 1) else 0
+        if s_sc_h and hkv > 1:  # per head: both through [Hkv] pointers
+            ks_ptr = ks_ptr if ks_ptr is not None and ks_ptr.numel() > 1 else torch.full((hkv,), ks_val if ks_ptr is None
+                                                                                   else float(ks_ptr), device=device)
+            vs_ptr = vs_ptr if vs_ptr is not None and vs_ptr.numel() > 1 else torch.full((hkv,), vs_val if vs_ptr is None
+                                                                                   else float(vs_ptr), device=device)
         scale_ptr = ks_ptr is not None or vs_ptr is not None
         if scale_ptr:  # both through pointers: one code path
             ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=device)
@@ -227,7 +244,8 @@ class DecodePlan:
             _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
             _qk_scale=sm_scale * _kernel.LOG2E,
             _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
-            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, **ce),
+            _qargs=(s_sc_h, *dq.args[1:]),
+            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, **ce, **dq.constexprs),
         )
         if split:  # the splits' scratch, reused by every run of the plan
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,
@@ -290,7 +308,7 @@ class DecodePlan:
         _kernel._paged_decode_kernel[self._grid](
             q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
             q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, **self._constexprs,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, *self._qargs, **self._constexprs,
         )
         if self.return_lse:
             _merge_states_kernel[(self.batch_size, self.num_q_heads)](
@@ -312,6 +330,12 @@ class DecodePlan:
 
     def __setattr__(self, name, value):
         raise AttributeError(f"DecodePlan is fixed once planned (setting {name!r}): build a new plan")
+
+
+def _values_head_dim(k_cache, v_cache, layout, q_dtype, device, quant_arg) -> int:
+    """The values' head_dim of caches whose rows hold ``code_dim`` elements (packed codes: fewer)."""
+    code_dim = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
+    return _quant.values_head_dim(_quant.scheme_of(k_cache.dtype, quant_arg), code_dim)
 
 
 def _fill(plan: DecodePlan, fields: dict) -> None:

@@ -49,8 +49,9 @@ def _cache_geometry(cache: torch.Tensor, layout: Layout, kind: str) -> tuple[int
     return s[0], s[3], s[1], s[2]  # [blocks, H, D, block_size]
 
 
-def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping):
-    """Validate shapes, dtypes and devices; return ``(block_size, num_blocks)``."""
+def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim=None):
+    """Validate shapes, dtypes and devices; return ``(block_size, num_blocks)``. ``code_dim``: elements a cache row
+    holds when it is not ``head_dim`` (packed codes)."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [T, H, D] tensor, got {getattr(t, 'shape', type(t))}")
@@ -75,9 +76,11 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping):
         if cache.dim() != want:
             raise ValueError(f"{name} must be a {want}-D {layout.value} cache, got shape {tuple(cache.shape)}")
         nb, bs, h, d = _cache_geometry(cache, layout, kind)
-        if (h, d) != (num_heads, head_dim):
+        want = head_dim if code_dim is None else code_dim
+        if (h, d) != (num_heads, want):
+            packed = f" (packed: {want} bytes a row)" if want != head_dim else ""
             raise ValueError(
-                f"key has {num_heads} heads x {head_dim} dims but {name} holds {h} x {d} ({layout.value} layout)"
+                f"key has {num_heads} heads x {head_dim} dims{packed} but {name} holds {h} x {d} ({layout.value} layout)"
             )
         shapes[name] = (nb, bs)
     if shapes["k_cache"] != shapes["v_cache"]:
@@ -218,6 +221,8 @@ def write_kv(
     heads_per_program: int | None = None,
     kv_split: bool | None = None,
     quant_math: str | None = None,
+    quant=None,
+    nonfinite: torch.Tensor | None = None,
     validate: bool = True,
 ) -> None:
     """Write new tokens' K and V into one layer's paged cache, in place.
@@ -239,6 +244,11 @@ def write_kv(
         heads_per_program: ``"rows"`` only: heads per program, a power of two (default: all heads).
         kv_split: ``"rows"`` only: K and V in separate programs (twice the programs, half the tile each).
         quant_math: fp8/int8 caches: ``"exact"``, ``"cast"`` or ``"rcp"`` (module docstring).
+        quant: a ``workbench.quant`` scheme (name or object) whose scales are computed on write and stored in the
+            blocks (``"fp8_e4m3/token"``, ``"int8_asym/token"``, ``"int4/kivi"``, ...; ``kernels/write/dynamic.py``);
+            ``k_scale``/``v_scale`` must then be None. Static and plain schemes need not be named (the dtype says).
+        nonfinite: int32 ``[1]`` counter of NaN/Inf inputs (dynamic schemes), added to on the device; without
+            it a validated call warns when it saw any.
         validate: check that every slot is ``-1`` or inside the cache (one device sync). Skipped while a
             CUDA graph is being captured. The kernel never writes an out-of-range slot either way.
 
@@ -247,6 +257,11 @@ def write_kv(
     Validation of shapes and the launch choice are cached per geometry, so a repeated call costs a
     dictionary lookup on the host; with ``validate=False`` the call does no device work besides the kernel.
     """
+    if quant is not None or (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.uint8):
+        qs = _scheme(quant, k_cache)
+        if qs.granularity in ("token", "group"):
+            return _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
+                                  nonfinite, validate)
     kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
               heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
     plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
@@ -259,3 +274,50 @@ def write_kv(
     if plan.consts["QUANT"] == QUANT_NONE:
         k_scale, v_scale = k_cache, v_cache  # placeholders: never read
     plan.kernel[plan.grid](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *plan.args, **plan.consts)
+
+
+def _scheme(quant_arg, k_cache):
+    from workbench import quant as _quant
+
+    if quant_arg is None:
+        raise ValueError("k_cache holds uint8 codes (int8_asym, int4 or int2): pass quant= to say which scheme")
+    qs = _quant.get(quant_arg)
+    if isinstance(k_cache, torch.Tensor) and qs.format.storage != k_cache.dtype:
+        raise ValueError(f"quant {qs.name} stores {qs.format.storage}, but k_cache holds {k_cache.dtype}")
+    return qs
+
+
+def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme) -> tuple[int, int]:
+    """Every host-side check of a dynamic-scheme write; ``(block_size, num_blocks)``."""
+    from workbench.quant import blocks as qblocks
+
+    from .dynamic import check_dynamic
+
+    layout = Layout.parse(layout)
+    code_dim = qblocks.code_dim(scheme, key.shape[2]) if isinstance(key, torch.Tensor) and key.dim() == 3 else None
+    block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim)
+    check_dynamic(scheme, key, k_cache, v_cache, layout, block_size)
+    return block_size, num_blocks
+
+
+def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate):
+    from .dynamic import check_group_slots, write_dynamic
+
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc is not None:
+            raise ValueError(f"{name} must be None for {scheme.name}: its scales are computed on write")
+    if nonfinite is not None and (not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32
+                                  or nonfinite.numel() != 1 or nonfinite.device != k_cache.device):
+        raise ValueError(f"nonfinite must be an int32 tensor of one element on {k_cache.device}, got "
+                         f"{getattr(nonfinite, 'dtype', type(nonfinite).__name__)}")
+    layout = Layout.parse(layout)
+    block_size, num_blocks = check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme)
+    if validate and slot_mapping.numel() and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
+        if lo < -1 or hi >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}), got range "
+                             f"[{lo}, {hi}]")
+        if scheme.packed and scheme.key_mode == "channel":
+            check_group_slots(scheme, slot_mapping, block_size)
+    write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, scheme, block_size, num_blocks, nonfinite,
+                  validate)

@@ -215,14 +215,18 @@ class BlockManager:
         s.table.extend(pool.allocate(bs, need - len(copies)))
         return self._fill(seq_id, s, tokens, n, copies, publish)
 
-    def publish(self, seq_id) -> int:
-        """Make the sequence's full blocks findable by later prompts; returns how many joined the cache."""
+    def publish(self, seq_id, upto: int | None = None) -> int:
+        """Make the sequence's full blocks findable by later prompts; returns how many joined the cache.
+
+        ``upto``: only blocks wholly inside the first ``upto`` tokens (those whose K/V is written; a quantized
+        cache keeps its newest tokens elsewhere until they are)."""
         s = self._get(seq_id)
         if not self.prefix_caching:
             return 0
         bs, pool = s.block_size, self.pool
         before = pool.cached_blocks(bs)
-        for i in range(len(s.entries), len(s.tokens) // bs):  # completed blocks not yet published
+        done = len(s.tokens) if upto is None else min(upto, len(s.tokens))
+        for i in range(len(s.entries), done // bs):  # completed blocks not yet published
             key = pool.block_key(s.entries[-1] if s.entries else None, s.tokens[i * bs:(i + 1) * bs], s.extra_key)
             entry = pool.register(bs, s.table[i], key)
             if entry is None:  # the block caches other content (cannot happen for a filled table): stop the chain

@@ -1,0 +1,195 @@
+"""Quantized K/V through the kernels: write_kv's codes and scales equal workbench.quant's, code by code, for every
+scheme with scales computed on write; paged_decode reads every scheme inside its loop within 1e-3 of the
+dequantized reference; poisoned pools, every layout, a few block sizes, random data."""
+
+import pytest
+import torch
+from conftest import rel_err
+from workbench.kernels import paged_decode, write_kv
+from workbench.kernels.reference import dequantize_cache_ref, paged_decode_ref, quant_code_distance, write_kv_ref
+
+from workbench import quant
+from workbench.layout import to_nhd
+from workbench.quant import blocks as qblocks
+
+DYNAMIC = ["fp8_e4m3/token", "fp8_e5m2/token", "int8/token", "int8_asym/token", "int4/token", "int4/kivi",
+           "int2/kivi"]
+LAYOUTS = ["nhd", "hnd", "vllm"]
+POISON = 0xFF  # NaN in fp8 and fp16 scales, 255 in uint8 codes
+
+
+def scheme_for(name: str, block_size: int) -> quant.Scheme:
+    s = quant.get(name)
+    return s.with_params(group=min(16, block_size), residual=0) if s.packed else s
+
+
+def group_slots(n_groups: int, group: int, block_size: int, num_blocks: int, g) -> torch.Tensor:
+    """Slots of ``n_groups`` whole key groups, scattered over random blocks (a group never spans two)."""
+    per_block = block_size // group
+    picks = torch.randperm(num_blocks * per_block, generator=g)[:n_groups]
+    return (picks[:, None] * group + torch.arange(group)).reshape(-1)
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+@pytest.mark.parametrize("layout, block_size", [("nhd", 16), ("nhd", 32), ("hnd", 32), ("vllm", 16)])
+def test_write_kv_codes_and_scales_match_scheme(name, layout, block_size, device):
+    scheme = scheme_for(name, block_size)
+    g = torch.Generator().manual_seed(block_size + len(name))
+    H, D, nb = 2, 64, 5
+    slots = group_slots(5, 16 if scheme.packed and scheme.key_mode == "channel" else 8, block_size, nb, g)
+    T = slots.numel()
+    k = (torch.randn(T, H, D, generator=g) * 3).half().to(device)
+    v = torch.randn(T, H, D, generator=g).to(device)  # an fp32 source too
+    caches = [qblocks.empty_cache(scheme, layout, kind, nb, block_size, H, D, device, fill=POISON) for kind in "kv"]
+    write_kv(k, v, caches[0], caches[1], layout, slots.to(device), quant=scheme)
+    for kind, x, cache in (("k", k, caches[0]), ("v", v, caches[1])):
+        want = scheme.quantize(x.cpu(), kind)
+        got = to_nhd(cache, layout, kind).reshape(nb * block_size, H, -1)[slots].cpu()
+        if got.dtype.is_floating_point:  # fp8: ordered code distance (a midpoint could differ by one; none do)
+            assert int(quant_code_distance(got, want.codes).max()) == 0, f"{kind} codes differ"
+        else:
+            assert torch.equal(got, want.codes), f"{kind} codes differ at {(got != want.codes).nonzero()[:3].tolist()}"
+        sc = qblocks.block_scales(scheme, kind, block_size, H, D)
+        scale, zero = qblocks.scale_views(qblocks.plane_of(cache), sc)
+        if sc.tokens_per_group == 1:
+            got_s = scale.reshape(nb * block_size, H, -1)[slots].cpu()
+            got_z = zero.reshape(nb * block_size, H, -1)[slots].cpu() if zero is not None else None
+        else:  # per key group: one row per group, in slot order
+            rows = slots[::scheme.group]
+            got_s = scale[rows // block_size, (rows % block_size) // scheme.group].cpu()
+            got_z = zero[rows // block_size, (rows % block_size) // scheme.group].cpu()
+        assert torch.equal(got_s.reshape(want.scale.shape), want.scale), f"{kind} scales differ"
+        if want.zero is not None:
+            assert torch.equal(got_z.reshape(want.zero.shape), want.zero), f"{kind} zero points differ"
+
+
+def written_pair(scheme, layout, block_size, H, D, nb, g, device, scale=1.0):
+    """K/V caches with every slot written through write_kv (static scales calibrated); returns them and scales."""
+    T = nb * block_size
+    k = (torch.randn(T, H, D, generator=g) * scale).to(device)
+    v = torch.randn(T, H, D, generator=g).to(device)
+    caches = [qblocks.empty_cache(scheme, layout, kind, nb, block_size, H, D, device, fill=POISON) for kind in "kv"]
+    slots = torch.arange(T, device=device)
+    if scheme.static:  # the static write kernel is tested in test_write_copy (and slow in the interpreter)
+        kw = dict(k_scale=scheme.calibrate(k).reshape(-1), v_scale=scheme.calibrate(v).reshape(-1))
+        write_kv_ref(k.half(), v.half(), caches[0], caches[1], layout, slots, **kw)
+        return caches, kw["k_scale"], kw["v_scale"]
+    write_kv(k.half(), v.half(), caches[0], caches[1], layout, slots, quant=scheme)
+    return caches, None, None
+
+
+DECODED = ["fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e5m2/token", "int8/tensor", "int8/head", "int8/token",
+           "int8_asym/token", "int4/token", "int4/kivi", "int2/token", "int2/kivi"]
+
+
+# every scheme in NHD; the other layouts (their address arithmetic is the schemes' common path) with one scheme
+# of each decode mode: static, per token, asymmetric per token, packed per token, packed KIVI
+DECODE_CASES = [(n, "nhd") for n in DECODED] + [
+    (n, layout) for layout in ("hnd", "vllm")
+    for n in ("fp8_e4m3/head", "int8/token", "int8_asym/token", "int2/token", "int4/kivi")]
+
+
+@pytest.mark.parametrize("name, layout", DECODE_CASES)
+def test_paged_decode_reads_every_scheme(name, layout, device):
+    block_size = 16 if layout != "hnd" else 32
+    scheme = scheme_for(name, block_size)
+    g = torch.Generator().manual_seed(7)
+    H, G, D, nb = 2, 4, 64, 9
+    (kc, vc), ks, vs = written_pair(scheme, layout, block_size, H, D, nb, g, device, scale=2.0)
+    lens = torch.tensor([1, 40, block_size * 3, 0], dtype=torch.int32)
+    table = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in lens]).int()
+    q = torch.randn(len(lens), H * G, D, generator=g).half().to(device)
+    out = torch.full_like(q, float("nan"))  # poisoned output
+    kw = dict(k_scale=ks, v_scale=vs) if scheme.static else dict(quant=scheme)
+    paged_decode(q, kc, vc, layout, table.to(device), lens.to(device), out=out, **kw)
+    kd = dequantize_cache_ref(scheme, kc, layout, "k", D)
+    vd = dequantize_cache_ref(scheme, vc, layout, "v", D)
+    if ks is not None:
+        kd, vd = kd * ks.reshape(1, 1, -1, 1), vd * vs.reshape(1, 1, -1, 1)
+    ref = paged_decode_ref(q, kd, vd, "nhd", table.to(device), lens.to(device))
+    assert torch.all(out[3] == 0), "an empty sequence gives zeros"
+    err = rel_err(out[:3], ref[:3])
+    print(f"{name} {layout}: rel_err {err:.2e}")
+    assert err < 1e-3
+
+
+def test_decode_with_splits_and_bf16_queries(device):
+    scheme = quant.get("int8_asym/token")
+    g = torch.Generator().manual_seed(3)
+    (kc, vc), _, _ = written_pair(scheme, "nhd", 16, 2, 64, 8, g, device)
+    lens = torch.tensor([100, 37], dtype=torch.int32, device=device)
+    table = torch.stack([torch.randperm(8, generator=g)[:7] for _ in range(2)]).int().to(device)
+    kd, vd = (dequantize_cache_ref(scheme, c, "nhd", kind, 64) for c, kind in ((kc, "k"), (vc, "v")))
+    for dtype in (torch.float16, torch.bfloat16):
+        q = torch.randn(2, 4, 64, generator=g).to(dtype).to(device)
+        ref = paged_decode_ref(q, kd, vd, "nhd", table, lens)
+        for splits in (1, 3):
+            out = paged_decode(q, kc, vc, "nhd", table, lens, quant=scheme, num_splits=splits)
+            assert rel_err(out, ref) < (1e-3 if dtype == torch.float16 else 1e-2)
+
+
+def test_quantized_arguments_are_checked(device):
+    s = quant.get("int4/token")
+    kc = qblocks.empty_cache(s, "nhd", "k", 4, 16, 2, 64, device, fill=0)
+    vc = qblocks.empty_cache(s, "nhd", "v", 4, 16, 2, 64, device, fill=0)
+    q = torch.randn(1, 2, 64, dtype=torch.float16, device=device)
+    table = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="uint8 codes.*name the scheme"):
+        paged_decode(q, kc, vc, "nhd", table, lens)
+    with pytest.raises(ValueError, match="must be None for int4/token"):
+        paged_decode(q, kc, vc, "nhd", table, lens, quant=s, k_scale=1.0)
+    with pytest.raises(ValueError, match="quantization scheme must be one of"):
+        paged_decode(q, kc, vc, "nhd", table, lens, quant="int3")
+    with pytest.raises(ValueError, match="stores torch.float8_e4m3fn"):
+        paged_decode(q, kc, vc, "nhd", table, lens, quant="fp8_e4m3/token")
+    small = torch.empty((4, 16, 2, 32), dtype=torch.uint8, device=device)  # no room for the scales
+    with pytest.raises(ValueError, match="cannot hold int4/token"):
+        paged_decode(q, small, small, "nhd", table, lens, quant=s)
+    kivi = quant.get("int4/kivi", group=16)
+    kc, vc = (qblocks.empty_cache(kivi, "nhd", kind, 4, 16, 2, 64, device, fill=0) for kind in "kv")
+    key = torch.randn(3, 2, 64, device=device)
+    with pytest.raises(ValueError, match="whole groups"):
+        write_kv(key, key, kc, vc, "nhd", torch.arange(3, device=device), quant=kivi)
+    with pytest.raises(ValueError, match="consecutive slots"):
+        write_kv(torch.randn(16, 2, 64, device=device), torch.randn(16, 2, 64, device=device), kc, vc, "nhd",
+                 torch.arange(16, device=device).flip(0), quant=kivi)
+    with pytest.raises(ValueError, match="needs a power-of-two head_dim|at least 16"):
+        qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32)  # fine to allocate ...
+        write_kv(torch.randn(1, 2, 32), torch.randn(1, 2, 32),
+                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32),
+                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "v", 2, 16, 2, 32), "nhd",
+                 torch.zeros(1, dtype=torch.long), quant="int2/token")  # ... not to write 8-byte rows
+
+
+def test_write_counts_nonfinite_on_the_kernel_path(device):
+    s = quant.get("fp8_e4m3/token")
+    kc = qblocks.empty_cache(s, "nhd", "k", 2, 16, 2, 64, device, fill=0)
+    vc = qblocks.empty_cache(s, "nhd", "v", 2, 16, 2, 64, device, fill=0)
+    k = torch.randn(4, 2, 64, device=device)
+    k[1, 0, 3] = float("nan")
+    k[2, 1, 5] = float("inf")
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    write_kv(k, k.clone().nan_to_num(0.0), kc, vc, "nhd", torch.arange(4, device=device), quant=s, nonfinite=counter)
+    assert int(counter) == 2
+    with pytest.warns(UserWarning, match="2 NaN/Inf values"):
+        write_kv(k, k.clone().nan_to_num(0.0), kc, vc, "nhd", torch.arange(4, device=device), quant=s)
+
+
+def test_quant_bench_smoke_rows(device, tmp_path):
+    """The benchmark's decode and write sections on tiny shapes (the interpreter): tidy rows, checked numbers."""
+    from workbench.bench import quant_decode
+    from workbench.bench.workloads import Workload
+
+    w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
+    rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi"], 10, False, str(device))
+    assert [r["scheme"] for r in rows] == ["fp16", "int8/token", "int4/kivi"]
+    for r in rows:
+        assert r["section"] == "decode" and r["variant"] == "heuristic" and not r.get("error")
+        assert r["rel_err"] < 1e-3 and r["bytes_per_token"] > 0
+    assert rows[2]["quant_err"] > rows[1]["quant_err"] > rows[0]["quant_err"]  # int4 loses more than int8
+    write = quant_decode.run_write(0.0, ["fp8_e4m3/token", "int2/kivi"], 10, str(device), tokens=32, heads=2,
+                                   head_dim=64)
+    assert [r["section"] for r in write] == ["write", "write"] and all(r["bytes"] > 0 for r in write)
+    assert {n for n, _ in quant_decode.tune_variants(quant.get("fp16"), {"num_splits": 2, "BLOCK_N": 32})} >= {
+        "heuristic", "w2-BLOCK_N64-stages3"}

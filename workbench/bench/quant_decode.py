@@ -1,0 +1,312 @@
+"""Benchmark of quantized K/V on the GPU: paged decode of every scheme on W1-W5 beside our own fp16 in the
+same run, the quantize-on-write of a 32k-token prefill chunk, and a count of the fp8 write's codes that
+differ from torch's (and whether each one is an exact rounding midpoint).
+
+Rows (``python -m workbench.bench.quant_decode --out data/results``): ``section`` ``decode`` (``workload``,
+``scheme``, ``variant``, ``time_us``, ``time_us_graph``, ``speedup_vs_fp16``, ``bw_fraction`` (stored bytes with
+scales over the time, as a fraction of the copy bandwidth measured in the run), ``bytes_per_token``,
+``rel_err`` (against the dequantized reference), ``quant_err`` (against fp32 on the unquantized values)),
+``write`` and ``midpoints``. ``--smoke`` runs tiny shapes through the interpreter (correctness only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import workbench
+from workbench import quant
+from workbench.bench import harness
+from workbench.bench.decode import ref_fp32
+from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
+from workbench.kernels import DecodePlan, decode_config, write_kv
+from workbench.kernels.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
+from workbench.quant import blocks as qblocks
+
+PAGE = 16
+DECODE_SCHEMES = ("fp16", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor",
+                  "int8/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
+                  "int2/kivi")
+WRITE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token",
+                 "int4/kivi", "int2/kivi")
+
+
+def bench_scheme(name: str) -> quant.Scheme:
+    """The scheme as benchmarked: KIVI key groups of one 16-token page (the group must divide the page)."""
+    s = quant.get(name)
+    return s.with_params(group=PAGE, residual=0) if s.packed else s
+
+
+def quantized_paged(p: PagedKV, scheme: quant.Scheme):
+    """``(k_cache, v_cache, k_scale, v_scale)``: ``p``'s fp16 NHD cache written through ``write_kv`` in ``scheme``."""
+    nb, bs, H, D = p.k_cache.shape
+    src_k, src_v = (c.reshape(nb * bs, H, D) for c in (p.k_cache, p.v_cache))
+    if scheme.name in ("fp16",):
+        return p.k_cache, p.v_cache, None, None
+    caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, bs, H, D, p.q.device) for kind in "kv"]
+    ks = vs = None
+    if scheme.static:
+        ks, vs = scheme.calibrate(src_k[: 1 << 16]), scheme.calibrate(src_v[: 1 << 16])  # a calibration sample
+    slots = torch.arange(nb * bs, device=p.q.device)
+    step = 1 << 18  # tokens a call: bounded temporaries
+    for i in range(0, nb * bs, step):
+        sl = slice(i, min(nb * bs, i + step))
+        kw = dict(k_scale=ks, v_scale=vs) if scheme.static else dict(quant=scheme) if scheme.quantized else {}
+        src = (src_k[sl], src_v[sl]) if scheme.format.storage != torch.bfloat16 else (src_k[sl].bfloat16(),
+                                                                                        src_v[sl].bfloat16())
+        write_kv(*src, caches[0], caches[1], "nhd", slots[sl], validate=False, **kw)
+    return caches[0], caches[1], ks, vs
+
+
+def _plan(p: PagedKV, scheme, k_cache, v_cache, ks, vs, q, cfg: dict | None):
+    mean = sum(p.lens) / max(1, len(p.lens))
+    kw = dict(k_scale=ks, v_scale=vs) if scheme.static else {}
+    if scheme.granularity in ("token", "group"):
+        kw["quant"] = scheme
+    return DecodePlan(p.block_table, p.seq_lens, layout="nhd", k_cache=k_cache, v_cache=v_cache,
+                      num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=p.max_seq_len, mean_seq_len=mean,
+                      validate=False, **kw, **(cfg or {}))
+
+
+def _dequantized(p: PagedKV, scheme, k_cache, v_cache, ks, vs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dequantized cache as contiguous fp32 ``[B, Hkv, L, D]`` (the reference's input)."""
+    D = p.q.shape[2]
+    kd = dequantize_cache_ref(scheme, k_cache, "nhd", "k", D)
+    vd = dequantize_cache_ref(scheme, v_cache, "nhd", "v", D)
+    if ks is not None:
+        kd, vd = kd * ks.reshape(1, 1, -1, 1), vd * vs.reshape(1, 1, -1, 1)
+    return contiguous_kv(replace(p, k_cache=kd, v_cache=vd), torch.float32)
+
+
+def tune_variants(scheme: quant.Scheme, base: dict, quick: bool = False) -> list[tuple[str, dict]]:
+    """Launch changes worth timing when bytes per token shrink: tile sizes, splits, stages, warps."""
+    s = base["num_splits"]
+    out = [("heuristic", {})]
+    for bn in (32, 64, 128):
+        out += [(f"BLOCK_N{bn}", {"BLOCK_N": bn}), (f"BLOCK_N{bn}-splits*2", {"BLOCK_N": bn, "num_splits": s * 2}),
+                (f"BLOCK_N{bn}-stages3", {"BLOCK_N": bn, "num_stages": 3})]
+    out += [("splits/2", {"num_splits": max(1, s // 2)}), ("splits*4", {"num_splits": s * 4}),
+            ("warps8", {"num_warps": 8}), ("stages2", {"num_stages": 2})]
+    for bn in (32, 64, 128):  # two warps: half the threads share a tile (fp8 at 64: 1.11x -> 1.41x on W1)
+        out += [(f"w2-BLOCK_N{bn}", {"num_warps": 2, "BLOCK_N": bn}),
+                (f"w2-BLOCK_N{bn}-stages3", {"num_warps": 2, "BLOCK_N": bn, "num_stages": 3}),
+                (f"w2-BLOCK_N{bn}-splits*2", {"num_warps": 2, "BLOCK_N": bn, "num_splits": s * 2})]
+    return out
+
+
+def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, only: tuple = ()) -> list[dict]:
+    rows = []
+    p = build_paged(w, layout="nhd", block_size=PAGE, kv_dtype=torch.float16, device=device)
+    k32, v32 = contiguous_kv(p, torch.float32)
+    truth = ref_fp32(p.q, k32, v32, p.lens)
+    del k32, v32
+    t_fp16 = None
+    tokens = sum(p.lens)
+    qo_bytes = 2 * w.batch * w.num_q_heads * w.head_dim * 2
+    for name in schemes:
+        scheme = bench_scheme(name)
+        q = p.q.bfloat16() if scheme.name == "bf16" else p.q
+        k_cache, v_cache, ks, vs = quantized_paged(p, scheme)
+        kd, vd = _dequantized(p, scheme, k_cache, v_cache, ks, vs)
+        ref = ref_fp32(q, kd, vd, p.lens)
+        del kd, vd
+        nbytes = int(scheme.bytes_per_token(w.num_kv_heads, w.head_dim) * tokens + qo_bytes)
+        base = decode_config(w.batch, w.num_kv_heads, w.num_q_heads // w.num_kv_heads, w.head_dim, PAGE,
+                             p.max_seq_len, mean_seq_len=tokens / w.batch, kv_dtype=k_cache.dtype,
+                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
+                             else 0)
+        variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
+        variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
+        for variant, cfg in variants:
+            row = {"section": "decode", "workload": w.key, "scheme": scheme.name, "variant": variant,
+                   "bytes_per_token": scheme.bytes_per_token(w.num_kv_heads, w.head_dim), "bytes": nbytes,
+                   "copy_gbps": copy_gbps, **{f"cfg_{k}": v for k, v in cfg.items()}}
+            try:
+                out = torch.full_like(q, float("nan"))
+                plan = _plan(p, scheme, k_cache, v_cache, ks, vs, q, cfg)
+                row.update({f"launch_{k}": v for k, v in plan.config.items()})
+                before = _compiled_kernels()
+                plan.run(q, k_cache, v_cache, out)
+                row.update(kernel_stats(before))
+                row["rel_err"] = harness.rel_err(out, ref)
+                row["quant_err"] = harness.rel_err(out, truth)
+                if device == "cuda":
+                    fn = functools.partial(plan.run, q, k_cache, v_cache, out)
+                    row["time_us"] = min(harness.time_us(fn, rep_ms=rep_ms) for _ in range(2))
+                    row["time_us_graph"] = harness.time_us_graph(fn, rep_ms=rep_ms)
+                    t = row["time_us_graph"]
+                    row["bw_fraction"] = nbytes / (t * 1e-6) / 1e9 / copy_gbps
+                    if scheme.name == "fp16" and variant == "heuristic":
+                        t_fp16 = t
+                    row["speedup_vs_fp16"] = t_fp16 / t if t_fp16 else None
+            except Exception as e:  # noqa: BLE001  (a variant out of shared memory is a row, not a crash)
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(row)
+            tqdm.write(_fmt(row))
+        del k_cache, v_cache, ref
+        _free(device)
+    return rows
+
+
+def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32768, heads: int = 8,
+              head_dim: int = 128) -> list[dict]:
+    """Quantize-on-write of one prefill chunk (``tokens`` tokens, 16-token pages, fp16 source)."""
+    rows = []
+    nb = tokens // PAGE
+    g = torch.Generator(device=device).manual_seed(3)
+    key = torch.randn(tokens, heads, head_dim, generator=g, device=device).half()
+    value = torch.randn(tokens, heads, head_dim, generator=g, device=device).half()
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(4)).to(device)
+    slots = (perm[:, None] * PAGE + torch.arange(PAGE, device=device)).reshape(-1)
+    for name in schemes:
+        scheme = bench_scheme(name)
+        caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, PAGE, heads, head_dim, device) for kind in "kv"]
+        kw = {}
+        if scheme.static:
+            kw = dict(k_scale=scheme.calibrate(key), v_scale=scheme.calibrate(value))
+        elif scheme.quantized:
+            kw = dict(quant=scheme)
+        fn = functools.partial(write_kv, key, value, caches[0], caches[1], "nhd", slots, validate=False, **kw)
+        fn()
+        stored = scheme.bytes_per_token(heads, head_dim) * tokens
+        nbytes = int(2 * key.numel() * 2 + stored)  # fp16 source read + codes and scales written
+        row = {"section": "write", "scheme": scheme.name, "tokens": tokens, "bytes": nbytes, "copy_gbps": copy_gbps}
+        if device == "cuda":
+            t = harness.time_us_graph(fn, rep_ms=rep_ms)
+            row.update(time_us_graph=t, bw_fraction=nbytes / (t * 1e-6) / 1e9 / copy_gbps)
+        rows.append(row)
+        tqdm.write(_fmt(row))
+        del caches
+        _free(device)
+    return rows
+
+
+def run_midpoints(device, rep: int = 2) -> list[dict]:
+    """The static fp8 write against torch's codes, at W3's and W5's sizes: every code that differs, and whether
+    ``x / scale`` (fp32, as both compute it) lies exactly halfway between the two codes."""
+    rows = []
+    for key in ("W3", "W5"):
+        w = WORKLOADS[key]
+        tokens = sum(w.seq_lens()) if device == "cuda" else 4096
+        H, D = w.num_kv_heads, w.head_dim
+        for seed in range(rep):
+            g = torch.Generator(device=device).manual_seed(10 + seed)
+            x = torch.randn(tokens, H, D, generator=g, device=device).half()
+            scale = (x.float().abs().amax() / 448.0).reshape(1)
+            nb = -(-tokens // PAGE)
+            for qm in ("exact", "cast", "rcp"):
+                kc = torch.empty((nb, PAGE, H, D), dtype=torch.float8_e4m3fn, device=device)
+                vc = torch.empty_like(kc)
+                slots = torch.arange(tokens, device=device)
+                write_kv(x, x, kc, vc, "nhd", slots, k_scale=scale, v_scale=scale, quant_math=qm, validate=False)
+                got = kc.reshape(-1, H, D)[:tokens]
+                want = quantize_ref(x, torch.float8_e4m3fn, scale)
+                diff = quant_code_distance(got, want)
+                bad = diff > 0
+                y = x.float() / scale  # fp32 division, as both compute it
+                a, b = got[bad].float(), want[bad].float()
+                midpoint = (y[bad] == (a + b) / 2)
+                rows.append({"section": "midpoints", "workload": key, "seed": seed, "quant_math": qm,
+                             "codes": got.numel(), "differ": int(bad.sum()), "max_code_distance": int(diff.max()),
+                             "exact_midpoints": int(midpoint.sum()), "not_midpoints": int((~midpoint).sum())})
+                tqdm.write(_fmt(rows[-1]))
+    return rows
+
+
+def _compiled_kernels() -> dict:
+    """Compiled decode kernels Triton holds now, by id (introspection: empty where its cache is not reachable)."""
+    from workbench.kernels.decode import kernel as dec
+
+    out = {}
+    try:
+        for cache in getattr(dec._paged_decode_kernel, "device_caches", {}).values():
+            kc = cache[0] if isinstance(cache, tuple) else cache
+            if isinstance(kc, dict):
+                out.update({id(k): k for k in kc.values()})
+    except Exception:  # noqa: BLE001  (Triton's cache layout differs by version)
+        pass
+    return out
+
+
+PTX_OPS = ("cvt", "prmt", "mma", "ld.global", "ex2", "fma", "lop3", "shr", "and.b32", "sub.f16x2")
+
+
+def kernel_stats(before: dict) -> dict:
+    """Registers, spills, shared memory and a PTX instruction count of the kernel compiled since ``before``."""
+    new = [k for i, k in _compiled_kernels().items() if i not in before]
+    if len(new) != 1:
+        return {}
+    k = new[0]
+    info = {f"k_{n}": int(getattr(k, n)) for n in ("n_regs", "n_spills") if getattr(k, n, None) is not None}
+    shared = getattr(getattr(k, "metadata", None), "shared", None)
+    if shared is not None:
+        info["k_smem"] = int(shared)
+    ptx = getattr(k, "asm", {}).get("ptx", "")
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    for op in PTX_OPS:
+        info[f"ptx_{op}"] = sum(1 for ln in lines if ln.startswith(op))
+    return info
+
+
+def _fmt(row: dict) -> str:
+    keep = ("section", "workload", "scheme", "variant", "quant_math", "time_us_graph", "speedup_vs_fp16",
+            "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "differ", "exact_midpoints",
+            "not_midpoints", "error")
+    return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
+                     for k in keep if row.get(k) is not None)
+
+
+def _free(device) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench.bench.quant_decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads through the interpreter (correctness)")
+    ap.add_argument("--tune", action="store_true", help="time launch variants per scheme (tiles, splits, warps)")
+    ap.add_argument("--only", default="", help="with --tune: variant-name prefixes to time (comma separated)")
+    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
+    ap.add_argument("--schemes", default=",".join(DECODE_SCHEMES))
+    ap.add_argument("--sections", default="decode,write,midpoints")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
+    args = ap.parse_args(argv)
+    if not args.smoke and not harness.require_gpu("quant_decode"):
+        return 2
+    out = harness.output_dir(ap, args.out)
+    device = "cuda" if not args.smoke else str(workbench.device())
+    copy_gbps = harness.copy_bandwidth_gbps() if device == "cuda" else 0.0
+    schemes = args.schemes.split(",")
+    sections = args.sections.split(",")
+    rows = []
+    for key in tqdm(args.workloads.split(","), desc="workloads", file=sys.stderr):
+        w = WORKLOADS[key].smoke() if args.smoke else WORKLOADS[key]
+        if "decode" in sections:
+            rows += run_decode(w, copy_gbps, schemes, 100, args.tune, device,
+                               tuple(p for p in args.only.split(",") if p))
+    if "write" in sections:
+        rows += run_write(copy_gbps, WRITE_SCHEMES, 100, device, tokens=32768 if device == "cuda" else 256)
+    if "midpoints" in sections:
+        rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
+    path = harness.write_results("quant-decode", rows, harness.machine_meta(), out,
+                                 extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
+                                        "page_size": PAGE})
+    print(f"wrote {path}")
+    bad = [r for r in rows if r.get("section") == "decode" and (r.get("error") or (r.get("rel_err") or 0) > (
+        1e-2 if r["scheme"] == "bf16" else 1e-3))]  # bf16 output rounds at 2**-9
+    for r in bad:
+        print("FAILED:", _fmt(r))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

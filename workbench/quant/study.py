@@ -1,0 +1,467 @@
+"""The error study of K/V quantization schemes against fp32: data, metrics, per-layer rows, the Pareto front.
+
+Every function takes plain tensors, so K/V (and queries) captured from a real model can replace the synthetic
+ones. Shapes: keys and values ``[layers, tokens, kv_heads, head_dim]``, queries ``[layers, queries, kv_heads *
+group, head_dim]`` (grouped-query attention: query head ``i`` reads kv head ``i // group``), all fp32. The
+attention is one decode step per query: each query attends to every cached token (no causal mask).
+
+Synthetic K/V (:func:`synthetic_kv`) carry the statistics quantization is sensitive to in real models: a few key
+channels per head with ``outlier_scale`` times the magnitude of the others and a consistent sign (why KIVI
+quantizes keys per channel), an attention-sink token 0 with a large key along the direction typical queries
+share (:func:`synthetic_queries`), and values whose scale grows with depth. Keys are pre-RoPE;
+``apply_rope(k)`` gives the post-RoPE keys a cache normally stores.
+
+Cost: every scheme of the registry on 6 layers x 512 tokens x 3 heads x 64 with 64 queries takes about a second
+on one CPU core. The tensors are small (~100k values), so on a shared CPU ``torch.set_num_threads(1)`` is much
+faster than two threads waiting for each other (20x measured on a busy 2-core machine).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .schemes import Scheme
+
+# ---- synthetic data ----------------------------------------------------------------------------------------------
+
+
+def synthetic_kv(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 3, head_dim: int = 64, *,
+                 outlier_channels: int = 4, outlier_scale: float = 8.0, sink: bool = True, sink_scale: float = 4.0,
+                 value_growth: float = 4.0, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pre-RoPE keys and values with the statistics of real K/V.
+
+    - keys: each channel ``N(mu_c, 1)`` with a small per-channel mean ``mu_c ~ N(0, 0.5)``; in ``outlier_channels``
+      channels per (layer, head), fixed over tokens, ``outlier_scale * (sign + N(0, 0.5))`` (a large value of
+      consistent sign, as in real models' key outlier channels, 5-10x the others).
+    - sink (``sink=True``): token 0's key is ``sink_scale`` times a typical key's norm along a random unit
+      direction per (layer, head), the direction every query of :func:`synthetic_queries` leans towards; its
+      value is small (0.1x), as real sinks' are.
+    - values: ``N(0, s_l)`` with ``s_l = value_growth ** (l / (layers - 1))``: the last layer's values are
+      ``value_growth`` times the first's.
+
+    Args:
+        num_layers, num_tokens, num_kv_heads, head_dim: the shape (``head_dim`` even, for RoPE).
+        outlier_channels: key outlier channels per head (0: none).
+        outlier_scale: their magnitude over the other channels'.
+        sink: give token 0 a sink key.
+        sink_scale: the sink key's norm over a typical key's.
+        value_growth: the last layer's value scale over the first's (1: constant).
+        seed: the generator's seed (the data are a pure function of the arguments).
+
+    Returns:
+        ``(k, v)``, each ``[num_layers, num_tokens, num_kv_heads, head_dim]`` fp32.
+    """
+    if min(num_layers, num_tokens, num_kv_heads, head_dim) < 1 or head_dim % 2:
+        raise ValueError(f"sizes must be >= 1 and head_dim even, got layers={num_layers} tokens={num_tokens} "
+                         f"heads={num_kv_heads} head_dim={head_dim}")
+    if not 0 <= outlier_channels <= head_dim:
+        raise ValueError(f"outlier_channels must be in [0, head_dim={head_dim}], got {outlier_channels}")
+    if outlier_scale <= 0 or value_growth <= 0 or sink_scale <= 0:
+        raise ValueError(f"outlier_scale, sink_scale and value_growth must be > 0, got {outlier_scale}, "
+                         f"{sink_scale}, {value_growth}")
+    g = torch.Generator().manual_seed(seed)
+    L, T, H, D = num_layers, num_tokens, num_kv_heads, head_dim
+    mu = 0.5 * torch.randn(L, 1, H, D, generator=g)
+    k = torch.randn(L, T, H, D, generator=g) + mu
+    if outlier_channels:
+        idx = torch.rand(L, H, D, generator=g).argsort(dim=-1)[..., :outlier_channels]  # [L, H, n]
+        sign = torch.randint(0, 2, (L, 1, H, outlier_channels), generator=g).float() * 2 - 1
+        big = outlier_scale * (sign + 0.5 * torch.randn(L, T, H, outlier_channels, generator=g))
+        k.scatter_(-1, idx[:, None].expand(L, T, H, outlier_channels), big)
+    if sink:
+        u = torch.randn(L, H, D, generator=g)
+        u = u / u.norm(dim=-1, keepdim=True)
+        typical = k.norm(dim=-1).median(dim=1).values  # [L, H]
+        k[:, 0] = sink_scale * typical[..., None] * u
+    growth = value_growth ** (torch.arange(L) / max(1, L - 1))
+    v = torch.randn(L, T, H, D, generator=g) * growth[:, None, None, None]
+    if sink:
+        v[:, 0] *= 0.1
+    return k, v
+
+
+def synthetic_queries(k: torch.Tensor, num_queries: int = 64, group: int = 3, *, sink_logit: float = 9.0,
+                      focus_logit: float = 8.0, noise: float = 0.3, seed: int = 1) -> torch.Tensor:
+    """Decode queries correlated with the keys ``k`` they will attend to, so attention is peaked, not uniform.
+
+    Each query of each query head is ``a * d_0 + b * d_j + noise``, where ``d_t = (k_t - mean_k) / |k_t - mean_k|``
+    is a centred key direction, ``j`` a random token (what this query looks up), and ``a``, ``b`` put about
+    ``sink_logit`` and ``focus_logit`` between the scores of token 0 (the sink) and token ``j`` and those of a
+    typical token. Pass the keys attention sees (post-RoPE, ``apply_rope(k)``). With K/V captured from a model,
+    pass its captured queries to the study instead.
+
+    Args:
+        k: ``[layers, tokens, kv_heads, head_dim]``.
+        num_queries: queries per layer (decode steps).
+        group: query heads per kv head (GQA).
+        sink_logit, focus_logit: score gaps (in units of the softmax's input) of the sink and the looked-up
+            token over a typical token (0: no such component).
+        noise: isotropic noise, relative to the query's norm.
+        seed: the generator's seed.
+
+    Returns:
+        ``[layers, num_queries, kv_heads * group, head_dim]`` fp32.
+    """
+    if k.dim() != 4:
+        raise ValueError(f"k must be [layers, tokens, kv_heads, head_dim], got {tuple(k.shape)}")
+    if num_queries < 1 or group < 1:
+        raise ValueError(f"num_queries and group must be >= 1, got {num_queries}, {group}")
+    g = torch.Generator().manual_seed(seed)
+    L, T, H, D = k.shape
+    kf = k.float()
+    centred = kf - kf.mean(dim=1, keepdim=True)
+    norm = centred.norm(dim=-1, keepdim=True).clamp_min(1e-12)  # [L, T, H, 1]
+    # q = s * sqrt(D) * c_t / |c_t|^2 (c_t = k_t - mean) scores s more on token t than on a token whose centred
+    # key is orthogonal to c_t: q . c_t / sqrt(D) = s (the mean's share of q . k is the same for every token)
+    scaled = centred / norm**2
+    j = torch.randint(1 if T > 1 else 0, T, (L, num_queries, H, group), generator=g)
+    picked = torch.gather(scaled[:, :, :, None].expand(L, T, H, group, D), 1,
+                          j[..., None].expand(L, num_queries, H, group, D))
+    q = focus_logit * math.sqrt(D) * picked + sink_logit * math.sqrt(D) * scaled[:, :1, :, None]
+    scale = q.norm(dim=-1, keepdim=True).mean()
+    q = q + noise * scale / math.sqrt(D) * torch.randn(q.shape, generator=g)
+    return q.reshape(L, num_queries, H * group, D)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor | Sequence[int] | None = None,
+               base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding, rotate-half convention (Llama, SmolLM2): channel ``i`` pairs with ``i + D/2``,
+    rotated by ``position * base ** (-2 i / D)``.
+
+    Args:
+        x: ``[..., tokens, heads, head_dim]`` (``head_dim`` even).
+        positions: ``[tokens]`` token positions (default ``0 .. tokens - 1``).
+        base: RoPE's base (``rope_theta``).
+
+    Returns:
+        Like ``x``, fp32.
+    """
+    if x.dim() < 3 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., tokens, heads, head_dim] with head_dim even, got {tuple(x.shape)}")
+    T, D = x.shape[-3], x.shape[-1]
+    pos = torch.arange(T) if positions is None else torch.as_tensor(positions)
+    if pos.shape != (T,):
+        raise ValueError(f"positions must hold {T} values (one per token), got shape {tuple(pos.shape)}")
+    half = D // 2
+    inv = base ** (-2 * torch.arange(half, dtype=torch.float64) / D)
+    ang = pos.double()[:, None] * inv  # [T, D/2]
+    cos, sin = ang.cos().float()[:, None], ang.sin().float()[:, None]  # [T, 1, D/2]
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+# ---- metrics -----------------------------------------------------------------------------------------------------
+
+
+def reconstruction_error(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """``||x_hat - x||_F / ||x||_F``, the norms accumulated in float64 (0 for identical tensors; ``inf`` if
+    ``x_hat`` is not finite).
+
+    Args:
+        x, x_hat: tensors of one shape.
+    """
+    if x.shape != x_hat.shape:
+        raise ValueError(f"x and x_hat must have one shape, got {tuple(x.shape)} and {tuple(x_hat.shape)}")
+    xf = x.float()
+    diff = float(torch.linalg.vector_norm(x_hat.float() - xf, dtype=torch.float64))
+    if not math.isfinite(diff):
+        return math.inf
+    return diff / max(float(torch.linalg.vector_norm(xf, dtype=torch.float64)), 1e-300)
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q ``[..., Tq, H * G, D]`` -> ``[..., Tq, H, G, D]`` fp32 (query head ``i`` reads kv head ``i // G``)."""
+    Hq, H = q.shape[-2], k.shape[-2]
+    if Hq % H or q.shape[-1] != k.shape[-1] or q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"q [..., queries, heads * group, D] and k [..., tokens, heads, D] do not match: "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}")
+    return q.float().reshape(*q.shape[:-2], H, Hq // H, q.shape[-1])
+
+
+def _scores(qg: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``q k^T / sqrt(D)``, fp32 ``[..., H, G, Tq, T]`` from grouped ``qg`` ``[..., Tq, H, G, D]``."""
+    return torch.einsum("...qhgd,...thd->...hgqt", qg, k.float()) / math.sqrt(qg.shape[-1])
+
+
+def _attend(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``p v``: ``[..., H, G, Tq, T]`` probabilities and ``[..., T, H, D]`` values -> ``[..., Tq, H, G, D]``."""
+    return torch.einsum("...hgqt,...thd->...qhgd", p, v.float())
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``softmax(q k^T / sqrt(D)) v`` in fp32, with GQA.
+
+    Args:
+        q: ``[..., queries, kv_heads * group, D]``.
+        k, v: ``[..., tokens, kv_heads, D]``.
+
+    Returns:
+        ``[..., queries, kv_heads * group, D]`` fp32.
+    """
+    out = _attend(attention_weights(q, k), v)
+    return out.reshape(*out.shape[:-3], -1, out.shape[-1])
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities ``[..., kv_heads, group, queries, tokens]`` fp32 (shapes as :func:`attention`)."""
+    return _scores(_grouped(q, k), k).softmax(dim=-1)
+
+
+def attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_hat: torch.Tensor,
+                    v_hat: torch.Tensor) -> float:
+    """Relative Frobenius error of the attention output read from ``k_hat``, ``v_hat`` against ``k``, ``v``
+    (computed in fp32: its own rounding, ~1e-7, is far below any scheme's error).
+
+    Args:
+        q: ``[..., queries, kv_heads * group, D]``.
+        k, v, k_hat, v_hat: ``[..., tokens, kv_heads, D]``.
+    """
+    return reconstruction_error(attention(q, k, v), attention(q, k_hat, v_hat))
+
+
+def _topk_mask(s: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(n, dim=-1, sorted=False).indices, True)
+
+
+def topk_agreement(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, top_k: int = 8) -> float:
+    """Share of each query's true top-``top_k`` attention positions that the scores against ``k_hat`` also rank
+    in their top ``top_k``, averaged over queries and heads (1: every position recovered).
+
+    Args:
+        q: ``[..., queries, kv_heads * group, D]``.
+        k, k_hat: ``[..., tokens, kv_heads, D]``.
+        top_k: positions compared (at most the number of tokens).
+    """
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    qg = _grouped(q, k)
+    s, s_hat = _scores(qg, k), _scores(qg, k_hat)
+    n = min(top_k, s.shape[-1])
+    return float((_topk_mask(s, n) & _topk_mask(s_hat, n)).sum(dim=-1).double().mean() / n)
+
+
+class _Reference:
+    """One layer's fp32 attention, computed once and compared with every scheme's (what :func:`evaluate_all`
+    shares between schemes; the numbers are those of :func:`attention_error` and :func:`topk_agreement`)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, top_k: int):
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.qg, self.k, self.v = _grouped(q, k), k.float(), v.float()
+        s = _scores(self.qg, self.k)
+        self.n = min(top_k, s.shape[-1])
+        self.out = _attend(s.softmax(dim=-1), self.v)
+        self.top = _topk_mask(s, self.n)
+
+    def compare(self, k_hat: torch.Tensor, v_hat: torch.Tensor) -> tuple[float, float]:
+        """(attention error, top-k agreement) of ``k_hat``, ``v_hat``."""
+        s = _scores(self.qg, k_hat)
+        err = reconstruction_error(self.out, _attend(s.softmax(dim=-1), v_hat))
+        return err, float((self.top & _topk_mask(s, self.n)).sum(dim=-1).double().mean() / self.n)
+
+
+# ---- the study ---------------------------------------------------------------------------------------------------
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(f"k and v must be [layers, tokens, kv_heads, head_dim] of one shape, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"q must be [layers, queries, kv_heads * group, head_dim] matching k "
+                         f"{tuple(k.shape)}, got {tuple(q.shape)}")
+
+
+def _scheme(scheme: Scheme | str) -> Scheme:
+    from . import get
+
+    return get(scheme) if isinstance(scheme, str) else scheme
+
+
+def evaluate(scheme: Scheme | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+             top_k: int = 8) -> list[dict]:
+    """One row per layer: what ``scheme`` stores and the errors attention reads.
+
+    Keys go through ``scheme.roundtrip(k_layer, "k")``, values ``"v"``; static schemes (tensor / head scales)
+    calibrate on the same layer's data.
+
+    Args:
+        scheme: a :class:`Scheme` or a name for ``workbench.quant.get``.
+        q: ``[layers, queries, kv_heads * group, head_dim]`` (in the space attention uses: post-RoPE).
+        k, v: ``[layers, tokens, kv_heads, head_dim]``.
+        top_k: positions compared by :func:`topk_agreement`.
+
+    Returns:
+        Rows ``{scheme, title, family, layer, bytes_per_token, quantized_tokens, k_err, v_err, attn_err, topk}``;
+        ``bytes_per_token`` is one layer's K and V (``scheme.bytes_per_token(heads, head_dim, context=tokens)``),
+        ``family`` the name before the ``/``.
+    """
+    return evaluate_all([scheme], q, k, v, top_k=top_k)
+
+
+def evaluate_all(schemes: Iterable[Scheme | str] | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                 top_k: int = 8) -> list[dict]:
+    """:func:`evaluate` for each scheme (default: every scheme of ``workbench.quant.SCHEMES``), rows concatenated
+    (scheme by scheme; the fp32 attention of each layer is computed once)."""
+    from . import SCHEMES
+
+    _check_qkv(q, k, v)
+    L, T, H, D = k.shape
+    chosen = [_scheme(s) for s in (SCHEMES.values() if schemes is None else schemes)]
+    refs = [_Reference(q[layer], k[layer], v[layer], top_k) for layer in range(L)]
+    rows = []
+    for s in chosen:
+        bpt, tq = s.bytes_per_token(H, D, context=T), s.quantized_tokens(T)
+        for layer, ref in enumerate(refs):
+            k_hat, v_hat = s.roundtrip(ref.k, "k"), s.roundtrip(ref.v, "v")
+            attn_err, topk = ref.compare(k_hat, v_hat)
+            rows.append({"scheme": s.name, "title": s.title(), "family": s.name.split("/")[0], "layer": layer,
+                         "bytes_per_token": bpt, "quantized_tokens": tq,
+                         "k_err": reconstruction_error(ref.k, k_hat), "v_err": reconstruction_error(ref.v, v_hat),
+                         "attn_err": attn_err, "topk": topk})
+    return rows
+
+
+def summarize(rows: Sequence[dict]) -> list[dict]:
+    """One row per scheme (in first-seen order): the per-layer errors averaged over layers, plus the worst
+    layer's attention error (``attn_err_max``)."""
+    by: dict[str, list[dict]] = {}
+    for r in rows:
+        by.setdefault(r["title"], []).append(r)
+    out = []
+    for rs in by.values():
+        n = len(rs)
+        out.append({**{c: rs[0][c] for c in ("scheme", "title", "family", "bytes_per_token", "quantized_tokens")},
+                    "layers": n, **{c: sum(r[c] for r in rs) / n for c in ("k_err", "v_err", "attn_err", "topk")},
+                    "attn_err_max": max(r["attn_err"] for r in rs)})
+    return out
+
+
+def pareto_front(rows: Sequence[dict], x: str = "bytes_per_token", y: str = "attn_err") -> list[dict]:
+    """The rows no other row dominates (another row as small or smaller in both ``x`` and ``y`` and smaller in
+    one), sorted by ``x``: the schemes worth their bytes."""
+    front = [r for r in rows if not any(o[x] <= r[x] and o[y] <= r[y] and (o[x] < r[x] or o[y] < r[y])
+                                        for o in rows)]
+    return sorted(front, key=lambda r: (r[x], r[y]))
+
+
+def kivi_comparison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None, *,
+                    bits: Sequence[int] = (2, 4), group: int = 32, positions: torch.Tensor | None = None,
+                    rope_base: float = 10000.0, top_k: int = 8) -> list[dict]:
+    """KIVI's finding tested: per-channel keys (``key_mode="channel"``) against per-token keys (``"token"``),
+    on keys quantized before RoPE (RoPE applied to the dequantized keys, as KVQuant does) and after it.
+
+    Both modes use groups of ``group`` (tokens for per-channel keys, channels for per-token keys) and
+    ``residual=0``, so only the key mode differs; values stay exact so the attention error is the keys'.
+    Attention is computed as the model does, on post-RoPE keys.
+
+    Args:
+        q: ``[layers, queries, kv_heads * group, head_dim]``, post-RoPE (the space attention uses).
+        k: ``[layers, tokens, kv_heads, head_dim]`` **pre-RoPE** keys.
+        v: values like ``k`` (default: random normal; they only weight the attention output).
+        bits: the widths compared (each of 2, 4).
+        group: tokens / channels per group.
+        positions: ``[tokens]`` for RoPE (default ``0 .. tokens - 1``).
+        rope_base: RoPE's base.
+        top_k: positions compared by :func:`topk_agreement`.
+
+    Returns:
+        Rows ``{bits, keys ("pre-RoPE" / "post-RoPE"), key_mode, scheme, k_err, attn_err, topk}``, each averaged
+        over layers. :func:`kivi_summary` turns them into ratios.
+    """
+    from . import get
+
+    if v is None:
+        v = torch.randn(k.shape, generator=torch.Generator().manual_seed(0))
+    _check_qkv(q, k, v)
+    k_post = apply_rope(k, positions, rope_base)
+    refs = [_Reference(q[layer], k_post[layer], v[layer], top_k) for layer in range(k.shape[0])]
+    rows = []
+    for b in bits:
+        if b not in (2, 4):
+            raise ValueError(f"bits must be 2 or 4, got {b}")
+        for mode in ("channel", "token"):
+            s = get(f"int{b}/kivi", group=group, value_group=min(group, k.shape[-1]), residual=0, key_mode=mode)
+            for keys in ("pre-RoPE", "post-RoPE"):
+                errs = []
+                for layer, ref in enumerate(refs):
+                    if keys == "pre-RoPE":
+                        k_hat = apply_rope(s.roundtrip(k[layer].float(), "k"), positions, rope_base)
+                    else:
+                        k_hat = s.roundtrip(ref.k, "k")
+                    errs.append((reconstruction_error(ref.k, k_hat), *ref.compare(k_hat, ref.v)))
+                n = len(errs)
+                rows.append({"bits": b, "keys": keys, "key_mode": mode, "scheme": s.title(),
+                             "k_err": sum(e[0] for e in errs) / n, "attn_err": sum(e[1] for e in errs) / n,
+                             "topk": sum(e[2] for e in errs) / n})
+    return rows
+
+
+def kivi_summary(rows: Sequence[dict]) -> list[dict]:
+    """From :func:`kivi_comparison`'s rows: per (bits, keys), the attention errors of both key modes and
+    ``ratio = token / channel`` (> 1: per-channel keys win, as KIVI found)."""
+    out = []
+    for (b, keys) in dict.fromkeys((r["bits"], r["keys"]) for r in rows):
+        m = {r["key_mode"]: r for r in rows if r["bits"] == b and r["keys"] == keys}
+        ch, tok = m["channel"]["attn_err"], m["token"]["attn_err"]
+        out.append({"bits": b, "keys": keys, "channel": ch, "token": tok, "ratio": tok / ch if ch else math.inf,
+                    "topk_channel": m["channel"]["topk"], "topk_token": m["token"]["topk"]})
+    return out
+
+
+# ---- statistics of the data (what makes them hard to quantize) ---------------------------------------------------
+
+
+def data_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, outlier_channels: int = 4) -> dict:
+    """Statistics quantization is sensitive to, per the data (real or synthetic):
+
+    - ``outlier_ratio``: mean |k| of each head's ``outlier_channels`` largest channels over its median channel's;
+    - ``sink_mass``: mean attention probability on token 0; ``max_other_mass``: the largest on any other token;
+    - ``top1_mass``: mean probability of each query's most attended token (peaked attention: near 1);
+    - ``value_rms``: ``[layers]`` RMS of the values (grows with depth in real models).
+
+    Shapes as :func:`evaluate`.
+    """
+    _check_qkv(q, k, v)
+    a = k.float().abs().mean(dim=1)  # [L, H, D]
+    srt = a.sort(dim=-1, descending=True).values
+    ratio = srt[..., :outlier_channels].mean(dim=-1) / srt[..., a.shape[-1] // 2] if outlier_channels else None
+    p = attention_weights(q, k)  # [L, H, G, Tq, T]
+    per_token = p.mean(dim=(0, 1, 2, 3))
+    return {"outlier_ratio": float(ratio.mean()) if ratio is not None else 1.0,
+            "sink_mass": float(per_token[0]), "max_other_mass": float(per_token[1:].max()),
+            "top1_mass": float(p.amax(dim=-1).mean()),
+            "value_rms": [float(x) for x in v.float().pow(2).mean(dim=(1, 2, 3)).sqrt()]}
+
+
+# ---- one scheme from a family and its knobs (the notebook's panel) ------------------------------------------------
+
+#: The families a reader picks from, and which knobs apply to each.
+FAMILIES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_asym", "int4", "int2")
+SCALED_FAMILIES = ("fp8_e4m3", "fp8_e5m2", "int8")  # tensor / head / token scales
+GROUP_FAMILIES = ("int4", "int2")  # KIVI groups: group size, residual, key mode
+
+
+def scheme_for(family: str, granularity: str = "tensor", group: int = 32, residual: int = 128,
+               key_mode: str = "channel", head_dim: int = 64) -> Scheme:
+    """The scheme of ``family`` with the knobs that apply to it (the others are ignored).
+
+    ``granularity`` (``tensor`` / ``head`` / ``token``) picks the scales of fp8 and int8; int8_asym is per
+    token. For int4 / int2, ``group`` is KIVI's G: tokens per key group with per-channel keys, and channels per
+    value group (and per key group with per-token keys), capped at the largest power of two dividing
+    ``head_dim`` (a group cannot span two heads); ``residual`` newest tokens stay fp16.
+    """
+    from . import get
+
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {list(FAMILIES)}, got {family!r}")
+    if family in SCALED_FAMILIES:
+        return get(f"{family}/{granularity}")
+    if family in GROUP_FAMILIES:
+        return get(f"{family}/kivi", group=group, value_group=min(group, head_dim & -head_dim), residual=residual,
+                   key_mode=key_mode)
+    return get("int8_asym/token" if family == "int8_asym" else family)
