@@ -36,15 +36,15 @@ def scheme_of(k_dtype: torch.dtype, quant_arg) -> quant.Scheme:
 def launch_defaults(scheme: quant.Scheme) -> dict:
     """Launch changes a quantized scheme gets on the GPU, measured on the H200 (docs/quant_tuning.md): 1-byte
     symmetric codes run two warps over 64-token tiles in three stages (fp8 per tensor, W4: 1.27x -> 1.47x our
-    fp16), asymmetric int8 128-token tiles (its zero points need the registers of four warps), packed codes
-    32-token tiles (the unpacked operands are the register cost)."""
+    fp16), asymmetric int8 32-token tiles in three stages (its zero points need the registers: W1 0.73x -> 0.86x),
+    packed codes 32-token tiles (the unpacked operands are the register cost)."""
     if not scheme.quantized:
         return {}
     if scheme.packed:
         return {"BLOCK_N": 32}
     if scheme.symmetric:
         return {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3}
-    return {"BLOCK_N": 128}
+    return {"BLOCK_N": 32, "num_stages": 3}
 
 
 def check_kernel_shape(scheme: quant.Scheme, head_dim: int) -> None:

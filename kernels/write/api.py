@@ -261,7 +261,7 @@ def write_kv(
         qs = _scheme(quant, k_cache)
         if qs.granularity in ("token", "group"):
             return _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
-                                  nonfinite, validate)
+                                  nonfinite, validate, tokens_per_program, num_warps)
     kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
               heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
     plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
@@ -300,7 +300,8 @@ def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, sche
     return block_size, num_blocks
 
 
-def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate):
+def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate,
+                   tokens_per_program=None, num_warps=None):
     from .dynamic import check_group_slots, write_dynamic
 
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
@@ -320,4 +321,4 @@ def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, 
         if scheme.packed and scheme.key_mode == "channel":
             check_group_slots(scheme, slot_mapping, block_size)
     write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, scheme, block_size, num_blocks, nonfinite,
-                  validate)
+                  validate, tokens_per_program, num_warps)

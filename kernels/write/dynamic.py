@@ -181,7 +181,8 @@ def check_group_slots(scheme: Scheme, slot_mapping: torch.Tensor, block_size: in
 
 
 def write_dynamic(key, value, k_cache, v_cache, layout: Layout, slot_mapping, scheme: Scheme, block_size: int,
-                  num_blocks: int, nonfinite: torch.Tensor | None = None, validate: bool = True) -> None:
+                  num_blocks: int, nonfinite: torch.Tensor | None = None, validate: bool = True,
+                  tokens_per_program: int | None = None, num_warps: int | None = None) -> None:
     """Quantize ``key``/``value`` ``[T, H, D]`` with scales computed now and write codes and scales (checked
     already by ``write_kv``). Non-finite inputs are counted into ``nonfinite`` (int32 ``[1]``); without one,
     a validated call warns when it saw any."""
@@ -198,7 +199,7 @@ def write_dynamic(key, value, k_cache, v_cache, layout: Layout, slot_mapping, sc
         sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
         item = sc.dtype.itemsize
         s_tg, s_h, _ = sc.strides
-        bt = scheme.group if mode == 4 else TOKENS_PER_PROGRAM
+        bt = scheme.group if mode == 4 else (tokens_per_program or TOKENS_PER_PROGRAM)
         grid = (triton.cdiv(num_tokens, bt), num_heads)
         _write_dynamic_kernel[grid](
             src, cache, slot_mapping, counter, num_tokens, block_size, num_blocks * block_size,
@@ -207,7 +208,8 @@ def write_dynamic(key, value, k_cache, v_cache, layout: Layout, slot_mapping, sc
             S_D=a.s_d, X=a.x, MODE=mode,
             QUANT=QUANT_FP8 if fmt.codes == "fp8" else QUANT_INT8, QMIN=fmt.qmin, QMAX=fmt.qmax, MANT=mant, EMIN=emin,
             SOFT=SOFT_ROUND, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DC=dc, BITS=scheme.bits,
-            DG=sc.channels_per_group if mode == 3 else 1, SC_DTYPE=_TL_SCALE[sc.dtype], BLOCK_T=bt, num_warps=4,
+            DG=sc.channels_per_group if mode == 3 else 1, SC_DTYPE=_TL_SCALE[sc.dtype], BLOCK_T=bt,
+            num_warps=num_warps or 4,
         )
     if nonfinite is None and validate and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
         n = int(counter)

@@ -8,5 +8,7 @@ BENCHMARKS = {
     "allocator": "allocator operations per second on this CPU (allocate+free, fork, prefix lookup)",
     "cache_kernels": "GPU: write-to-cache and block-copy kernels vs torch (--smoke: tiny CPU check)",
     "decode": "GPU: paged decode attention on W1-W5 vs SDPA, gather+SDPA, FlexAttention (--smoke: tiny CPU check)",
+    "quant_decode": "GPU: paged decode of every quantization scheme on W1-W5 beside fp16, quantize-on-write, fp8 "
+                    "codes vs torch (--tune; --smoke: tiny CPU check)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
 }

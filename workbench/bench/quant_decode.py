@@ -2,7 +2,7 @@
 same run, the quantize-on-write of a 32k-token prefill chunk, and a count of the fp8 write's codes that
 differ from torch's (and whether each one is an exact rounding midpoint).
 
-Rows (``python -m workbench.bench.quant_decode --out data/results``): ``section`` ``decode`` (``workload``,
+Rows (``python -m workbench bench quant_decode --out data/results``): ``section`` ``decode`` (``workload``,
 ``scheme``, ``variant``, ``time_us``, ``time_us_graph``, ``speedup_vs_fp16``, ``bw_fraction`` (stored bytes with
 scales over the time, as a fraction of the copy bandwidth measured in the run), ``bytes_per_token``,
 ``rel_err`` (against the dequantized reference), ``quant_err`` (against fp32 on the unquantized values)),
@@ -155,9 +155,14 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
     return rows
 
 
+WRITE_VARIANTS = [("default", {})] + [(f"bt{bt}-w{w}", {"tokens_per_program": bt, "num_warps": w})
+                                        for bt in (8, 32, 64) for w in (2, 4, 8)]
+
+
 def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32768, heads: int = 8,
-              head_dim: int = 128) -> list[dict]:
-    """Quantize-on-write of one prefill chunk (``tokens`` tokens, 16-token pages, fp16 source)."""
+              head_dim: int = 128, tune: bool = False) -> list[dict]:
+    """Quantize-on-write of one prefill chunk (``tokens`` tokens, 16-token pages, fp16 source); ``tune``: every
+    program shape of :data:`WRITE_VARIANTS` for the schemes whose scales are computed on write."""
     rows = []
     nb = tokens // PAGE
     g = torch.Generator(device=device).manual_seed(3)
@@ -173,16 +178,26 @@ def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32
             kw = dict(k_scale=scheme.calibrate(key), v_scale=scheme.calibrate(value))
         elif scheme.quantized:
             kw = dict(quant=scheme)
-        fn = functools.partial(write_kv, key, value, caches[0], caches[1], "nhd", slots, validate=False, **kw)
-        fn()
         stored = scheme.bytes_per_token(heads, head_dim) * tokens
         nbytes = int(2 * key.numel() * 2 + stored)  # fp16 source read + codes and scales written
-        row = {"section": "write", "scheme": scheme.name, "tokens": tokens, "bytes": nbytes, "copy_gbps": copy_gbps}
-        if device == "cuda":
-            t = harness.time_us_graph(fn, rep_ms=rep_ms)
-            row.update(time_us_graph=t, bw_fraction=nbytes / (t * 1e-6) / 1e9 / copy_gbps)
-        rows.append(row)
-        tqdm.write(_fmt(row))
+        dynamic = scheme.granularity in ("token", "group")
+        for variant, cfg in (WRITE_VARIANTS if tune and dynamic else [("default", {})]):
+            fn = functools.partial(write_kv, key, value, caches[0], caches[1], "nhd", slots, validate=False, **kw,
+                                   **cfg)
+            for c in caches:
+                qblocks.plane_of(c).view(torch.uint8).fill_(0xEE)  # poisoned: every variant writes it all again
+            fn()
+            written = [qblocks.plane_of(c).view(torch.uint8).clone() for c in caches]
+            if variant == "default":
+                reference = written
+            row = {"section": "write", "scheme": scheme.name, "variant": variant, "tokens": tokens, "bytes": nbytes,
+                   "copy_gbps": copy_gbps,
+                   "identical": all(torch.equal(a, b) for a, b in zip(written, reference, strict=True))}
+            if device == "cuda":
+                t = harness.time_us_graph(fn, rep_ms=rep_ms)
+                row.update(time_us_graph=t, bw_fraction=nbytes / (t * 1e-6) / 1e9 / copy_gbps)
+            rows.append(row)
+            tqdm.write(_fmt(row))
         del caches
         _free(device)
     return rows
@@ -257,7 +272,7 @@ def kernel_stats(before: dict) -> dict:
 
 def _fmt(row: dict) -> str:
     keep = ("section", "workload", "scheme", "variant", "quant_math", "time_us_graph", "speedup_vs_fp16",
-            "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "differ", "exact_midpoints",
+            "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "identical", "differ", "exact_midpoints",
             "not_midpoints", "error")
     return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
                      for k in keep if row.get(k) is not None)
@@ -270,7 +285,7 @@ def _free(device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.bench.quant_decode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workbench bench quant_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny workloads through the interpreter (correctness)")
     ap.add_argument("--tune", action="store_true", help="time launch variants per scheme (tiles, splits, warps)")
     ap.add_argument("--only", default="", help="with --tune: variant-name prefixes to time (comma separated)")
@@ -294,12 +309,13 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_decode(w, copy_gbps, schemes, 100, args.tune, device,
                                tuple(p for p in args.only.split(",") if p))
     if "write" in sections:
-        rows += run_write(copy_gbps, WRITE_SCHEMES, 100, device, tokens=32768 if device == "cuda" else 256)
+        rows += run_write(copy_gbps, WRITE_SCHEMES, 100, device, tokens=32768 if device == "cuda" else 256,
+                          tune=args.tune)
     if "midpoints" in sections:
         rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
     path = harness.write_results("quant-decode", rows, harness.machine_meta(), out,
                                  extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
-                                        "page_size": PAGE})
+                                        "page_size": PAGE, "tune": bool(args.tune)})
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("section") == "decode" and (r.get("error") or (r.get("rel_err") or 0) > (
         1e-2 if r["scheme"] == "bf16" else 1e-3))]  # bf16 output rounds at 2**-9

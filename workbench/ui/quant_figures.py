@@ -14,7 +14,7 @@ SCALE_SYMBOLS = {"tensor": "circle", "head": "square", "token": "diamond", "kivi
 ERROR_COLORS = {"k_err": "#2a9d8f", "v_err": "#e9c46a", "attn_err": "#264653"}
 ERROR_NAMES = {"k_err": "K error", "v_err": "V error", "attn_err": "attention error"}
 WORKLOAD_COLORS = ("#264653", "#2a9d8f", "#e9c46a", "#f4a261", "#e76f51", "#8d99ae")
-NO_DECODE = ("no H200 results yet: run<br>`python -m workbench.bench.quant_decode<br>--out data/results`"
+NO_DECODE = ("no H200 results yet: run<br>`python -m workbench bench quant_decode<br>--out data/results`"
              " on a GPU")
 
 

@@ -20,10 +20,10 @@ DECODE_PATTERN = "quant-decode-*.json"
 
 def h200_decode_rows(results_dir=None, where: Mapping | None = None) -> list[dict]:
     """The newest committed H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``,
-    smoke runs left out), as :func:`best_decode_rows`; ``[]`` when there is none yet."""
+    smoke and ``--tune`` runs left out), as :func:`best_decode_rows`; ``[]`` when there is none yet."""
     from workbench.bench import harness
 
-    want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s} if where is None else where
+    want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t} if where is None else where
     return best_decode_rows(harness.load_results(DECODE_PATTERN, results_dir=results_dir, where=want, latest=True))
 
 
