@@ -154,3 +154,18 @@ def test_schemes_a_cache_cannot_hold_are_refused_naming_both():
     cache = PagedKVCache(1, 2, 64, 4, kv_dtype="fp8_e4m3/head", k_scale=torch.ones(2), v_scale=torch.ones(2))
     assert cache.scheme.name == "fp8_e4m3/head" and cache.scales(0, "k") == (None, None)
     assert PagedKVCache(1, 2, 64, 4, page_tokens=32, kv_dtype="int4").scheme.name == "int4/kivi"
+
+
+def test_kivi_decode_of_sequences_still_all_in_the_fp16_residual():
+    cache, g, _ = started("int4/kivi", "short", 5, seed=4)  # 5 tokens < residual + group: nothing quantized yet
+    k, v = kv(30, g)
+    cache.add("long", list(range(100, 130)), k, v)
+    assert cache.quantized_tokens("short") == 0 and cache.quantized_tokens("long") > 0
+    q = torch.randn(2, H * 2, D, generator=g).half().to(k.device)
+    out = cache.decode(q, ["short", "long"], 0)
+    for i, sid in enumerate(["short", "long"]):
+        kr, vr = cache.read(sid)
+        one = torch.zeros((1, 1), dtype=torch.int32, device=k.device)
+        ref = paged_decode_ref(q[i:i + 1], kr[0][None], vr[0][None], "nhd", one,
+                               torch.tensor([kr.shape[1]], dtype=torch.int32, device=k.device))
+        assert rel_err(out[i:i + 1], ref) < 1e-3, sid

@@ -30,8 +30,14 @@ def group_slots(n_groups: int, group: int, block_size: int, num_blocks: int, g) 
     return (picks[:, None] * group + torch.arange(group)).reshape(-1)
 
 
-@pytest.mark.parametrize("name", DYNAMIC)
-@pytest.mark.parametrize("layout, block_size", [("nhd", 16), ("nhd", 32), ("hnd", 32), ("vllm", 16)])
+# every scheme in NHD and the vLLM split (16-token pages); 32-token pages and HND with one scheme of each write
+# mode (symmetric and asymmetric per token, packed per token, KIVI key groups)
+WRITE_CASES = [(n, layout, 16) for n in DYNAMIC for layout in ("nhd", "vllm")] + [
+    (n, layout, 32) for layout in ("nhd", "hnd") for n in ("fp8_e4m3/token", "int8_asym/token", "int4/token",
+                                                             "int4/kivi")]
+
+
+@pytest.mark.parametrize("name, layout, block_size", WRITE_CASES)
 def test_write_kv_codes_and_scales_match_scheme(name, layout, block_size, device):
     scheme = scheme_for(name, block_size)
     g = torch.Generator().manual_seed(block_size + len(name))
@@ -193,3 +199,24 @@ def test_quant_bench_smoke_rows(device, tmp_path):
     assert [r["section"] for r in write] == ["write", "write"] and all(r["bytes"] > 0 for r in write)
     assert {n for n, _ in quant_decode.tune_variants(quant.get("fp16"), {"num_splits": 2, "BLOCK_N": 32})} >= {
         "heuristic", "w2-BLOCK_N64-stages3"}
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3/tensor", "fp8_e5m2/head", "int8/tensor"])
+def test_static_scales_saturate_on_the_kernel_path(name, device):
+    """Values beyond ``qmax * scale`` (a calibration that missed them) store the largest code, never NaN or a wrap."""
+    scheme = quant.get(name)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 2, 64, generator=g) * 4
+    x[3, 1, 7], x[9, 0, 0] = 1e4, -1e4  # far outside the scale's range
+    scale = scheme.calibrate(x[:2]).reshape(-1)  # calibrated on two tokens: the rest saturates
+    kc = qblocks.empty_cache(scheme, "nhd", "k", 2, 16, 2, 64, device, fill=POISON)
+    vc = qblocks.empty_cache(scheme, "nhd", "v", 2, 16, 2, 64, device, fill=POISON)
+    write_kv(x.to(device), x.to(device), kc, vc, "nhd", torch.arange(16, device=device), k_scale=scale.to(device),
+             v_scale=scale.to(device))
+    got = kc.reshape(32, 2, 64)[:16].cpu()
+    want = scheme.quantize(x, "k", scale).codes
+    if got.dtype.is_floating_point:
+        assert int(quant_code_distance(got, want).max()) == 0 and not torch.isnan(got.float()).any()
+        assert float(got[3, 1, 7].float()) == scheme.qmax and float(got[9, 0, 0].float()) == -scheme.qmax
+    else:
+        assert torch.equal(got, want) and int(got[3, 1, 7]) == 127 and int(got[9, 0, 0]) == -128

@@ -34,6 +34,7 @@ PAGE = 16
 DECODE_SCHEMES = ("fp16", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor",
                   "int8/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
                   "int2/kivi")
+SMOKE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/kivi", "int2/token")
 WRITE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token",
                  "int4/kivi", "int2/kivi")
 
@@ -209,8 +210,8 @@ def run_midpoints(device, rep: int = 2) -> list[dict]:
     rows = []
     for key in ("W3", "W5"):
         w = WORKLOADS[key]
-        tokens = sum(w.seq_lens()) if device == "cuda" else 4096
-        H, D = w.num_kv_heads, w.head_dim
+        tokens = sum(w.seq_lens()) if device == "cuda" else 64  # the interpreter: a check, not a count
+        H, D = (w.num_kv_heads, w.head_dim) if device == "cuda" else (2, 64)
         for seed in range(rep):
             g = torch.Generator(device=device).manual_seed(10 + seed)
             x = torch.randn(tokens, H, D, generator=g, device=device).half()
@@ -289,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny workloads through the interpreter (correctness)")
     ap.add_argument("--tune", action="store_true", help="time launch variants per scheme (tiles, splits, warps)")
     ap.add_argument("--only", default="", help="with --tune: variant-name prefixes to time (comma separated)")
-    ap.add_argument("--workloads", default="W1,W2,W3,W4,W5")
-    ap.add_argument("--schemes", default=",".join(DECODE_SCHEMES))
+    ap.add_argument("--workloads", default=None, help="comma separated (default W1-W5; --smoke: W1)")
+    ap.add_argument("--schemes", default=None,
+                    help=f"comma separated (default every scheme timed: {','.join(DECODE_SCHEMES)}; --smoke: one of "
+                         f"each decode mode)")
     ap.add_argument("--sections", default="decode,write,midpoints")
     ap.add_argument("--out", type=Path, default=None,
                     help="result folder (default results/, git-ignored; data/results holds the committed ones)")
@@ -300,17 +303,19 @@ def main(argv: list[str] | None = None) -> int:
     out = harness.output_dir(ap, args.out)
     device = "cuda" if not args.smoke else str(workbench.device())
     copy_gbps = harness.copy_bandwidth_gbps() if device == "cuda" else 0.0
-    schemes = args.schemes.split(",")
+    schemes = (args.schemes or ",".join(SMOKE_SCHEMES if args.smoke else DECODE_SCHEMES)).split(",")
     sections = args.sections.split(",")
     rows = []
-    for key in tqdm(args.workloads.split(","), desc="workloads", file=sys.stderr):
+    for key in tqdm((args.workloads or ("W1" if args.smoke else "W1,W2,W3,W4,W5")).split(","), desc="workloads",
+                    file=sys.stderr):
         w = WORKLOADS[key].smoke() if args.smoke else WORKLOADS[key]
         if "decode" in sections:
             rows += run_decode(w, copy_gbps, schemes, 100, args.tune, device,
                                tuple(p for p in args.only.split(",") if p))
     if "write" in sections:
-        rows += run_write(copy_gbps, WRITE_SCHEMES, 100, device, tokens=32768 if device == "cuda" else 256,
-                          tune=args.tune)
+        gpu = device == "cuda"
+        rows += run_write(copy_gbps, WRITE_SCHEMES, 100, device, tokens=32768 if gpu else 64, heads=8 if gpu else 2,
+                          head_dim=128 if gpu else 64, tune=args.tune)
     if "midpoints" in sections:
         rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
     path = harness.write_results("quant-decode", rows, harness.machine_meta(), out,

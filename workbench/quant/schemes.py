@@ -201,7 +201,8 @@ class Scheme:
         """Codes (and scales) of ``x`` ``[T, H, D]`` as K (``kind="k"``) or V.
 
         ``scale``: the static scale of a ``tensor`` / ``head`` scheme (default: :meth:`calibrate` on ``x``).
-        NaN/Inf raise :class:`NonFiniteError`; values beyond a static scale's range saturate.
+        In a quantized scheme NaN/Inf raise :class:`NonFiniteError` (a cast passes them through, as the
+        cast does); values beyond a static scale's range saturate.
         """
         if kind not in ("k", "v"):
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
