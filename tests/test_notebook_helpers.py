@@ -34,7 +34,7 @@ def test_notebook_module_imports_without_the_ui():
 
 
 def small_cache():
-    cache = PagedKVCache(num_layers=2, num_kv_heads=2, head_dim=16, num_pages=12, page_tokens=16, block_sizes=[4, 16],
+    cache = PagedKVCache(num_layers=1, num_kv_heads=2, head_dim=16, num_pages=12, page_tokens=16, block_sizes=[4, 16],
                          policy=ByExpectedLength(small=4, large=16, threshold=40))
     fragmentation.churn(cache, steps=50, seed=16)
     return cache
