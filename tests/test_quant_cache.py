@@ -4,7 +4,10 @@ nothing."""
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import bits, rel_err
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_allocator import snapshot
 from workbench.kernels.reference import paged_decode_ref
 
 import workbench
@@ -169,3 +172,42 @@ def test_kivi_decode_of_sequences_still_all_in_the_fp16_residual():
         ref = paged_decode_ref(q[i:i + 1], kr[0][None], vr[0][None], "nhd", one,
                                torch.tensor([kr.shape[1]], dtype=torch.int32, device=k.device))
         assert rel_err(out[i:i + 1], ref) < 1e-3, sid
+
+
+BAD = st.sampled_from(["nan", "inf", "short", "heads", "float64", "device"])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(SCHEMES), bad=BAD, which=st.sampled_from(["k", "v"]), op=st.sampled_from(["add", "append"]),
+       n=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_random_bad_kv_changes_nothing(name, bad, which, op, n, seed):
+    """A refused add/append of a quantized cache leaves the allocator, the bytes (codes and scales), the fp16
+    residual and the prefix cache exactly as they were."""
+    cache, g, _ = started(name, "a", 13, seed=seed)
+    k, v = kv(n, g)
+    t = {"k": k, "v": v}[which]
+    if bad in ("nan", "inf"):
+        t.view(-1)[int(torch.randint(t.numel(), (1,), generator=g))] = float(bad)
+    elif bad == "short":
+        t = t[:, :-1]
+    elif bad == "heads":
+        t = t[:, :, :1]
+    elif bad == "float64":
+        t = t.double()
+    else:
+        t = t.to("meta")
+    k, v = (t, v) if which == "k" else (k, t)
+    res = cache.residual("a")
+    before = (snapshot(cache.manager), bits(cache.pool).clone(), cache.quantized_tokens("a"),
+              None if res is None else bits(res[0]).clone())
+    with pytest.raises(ValueError, match=which):
+        if op == "add":
+            cache.add("b", list(range(n)), k, v)
+        else:
+            cache.append("a", list(range(n)), k, v)
+    res = cache.residual("a")
+    after = (snapshot(cache.manager), bits(cache.pool), cache.quantized_tokens("a"),
+             None if res is None else bits(res[0]))
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == before[2]
+    assert (after[3] is None) == (before[3] is None) and (after[3] is None or torch.equal(after[3], before[3]))
+    assert "b" not in cache.manager.seq_ids
