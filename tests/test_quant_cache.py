@@ -211,3 +211,31 @@ def test_random_bad_kv_changes_nothing(name, bad, which, op, n, seed):
     assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == before[2]
     assert (after[3] is None) == (before[3] is None) and (after[3] is None or torch.equal(after[3], before[3]))
     assert "b" not in cache.manager.seq_ids
+
+
+def test_calibration_pass_gives_the_caches_static_scales():
+    g = torch.Generator().manual_seed(6)
+    batches = [kv(n, g) for n in (7, 30, 12)]
+    batches[1][0][0, 3, 1, 5] = 40.0  # one large key in the middle batch sets head 1's scale
+    cal = quant.Calibrator(quant.get("fp8_e4m3/head"))
+    for k, v in batches:
+        cal.observe(k, v)
+    ks, vs = cal.scales()
+    k_all = torch.cat([k for k, _ in batches], 1)[0].cpu()
+    assert torch.equal(ks, quant.get("fp8_e4m3/head").calibrate(k_all)) and ks.shape == (H,)
+    assert float(ks[1]) == float(torch.tensor(40.0) / 448.0)  # fp32, as the scale is stored
+    per_tensor = quant.Calibrator(quant.get("int8/tensor"), margin=1.25)
+    per_tensor.observe(*batches[0])
+    assert per_tensor.scales()[0].shape == (1,)
+    cache = PagedKVCache(L, H, D, 8, page_tokens=16, kv_dtype="fp8_e4m3/head", k_scale=ks, v_scale=vs)
+    cache.add("a", list(range(30)), *batches[1])
+    kr, _ = cache.read("a")
+    assert rel_err(kr, batches[1][0]) < 0.1 and float(kr[0, 3, 1, 5]) == 40.0  # the maximum is a code exactly
+    with pytest.raises(ValueError, match="static scales"):
+        quant.Calibrator(quant.get("fp8_e4m3/token"))
+    with pytest.raises(ValueError, match="at least one batch"):
+        quant.Calibrator(quant.get("int8/head")).scales()
+    with pytest.raises(ValueError, match="margin"):
+        quant.Calibrator(quant.get("int8/head"), margin=0.5)
+    with pytest.raises(quant.NonFiniteError):
+        cal.observe(torch.full((1, 2, H, D), float("nan")), batches[0][1])

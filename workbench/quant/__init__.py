@@ -1,4 +1,5 @@
-"""Quantized K/V: the schemes (``schemes``), by name (:func:`get`), and their error study (``study``).
+"""Quantized K/V: the schemes (``schemes``), by name (:func:`get`), where blocks keep their scales (``blocks``),
+static scales from a calibration pass (:class:`Calibrator`), and the error study (``study``).
 
 ``get("fp8_e4m3/token")``, ``get("int4", group=32, residual=128)``; :data:`SCHEMES` lists every name.
 The kernels (``workbench.kernels``) quantize on write and dequantize inside paged decode for every scheme;
@@ -7,6 +8,7 @@ The kernels (``workbench.kernels``) quantize on write and dequantize inside page
 
 from __future__ import annotations
 
+from .calibration import Calibrator
 from .schemes import NonFiniteError, Quantized, Scheme, check_finite, pack, unpack
 
 
@@ -74,5 +76,5 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
     return get(fmt.name)
 
 
-__all__ = ["ALIASES", "SCHEMES", "NonFiniteError", "Quantized", "Scheme", "check_finite", "get", "pack", "resolve",
-           "unpack"]
+__all__ = ["ALIASES", "SCHEMES", "Calibrator", "NonFiniteError", "Quantized", "Scheme", "check_finite", "get", "pack",
+           "resolve", "unpack"]
