@@ -1,5 +1,6 @@
 """Helpers every kernel wrapper shares (fla's ``ops/common``): alignment arithmetic, the formats' dtype
-lists, and the per-geometry cache of launch plans."""
+lists, the per-geometry cache of launch plans, and what a quantized cache must offer any kernel (its scheme,
+rows the kernels can tile, room for the scales in its blocks)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 import torch
+import triton.language as tl
 
-from workbench import formats
+from workbench import formats, quant
+from workbench.quant import blocks as qblocks
 
 TUNING = Path(__file__).resolve().parent / "tuning"  # measured launch tables, one JSON file per kernel
 
 FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the attention kernels take as queries
+
+SCALE_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16}  # the blocks' scale arrays, for the kernels
 
 T = TypeVar("T")
 
@@ -75,3 +80,40 @@ def describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+
+
+# ---- quantized caches (workbench.quant) -------------------------------------------------
+def scheme_of(k_dtype: torch.dtype, quant_arg) -> quant.Scheme:
+    """The scheme a kernel reads or writes: ``quant_arg`` (a name or scheme, checked against the cache's dtype) or,
+    without one, the plain reading of the dtype (a cast, or fp8 / int8 with static scales; uint8 is refused)."""
+    if quant_arg is not None:
+        scheme = quant.get(quant_arg)
+        if scheme.format.storage != k_dtype:
+            raise ValueError(f"quant {scheme.name} stores {scheme.format.storage}, but k_cache holds {k_dtype}")
+        return scheme
+    return quant.resolve(k_dtype, "k_cache")
+
+
+def check_kernel_shape(scheme: quant.Scheme, head_dim: int) -> None:
+    """What the kernels ask of a packed scheme's rows: a power-of-two head_dim and at least 16 bytes a row (the
+    smallest tile Triton's dot and loads take)."""
+    if not scheme.packed:
+        return
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"{scheme.name} needs a power-of-two head_dim in the kernels, got {head_dim}")
+    if qblocks.code_dim(scheme, head_dim) < 16:
+        raise ValueError(f"{scheme.name} packs head_dim {head_dim} into {qblocks.code_dim(scheme, head_dim)} bytes; "
+                         f"the kernels need at least 16 (head_dim >= {16 * 8 // scheme.bits})")
+
+
+def block_scales_in(cache: torch.Tensor, name: str, scheme: quant.Scheme, kind: str, block_size: int,
+                    num_heads: int, head_dim: int) -> qblocks.BlockScales:
+    """The scale array of ``cache``'s blocks (``workbench.quant.blocks``), after checking that each block has room for
+    it and that the arrays are aligned for the kernels' scale loads (ValueError naming ``name`` otherwise)."""
+    sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
+    stride_bytes = cache.stride(0) * cache.element_size()
+    if stride_bytes < sc.end or stride_bytes % sc.dtype.itemsize or cache.data_ptr() % 16:
+        raise ValueError(f"{name} blocks of {stride_bytes} bytes cannot hold {scheme.name}'s codes and scales "
+                         f"({sc.end} bytes a block, 16-byte aligned): build it with workbench's PagedKVCache or "
+                         f"workbench.quant.blocks.empty_cache")
+    return sc

@@ -220,3 +220,19 @@ def test_static_scales_saturate_on_the_kernel_path(name, device):
         assert float(got[3, 1, 7].float()) == scheme.qmax and float(got[9, 0, 0].float()) == -scheme.qmax
     else:
         assert torch.equal(got, want) and int(got[3, 1, 7]) == 127 and int(got[9, 0, 0]) == -128
+
+
+@pytest.mark.parametrize("v_scale_kind", ["tensor1", "float"])
+def test_per_head_and_per_tensor_static_scales_mix(v_scale_kind, device):
+    """K per kv head with V per tensor (a one-element tensor, broadcast on the device, or a float)."""
+    g = torch.Generator().manual_seed(8)
+    kc, vc = (torch.randn(6, 16, 2, 64, generator=g).to(torch.float8_e4m3fn).to(device) for _ in range(2))
+    ks = torch.tensor([0.02, 0.05], device=device)
+    vs = torch.tensor([0.03], device=device) if v_scale_kind == "tensor1" else 0.03
+    lens = torch.tensor([40, 7], dtype=torch.int32, device=device)
+    table = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(2)]).int().to(device)
+    q = torch.randn(2, 4, 64, generator=g).half().to(device)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc, vc, "nhd", table, lens, k_scale=ks, v_scale=vs, out=out)
+    ref = paged_decode_ref(q, kc.float() * ks.reshape(1, 1, -1, 1), vc.float() * 0.03, "nhd", table, lens)
+    assert rel_err(out, ref) < 1e-3

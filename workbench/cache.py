@@ -81,7 +81,7 @@ class PagedKVCache:
                  prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, zero_storage: bool = False):
         import workbench
-        from workbench.kernels.decode.quant import check_kernel_shape
+        from workbench.kernels.common import check_kernel_shape
 
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -316,7 +316,7 @@ class PagedKVCache:
         o_blocks, s_blocks = plan.run(q, k_cache, v_cache)
         width = max(r[0].shape[1] if r is not None else 0 for r in residuals)
         B = len(seq_ids)
-        rk = torch.zeros((B, width, self.num_kv_heads, self.head_dim), dtype=torch.float16, device=self.device)
+        rk = torch.zeros((B, width, self.num_kv_heads, self.head_dim), dtype=q.dtype, device=self.device)
         rv = torch.zeros_like(rk)
         for i, r in enumerate(residuals):
             if r is not None:
@@ -325,9 +325,9 @@ class PagedKVCache:
         r_lens = torch.tensor([r[0].shape[1] if r is not None else 0 for r in residuals], dtype=torch.int32,
                               device=self.device)
         table = torch.arange(B, dtype=torch.int32, device=self.device)[:, None]  # sequence i owns "block" i
-        r_plan = DecodePlan(table, r_lens, layout="nhd", k_cache=rk.to(q.dtype), v_cache=rv.to(q.dtype),
-                            num_q_heads=q.shape[1], q_dtype=q.dtype, return_lse=True, sm_scale=sm_scale, **launch)
-        o_res, s_res = r_plan.run(q, rk.to(q.dtype), rv.to(q.dtype))
+        r_plan = DecodePlan(table, r_lens, layout="nhd", k_cache=rk, v_cache=rv, num_q_heads=q.shape[1],
+                            q_dtype=q.dtype, return_lse=True, sm_scale=sm_scale, **launch)
+        o_res, s_res = r_plan.run(q, rk, rv)
         return merge_state(o_blocks, s_blocks, o_res, s_res)[0]
 
     # ---- exports -------------------------------------------------------------------
@@ -390,7 +390,7 @@ class PagedKVCache:
         if num_tokens:
             bs = self.pool_sizes[0]
             try:
-                if self.scheme.granularity in ("token", "group"):
+                if self.scheme.scales_in_blocks:
                     n = self.scheme.group if self.scheme.packed and self.scheme.key_mode == "channel" else num_tokens
                     slots = torch.empty(n, dtype=torch.int64, device=self.device)
                     kk, vv = (t[0, :1].expand(n, -1, -1) for t in (k, v))  # the shape a group write has
@@ -410,7 +410,7 @@ class PagedKVCache:
         except BaseException:
             self.manager.restore(cp, placement)
             raise
-        if self.scheme.residual or self.scheme.packed:  # only KIVI keeps tokens outside the blocks
+        if self.scheme.packed:  # only KIVI (int4 / int2 groups) keeps tokens outside the blocks
             self._quantized[seq] = written
             if residual is None:
                 self._residual.pop(seq, None)
@@ -447,9 +447,8 @@ class PagedKVCache:
         if not slots:
             return target, residual
         slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        dynamic = self.scheme.granularity in ("token", "group")
         for layer in range(self.num_layers):
-            if dynamic:
+            if self.scheme.scales_in_blocks:
                 write_kv(src_k[layer], src_v[layer], self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
                          slot_t, quant=self.scheme, nonfinite=self.nonfinite, validate=False)
             else:

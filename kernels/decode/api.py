@@ -8,9 +8,9 @@ import torch
 
 from workbench.layout import Layout
 
+from .. import common
 from ..validate import capturing
 from . import config
-from . import quant as _quant
 from .checks import _check_inputs
 
 
@@ -75,7 +75,7 @@ def paged_decode(
     from .plan import DecodePlan
 
     layout = Layout.parse(layout)
-    scheme = _quant.scheme_of(k_cache.dtype, launch.get("quant")) if isinstance(k_cache, torch.Tensor) else None
+    scheme = common.scheme_of(k_cache.dtype, launch.get("quant")) if isinstance(k_cache, torch.Tensor) else None
     B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out, scheme)
     key = None
     if max_seq_len is not None and not (validate and not capturing(q)):

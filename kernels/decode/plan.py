@@ -188,7 +188,7 @@ class DecodePlan:
                max_seq_len, mean_seq_len, num_splits, k_scale, v_scale, sm_scale, validate, launch, stats=None,
                scratch=True, return_lse=False):
         launch = dict(launch)
-        scheme = _quant.scheme_of(k_cache.dtype, launch.pop("quant", None))
+        scheme = common.scheme_of(k_cache.dtype, launch.pop("quant", None))
         bad = set(launch) - set(_config.LAUNCH_KEYS)
         if bad:
             raise ValueError(f"launch options must be among {_config.LAUNCH_KEYS}, got {sorted(bad)}")
@@ -224,12 +224,11 @@ class DecodePlan:
                                                  0 if interp else _config._num_sms(device))
         ks_ptr, ks_val = _checks._scale_arg("k_scale", k_scale, device, hkv)
         vs_ptr, vs_val = _checks._scale_arg("v_scale", v_scale, device, hkv)
-        s_sc_h = 1 if (ks_ptr is not None and ks_ptr.numel() > 1) or (vs_ptr is not None and vs_ptr.numel() > 1) else 0
-        if s_sc_h and hkv > 1:  # per head: both through [Hkv] pointers
-            ks_ptr = ks_ptr if ks_ptr is not None and ks_ptr.numel() > 1 else torch.full((hkv,), ks_val if ks_ptr is None
-                                                                                   else float(ks_ptr), device=device)
-            vs_ptr = vs_ptr if vs_ptr is not None and vs_ptr.numel() > 1 else torch.full((hkv,), vs_val if vs_ptr is None
-                                                                                   else float(vs_ptr), device=device)
+        s_sc_h = int(any(p is not None and p.numel() > 1 for p in (ks_ptr, vs_ptr)))  # 1: per kv head
+        if s_sc_h:  # both through [Hkv] pointers; a per-tensor one is broadcast on the device (no host read)
+            ks_ptr, vs_ptr = (p if p is not None and p.numel() > 1 else
+                              (p.expand(hkv).contiguous() if p is not None else torch.full((hkv,), val, device=device))
+                              for p, val in ((ks_ptr, ks_val), (vs_ptr, vs_val)))
         scale_ptr = ks_ptr is not None or vs_ptr is not None
         if scale_ptr:  # both through pointers: one code path
             ks_ptr = ks_ptr if ks_ptr is not None else torch.full((1,), ks_val, device=device)
@@ -335,7 +334,7 @@ class DecodePlan:
 def _values_head_dim(k_cache, v_cache, layout, q_dtype, device, quant_arg) -> int:
     """The values' head_dim of caches whose rows hold ``code_dim`` elements (packed codes: fewer)."""
     code_dim = _checks._cache_geometry(k_cache, v_cache, layout, q_dtype, device)[2]
-    return _quant.values_head_dim(_quant.scheme_of(k_cache.dtype, quant_arg), code_dim)
+    return _quant.values_head_dim(common.scheme_of(k_cache.dtype, quant_arg), code_dim)
 
 
 def _fill(plan: DecodePlan, fields: dict) -> None:

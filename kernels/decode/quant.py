@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton.language as tl
 
 from workbench import quant
 from workbench.quant import blocks as qblocks
 
+from .. import common
+
 QMODES = {"none": 0, "tensor": 0, "head": 0, "token": 2, "group": 4}  # token asymmetric: 3
-_TL_SCALE = {torch.float32: tl.float32, torch.float16: tl.float16}
 
 
 class DecodeQuant(NamedTuple):
@@ -20,17 +20,6 @@ class DecodeQuant(NamedTuple):
     head_dim: int  # the values' head_dim (the caches hold code_dim(head_dim) elements a row)
     constexprs: dict
     args: tuple  # s_sc_h, ks_blk, ks_off, ks_tg, ks_h, kz_off, vs_blk, vs_off, vs_tg, vs_h, vz_off
-
-
-def scheme_of(k_dtype: torch.dtype, quant_arg) -> quant.Scheme:
-    """The scheme a decode reads: ``quant_arg`` (a name or scheme) or, without one, the plain reading of the
-    caches' dtype (fp32/fp16/bf16 as they are, fp8 / int8 with static scales)."""
-    if quant_arg is not None:
-        scheme = quant.get(quant_arg)
-        if scheme.format.storage != k_dtype:
-            raise ValueError(f"quant {scheme.name} stores {scheme.format.storage}, but k_cache holds {k_dtype}")
-        return scheme
-    return quant.resolve(k_dtype, "k_cache")
 
 
 def launch_defaults(scheme: quant.Scheme) -> dict:
@@ -45,18 +34,6 @@ def launch_defaults(scheme: quant.Scheme) -> dict:
     if scheme.symmetric:
         return {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3}
     return {"BLOCK_N": 32, "num_stages": 3}
-
-
-def check_kernel_shape(scheme: quant.Scheme, head_dim: int) -> None:
-    """What the kernels ask of a packed scheme's rows: a power-of-two head_dim and at least 16 bytes a row (the
-    smallest tile Triton's dot and loads take)."""
-    if not scheme.packed:
-        return
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"{scheme.name} needs a power-of-two head_dim in the kernels, got {head_dim}")
-    if qblocks.code_dim(scheme, head_dim) < 16:
-        raise ValueError(f"{scheme.name} packs head_dim {head_dim} into {qblocks.code_dim(scheme, head_dim)} bytes; "
-                         f"the kernels need at least 16 (head_dim >= {16 * 8 // scheme.bits})")
 
 
 def values_head_dim(scheme: quant.Scheme, code_dim: int) -> int:
@@ -78,30 +55,18 @@ def decode_quant(scheme: quant.Scheme, k_cache: torch.Tensor, v_cache: torch.Ten
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is not None:
             raise ValueError(f"{name} must be None for {scheme.name}: its scales live in the blocks")
-    check_kernel_shape(scheme, head_dim)
+    common.check_kernel_shape(scheme, head_dim)
     args = [0]
     consts = dict(QMODE=QMODES[scheme.granularity] + (1 if scheme.granularity == "token" and not scheme.symmetric
                                                       else 0),
                   QMAX=float(scheme.qmax), DC=qblocks.code_dim(scheme, head_dim), BITS=scheme.bits, **fast)
     consts["BLOCK_DC"] = max(16, 1 << (consts["DC"] - 1).bit_length())
     for kind, cache in (("k", k_cache), ("v", v_cache)):
-        sc = qblocks.block_scales(scheme, kind, block_size, hkv, head_dim)
+        sc = common.block_scales_in(cache, f"{kind}_cache", scheme, kind, block_size, hkv, head_dim)
         item = sc.dtype.itemsize
-        stride_bytes = cache.stride(0) * cache.element_size()
-        if stride_bytes < sc.end or stride_bytes % item or cache.data_ptr() % 16:
-            raise ValueError(f"{kind}_cache blocks of {stride_bytes} bytes cannot hold {scheme.name}'s codes and "
-                             f"scales ({sc.end} bytes a block, 16-byte aligned): build it with workbench's "
-                             f"PagedKVCache or workbench.quant.blocks.block_bytes")
         s_tg, s_h, _ = sc.strides
-        args += [stride_bytes // item, sc.offset // item, s_tg, s_h, sc.count]
+        args += [cache.stride(0) * cache.element_size() // item, sc.offset // item, s_tg, s_h, sc.count]
         consts[f"{kind.upper()}_TG"] = sc.tokens_per_group
         consts[f"{kind.upper()}_DG"] = sc.channels_per_group
-        consts["SC_DTYPE"] = _TL_SCALE[sc.dtype]
+        consts["SC_DTYPE"] = common.SCALE_DTYPES[sc.dtype]
     return DecodeQuant(scheme, head_dim, consts, tuple(args))
-
-
-def static_scale_stride(name: str, value, hkv: int) -> int:
-    """Head stride of a static scale: 0 for one value, 1 for one per kv head."""
-    if isinstance(value, torch.Tensor) and value.numel() == hkv and hkv > 1:
-        return 1
-    return 0

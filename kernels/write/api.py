@@ -257,34 +257,21 @@ def write_kv(
     Validation of shapes and the launch choice are cached per geometry, so a repeated call costs a
     dictionary lookup on the host; with ``validate=False`` the call does no device work besides the kernel.
     """
-    if quant is not None or (isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.uint8):
-        qs = _scheme(quant, k_cache)
-        if qs.granularity in ("token", "group"):
+    if isinstance(k_cache, torch.Tensor) and (quant is not None or k_cache.dtype == torch.uint8):
+        qs = common.scheme_of(k_cache.dtype, quant)
+        if qs.scales_in_blocks:
             return _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
                                   nonfinite, validate, tokens_per_program, num_warps)
     kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
               heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
     plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
-    if validate and slot_mapping.numel() and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
-        if lo < -1 or hi >= plan.num_slots:
-            raise ValueError(f"slot_mapping values must be -1 or in [0, {plan.num_slots}), got range [{lo}, {hi}]")
+    if validate:
+        _check_slot_values(slot_mapping, plan.num_slots, k_cache)
     if plan.empty:
         return
     if plan.consts["QUANT"] == QUANT_NONE:
         k_scale, v_scale = k_cache, v_cache  # placeholders: never read
     plan.kernel[plan.grid](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *plan.args, **plan.consts)
-
-
-def _scheme(quant_arg, k_cache):
-    from workbench import quant as _quant
-
-    if quant_arg is None:
-        raise ValueError("k_cache holds uint8 codes (int8_asym, int4 or int2): pass quant= to say which scheme")
-    qs = _quant.get(quant_arg)
-    if isinstance(k_cache, torch.Tensor) and qs.format.storage != k_cache.dtype:
-        raise ValueError(f"quant {qs.name} stores {qs.format.storage}, but k_cache holds {k_cache.dtype}")
-    return qs
 
 
 def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme) -> tuple[int, int]:
@@ -313,12 +300,19 @@ def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, 
                          f"{getattr(nonfinite, 'dtype', type(nonfinite).__name__)}")
     layout = Layout.parse(layout)
     block_size, num_blocks = check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme)
-    if validate and slot_mapping.numel() and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
-        lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
-        if lo < -1 or hi >= num_blocks * block_size:
-            raise ValueError(f"slot_mapping values must be -1 or in [0, {num_blocks * block_size}), got range "
-                             f"[{lo}, {hi}]")
+    if validate and _check_slot_values(slot_mapping, num_blocks * block_size, k_cache):
         if scheme.packed and scheme.key_mode == "channel":
             check_group_slots(scheme, slot_mapping, block_size)
     write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, scheme, block_size, num_blocks, nonfinite,
                   validate, tokens_per_program, num_warps)
+
+
+def _check_slot_values(slot_mapping, num_slots: int, k_cache) -> bool:
+    """Every slot ``-1`` or in ``[0, num_slots)`` (one device sync); False when there was nothing to read (no
+    slots, or a CUDA graph being captured)."""
+    if not slot_mapping.numel() or (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    lo, hi = (int(v) for v in torch.aminmax(slot_mapping))
+    if lo < -1 or hi >= num_slots:
+        raise ValueError(f"slot_mapping values must be -1 or in [0, {num_slots}), got range [{lo}, {hi}]")
+    return True

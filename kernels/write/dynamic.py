@@ -138,9 +138,9 @@ from workbench.layout import Layout, addressing  # noqa: E402
 from workbench.quant import Scheme  # noqa: E402
 from workbench.quant import blocks as qblocks  # noqa: E402
 
+from .. import common  # noqa: E402
 from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND  # noqa: E402
 
-_TL_SCALE = {torch.float32: tl.float32, torch.float16: tl.float16}
 TOKENS_PER_PROGRAM = 16
 
 
@@ -153,16 +153,10 @@ def _mode(scheme: Scheme, kind: str) -> int:
 def check_dynamic(scheme: Scheme, key, k_cache, v_cache, layout: Layout, block_size: int) -> None:
     """What only a dynamic scheme asks of the caches: room for its scales in every block, and whole key groups."""
     num_tokens, num_heads, head_dim = key.shape
-    from ..decode.quant import check_kernel_shape
-
     scheme.check_shape(num_heads, head_dim)
-    check_kernel_shape(scheme, head_dim)
+    common.check_kernel_shape(scheme, head_dim)
     for kind, cache in (("k", k_cache), ("v", v_cache)):
-        sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
-        stride_bytes = cache.stride(0) * cache.element_size()
-        if stride_bytes < sc.end or stride_bytes % sc.dtype.itemsize or cache.data_ptr() % 16:
-            raise ValueError(f"{kind}_cache blocks of {stride_bytes} bytes cannot hold {scheme.name}'s codes and "
-                             f"scales ({sc.end} bytes a block, 16-byte aligned)")
+        common.block_scales_in(cache, f"{kind}_cache", scheme, kind, block_size, num_heads, head_dim)
     if _mode(scheme, "k") == 4 and num_tokens % scheme.group:
         raise ValueError(f"{scheme.name} quantizes keys per channel over groups of {scheme.group} tokens: key must "
                          f"hold whole groups, got {num_tokens} tokens (the cache keeps the rest in its fp16 residual)")
@@ -208,7 +202,7 @@ def write_dynamic(key, value, k_cache, v_cache, layout: Layout, slot_mapping, sc
             S_D=a.s_d, X=a.x, MODE=mode,
             QUANT=QUANT_FP8 if fmt.codes == "fp8" else QUANT_INT8, QMIN=fmt.qmin, QMAX=fmt.qmax, MANT=mant, EMIN=emin,
             SOFT=SOFT_ROUND, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DC=dc, BITS=scheme.bits,
-            DG=sc.channels_per_group if mode == 3 else 1, SC_DTYPE=_TL_SCALE[sc.dtype], BLOCK_T=bt,
+            DG=sc.channels_per_group if mode == 3 else 1, SC_DTYPE=common.SCALE_DTYPES[sc.dtype], BLOCK_T=bt,
             num_warps=num_warps or 4,
         )
     if nonfinite is None and validate and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):

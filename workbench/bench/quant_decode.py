@@ -69,7 +69,7 @@ def quantized_paged(p: PagedKV, scheme: quant.Scheme):
 def _plan(p: PagedKV, scheme, k_cache, v_cache, ks, vs, q, cfg: dict | None):
     mean = sum(p.lens) / max(1, len(p.lens))
     kw = dict(k_scale=ks, v_scale=vs) if scheme.static else {}
-    if scheme.granularity in ("token", "group"):
+    if scheme.scales_in_blocks:
         kw["quant"] = scheme
     return DecodePlan(p.block_table, p.seq_lens, layout="nhd", k_cache=k_cache, v_cache=v_cache,
                       num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=p.max_seq_len, mean_seq_len=mean,
@@ -148,7 +148,12 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                         t_fp16 = t
                     row["speedup_vs_fp16"] = t_fp16 / t if t_fp16 else None
             except Exception as e:  # noqa: BLE001  (a variant out of shared memory is a row, not a crash)
+                root = e  # Triton wraps a compile error in several layers: the innermost one says what broke
+                while root.__cause__ is not None or root.__context__ is not None:
+                    root = root.__cause__ or root.__context__
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                if root is not e:
+                    row["error_cause"] = f"{type(root).__name__}: {str(root)[-300:]}"
             rows.append(row)
             tqdm.write(_fmt(row))
         del k_cache, v_cache, ref
@@ -181,8 +186,7 @@ def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32
             kw = dict(quant=scheme)
         stored = scheme.bytes_per_token(heads, head_dim) * tokens
         nbytes = int(2 * key.numel() * 2 + stored)  # fp16 source read + codes and scales written
-        dynamic = scheme.granularity in ("token", "group")
-        for variant, cfg in (WRITE_VARIANTS if tune and dynamic else [("default", {})]):
+        for variant, cfg in (WRITE_VARIANTS if tune and scheme.scales_in_blocks else [("default", {})]):
             fn = functools.partial(write_kv, key, value, caches[0], caches[1], "nhd", slots, validate=False, **kw,
                                    **cfg)
             for c in caches:
@@ -274,7 +278,7 @@ def kernel_stats(before: dict) -> dict:
 def _fmt(row: dict) -> str:
     keep = ("section", "workload", "scheme", "variant", "quant_math", "time_us_graph", "speedup_vs_fp16",
             "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "identical", "differ", "exact_midpoints",
-            "not_midpoints", "error")
+            "not_midpoints", "error", "error_cause")
     return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
                      for k in keep if row.get(k) is not None)
 

@@ -65,7 +65,7 @@ def code_bytes(scheme: Scheme, block_size: int, num_heads: int, head_dim: int) -
 
 def block_scales(scheme: Scheme, kind: str, block_size: int, num_heads: int, head_dim: int) -> BlockScales | None:
     """The scale array of a block of ``block_size`` tokens, or None when the scheme keeps none in blocks."""
-    if scheme.granularity not in ("token", "group"):
+    if not scheme.scales_in_blocks:
         return None
     start = -(-code_bytes(scheme, block_size, num_heads, head_dim) // SCALE_ALIGN) * SCALE_ALIGN
     if scheme.granularity == "token":

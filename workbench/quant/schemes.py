@@ -113,6 +113,11 @@ class Scheme:
         return self.granularity == "group"
 
     @property
+    def scales_in_blocks(self) -> bool:
+        """Scales computed on write and kept in the blocks beside their codes (``token`` and ``group``)."""
+        return self.granularity in ("token", "group")
+
+    @property
     def static(self) -> bool:
         """Scales given or calibrated ahead (per tensor / head), not computed on write."""
         return self.granularity in ("tensor", "head")

@@ -276,12 +276,6 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{tuple(k.shape)}, got {tuple(q.shape)}")
 
 
-def _scheme(scheme: Scheme | str) -> Scheme:
-    from . import get
-
-    return get(scheme) if isinstance(scheme, str) else scheme
-
-
 def evaluate(scheme: Scheme | str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
              top_k: int = 8) -> list[dict]:
     """One row per layer: what ``scheme`` stores and the errors attention reads.
@@ -307,11 +301,11 @@ def evaluate_all(schemes: Iterable[Scheme | str] | None, q: torch.Tensor, k: tor
                  top_k: int = 8) -> list[dict]:
     """:func:`evaluate` for each scheme (default: every scheme of ``workbench.quant.SCHEMES``), rows concatenated
     (scheme by scheme; the fp32 attention of each layer is computed once)."""
-    from . import SCHEMES
+    from . import SCHEMES, get
 
     _check_qkv(q, k, v)
     L, T, H, D = k.shape
-    chosen = [_scheme(s) for s in (SCHEMES.values() if schemes is None else schemes)]
+    chosen = [get(s) for s in (SCHEMES.values() if schemes is None else schemes)]
     refs = [_Reference(q[layer], k[layer], v[layer], top_k) for layer in range(L)]
     rows = []
     for s in chosen:
