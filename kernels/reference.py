@@ -128,15 +128,82 @@ def write_kv_ref(
     slots = slot_mapping[keep].long()
     blk, off = slots // block_size, slots % block_size
     for src, cache, kind, scale in ((key, k_cache, "k", k_scale), (value, v_cache, "v", v_scale)):
-        q = quantize_ref(src[keep], cache.dtype, scale)  # [T', H, D]
-        if layout is Layout.NHD:
-            cache[blk, off] = q
-        elif layout is Layout.HND:
-            cache[blk, :, off] = q  # advanced indices first: [T', H, D]
-        elif kind == "k":
-            cache[blk, :, :, off] = q.reshape(*q.shape[:2], cache.shape[2], cache.shape[4])  # [T', H, D/x, x]
-        else:
-            cache[blk, :, :, off] = q  # [T', H, D]
+        _place_rows(cache, layout, kind, blk, off, quantize_ref(src[keep], cache.dtype, scale))
+
+
+def _place_rows(cache: torch.Tensor, layout: Layout, kind: str, blk, off, q: torch.Tensor) -> None:
+    """Store rows ``q`` ``[T, H, DC]`` (codes) at blocks ``blk``, offsets ``off`` of a cache in ``layout``."""
+    if layout is Layout.NHD:
+        cache[blk, off] = q
+    elif layout is Layout.HND:
+        cache[blk, :, off] = q  # advanced indices first: [T', H, D]
+    elif kind == "k":
+        cache[blk, :, :, off] = q.reshape(*q.shape[:2], cache.shape[2], cache.shape[4])  # [T', H, D/x, x]
+    else:
+        cache[blk, :, :, off] = q  # [T', H, D]
+
+
+def write_cache_ref(scheme, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    layout: Layout | str, slot_mapping: torch.Tensor, k_scale=None, v_scale=None) -> None:
+    """``write_kv(..., quant=scheme)`` in PyTorch: the codes of ``key``/``value`` ``[T, H, D]`` and (``token`` and
+    ``group`` schemes) their scales into the blocks (``workbench.quant.blocks``), as ``scheme.quantize`` gives
+    them. A group of keys quantized per channel must lie in consecutive slots of one block, as for the kernel."""
+    from workbench.quant import blocks as qblocks
+
+    if not scheme.scales_in_blocks:
+        write_kv_ref(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale)
+        return
+    layout = Layout.parse(layout)
+    bs = to_nhd(v_cache[:0], layout, "v").shape[1]
+    slots = slot_mapping.long()
+    blk, off = slots // bs, slots % bs
+    whole = scheme.with_params(residual=0) if scheme.packed else scheme  # the caller chose the tokens to store
+    D = key.shape[-1]
+    for src, cache, kind in ((key, k_cache, "k"), (value, v_cache, "v")):
+        qz = whole.quantize(src, kind)
+        _place_rows(cache, layout, kind, blk, off, qz.codes.to(cache.dtype) if qz.codes.dtype != cache.dtype
+                    else qz.codes)
+        sc = qblocks.block_scales(scheme, kind, bs, src.shape[1], D)
+        scale, zero = qblocks.scale_views(qblocks.plane_of(cache), sc)  # [nb, token groups, H, channel groups]
+        g = sc.tokens_per_group
+        b_g, t_g = blk[::g], off[::g] // g  # one scale row per group of g tokens (its first slot)
+        rows = qz.scale.reshape(b_g.shape[0], src.shape[1], -1)  # [groups, H, channel groups]
+        scale[b_g, t_g] = rows.to(scale.dtype)
+        if zero is not None:
+            zero[b_g, t_g] = qz.zero.reshape(rows.shape).to(zero.dtype)
+
+
+def decode_cache_ref(scheme, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout | str,
+                     block_table: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, *, k_scale=None, v_scale=None,
+                     sm_scale: float | None = None, residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged decode of any scheme's cache in PyTorch (fp32): ``q`` ``[B, Hq, D]`` -> ``(out [B, Hq, D] fp32,
+    lse [B, Hq] fp32 base 2)``. Values are :func:`dequantize_cache_ref`'s (times static scales); ``residual``: per
+    sequence ``(k, v)`` ``[n, H, D]`` or None, attended after the blocks (KIVI's fp16 tokens)."""
+    B, Hq, D = q.shape
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    vals = []
+    for cache, kind, st in ((k_cache, "k", k_scale), (v_cache, "v", v_scale)):
+        x = dequantize_cache_ref(scheme, cache, layout, kind, head_dim)  # [nb, bs, H, D]
+        if st is not None:
+            x = x * torch.as_tensor(st, dtype=torch.float32, device=x.device).reshape(1, 1, -1, 1)
+        vals.append(x)
+    bs = vals[0].shape[1]
+    out = torch.zeros((B, Hq, D), dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        pos = torch.arange(n, device=q.device)
+        blocks = block_table[b, pos // bs].long()
+        k, v = vals[0][blocks, pos % bs], vals[1][blocks, pos % bs]  # [n, H, D]
+        if residual is not None and residual[b] is not None:
+            k, v = torch.cat([k, residual[b][0].float()]), torch.cat([v, residual[b][1].float()])
+        if k.shape[0] == 0:
+            continue
+        g = Hq // k.shape[1]
+        k, v = k.repeat_interleave(g, 1).transpose(0, 1), v.repeat_interleave(g, 1).transpose(0, 1)  # [Hq, n, D]
+        s = torch.einsum("hd,hnd->hn", q[b].float(), k) * scale
+        out[b] = torch.einsum("hn,hnd->hd", torch.softmax(s, -1), v)
+        lse[b] = torch.logsumexp(s, -1) / math.log(2.0)
+    return out, lse
 
 
 def quant_code_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

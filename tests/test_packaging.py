@@ -22,7 +22,8 @@ def _split(requirement: str) -> tuple[str, str]:
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = dict(_split(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"])
+    declared = dict(_split(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]
+                    + project["optional-dependencies"]["model"])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = {}
     for dep in env["dependencies"]:

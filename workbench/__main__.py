@@ -7,6 +7,8 @@ Commands:
   bench NAME    run the benchmark module workbench.bench.NAME (its own --help); results go to results/
                 (git-ignored) unless --out DIR
   sim NAME      run a simulator command of workbench.sim (its own --help)
+  generate      generate text with SmolLM2-135M through the paged cache (its own --help)
+  capture       store real per-layer K/V and attention of fixed prompts in data/activations (its own --help)
 
 ``main(argv)`` returns the exit status (2 for bad input, with a message and no traceback).
 """
@@ -102,6 +104,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return cli.main([args.name, *args.rest]) or 0
 
 
+MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model.capture"}
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    import importlib
+
+    return importlib.import_module(MODEL_COMMANDS[args.command]).main(args.rest) or 0
+
+
 def _listing(title: str, described: dict[str, str]) -> str:
     """``title:`` then one ``name  description`` line per entry (the epilog of ``bench``/``sim --help``)."""
     width = max(map(len, described))
@@ -155,12 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", metavar="NAME", help="one of: " + ", ".join(SIM_COMMANDS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
     p.set_defaults(func=cmd_sim)
+    for name, text in (("generate", "generate with SmolLM2-135M through the paged cache (generate --help)"),
+                       ("capture", "store real K/V and attention of fixed prompts (capture --help)")):
+        p = sub.add_parser(name, help=text, add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
+        p.set_defaults(func=cmd_model)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (``--help``/``--version`` 0, bad arguments 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] in MODEL_COMMANDS:  # their own parsers take every option after the name
+            return cmd_model(argparse.Namespace(command=argv[0], rest=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except SystemExit as e:  # argparse (and a benchmark's parser.error) exit: hand back the status

@@ -67,6 +67,9 @@ class PagedKVCache:
         device: default ``workbench.device()``.
         prefix_caching: reuse cached full blocks of a matching prefix.
         k_scale, v_scale: fp32 dequantization scales (one element, or one per kv head) for 1-byte dtypes.
+        ops: ``"kernels"`` (the Triton kernels: write, copy, paged decode) or ``"torch"`` (their plain PyTorch
+            references in ``workbench.kernels.reference``, on the same blocks, tables and scales: fast on a CPU,
+            where the kernels run under the Triton interpreter).
         zero_storage: fill the storage with zeros. By default it is ``torch.empty`` (whatever the
             allocator hands out, NaN included): kernels never read an unwritten slot, but a user who
             exports the raw pool (``blocks()``, ``k_cache()``) sees only written slots as defined.
@@ -79,13 +82,16 @@ class PagedKVCache:
                  page_tokens: int = 16, block_sizes: Sequence[int] | None = None, policy=None,
                  layout: Layout | str = "nhd", kv_dtype: str | torch.dtype = "fp16", device=None,
                  prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, zero_storage: bool = False):
+                 v_scale: torch.Tensor | None = None, zero_storage: bool = False, ops: str = "kernels"):
         import workbench
         from workbench.kernels.common import check_kernel_shape
 
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if ops not in ("kernels", "torch"):
+            raise ValueError(f"ops must be 'kernels' or 'torch', got {ops!r}")
+        self.ops = ops
         self.layout = Layout.parse(layout)
         self.scheme = quant.resolve(kv_dtype)  # workbench.quant: codes, scales, residual
         self.format = self.scheme.format  # workbench.formats: what the kernels and references ask
@@ -219,6 +225,37 @@ class PagedKVCache:
         self._write_or_undo(cp, placement, k, v)
         return placement
 
+    def begin_step(self, seq_ids: Sequence, tokens: Sequence[int]):
+        """Reserve a slot for one new token of each sequence and return the :class:`~workbench.step.DecodeStep`
+        that writes and attends layer by layer (``workbench.step``); nothing is published until it commits."""
+        from workbench.step import DecodeStep
+
+        return DecodeStep(self, seq_ids, tokens)
+
+    def append_batch(self, seq_ids: Sequence, tokens: Sequence[int], k: torch.Tensor,
+                     v: torch.Tensor) -> list[Placement]:
+        """One new token for each of ``seq_ids`` (a decode step): ``k``, ``v`` ``[num_layers, B, heads, head_dim]``.
+
+        All or nothing: the sequences' slots are reserved together (copy-on-write copies included), then each
+        layer is written by one kernel launch for the whole batch; if any sequence is refused (out of blocks, an
+        unknown id, bad K/V) no sequence has changed. KIVI schemes (an fp16 residual per sequence) append sequence
+        by sequence after the same checks: each append is whole, and one refused for lack of blocks leaves the
+        sequences after it untouched."""
+        seq_ids = list(seq_ids) if isinstance(seq_ids, Sequence) and not isinstance(seq_ids, (str, bytes)) else None
+        if not seq_ids:
+            raise ValueError("seq_ids must be a non-empty list of distinct sequence ids")
+        self._check_kv(k, v, len(seq_ids))
+        if self.scheme.packed:
+            tokens = token_ids("tokens", tokens)
+            if len(tokens) != len(seq_ids):
+                raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
+            self._batch(seq_ids)
+            pairs = enumerate(zip(seq_ids, tokens, strict=True))
+            return [self.append(s, [t], k[:, i:i + 1], v[:, i:i + 1]) for i, (s, t) in pairs]
+        with self.begin_step(seq_ids, tokens) as step:
+            self._write_layers(step.block_size, step.slots, k, v)
+        return step.placements
+
     def fork(self, parent_id, child_id) -> None:
         self.manager.fork(parent_id, child_id)
         if parent_id in self._quantized:
@@ -251,7 +288,11 @@ class PagedKVCache:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
-        copy_blocks(self.blocks(block_size), src, dst)
+        if self.ops == "torch":
+            blocks = self.blocks(block_size)
+            blocks[:, :, dst] = blocks[:, :, src]
+        else:
+            copy_blocks(self.blocks(block_size), src, dst)
 
     def gather(self, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, contiguous: each ``[num_layers, num_tokens, heads, head_dim]``."""
@@ -269,11 +310,22 @@ class PagedKVCache:
     def read(self, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V as attention reads them, fp32 ``[num_layers, num_tokens, heads, head_dim]``:
         codes dequantized with the blocks' (or the static) scales, then the fp16 residual (PyTorch, for checks)."""
+        bs = self.manager.block_size(seq_id)
+        return self._read_blocks(bs, self.manager.block_table(seq_id), self.quantized_tokens(seq_id),
+                                 self._residual.get(seq_id))
+
+    def read_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None,
+                    extra_key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the longest cached prefix of ``tokens`` that :meth:`add` would reuse, as attention reads
+        them (fp32 ``[num_layers, hit tokens, heads, head_dim]``; zero tokens on a miss). Changes nothing: a
+        runner attends over these and computes only the rest of the prompt, then calls :meth:`add`."""
+        bs, hits = self.manager.cached_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
+        return self._read_blocks(bs, hits, len(hits) * bs, None)
+
+    def _read_blocks(self, bs: int, blocks: list[int], n: int, res) -> tuple[torch.Tensor, torch.Tensor]:
         from workbench.kernels.reference import dequantize_cache_ref, paged_gather_ref
 
-        bs = self.manager.block_size(seq_id)
-        n = self.quantized_tokens(seq_id)
-        table = torch.tensor([self.manager.block_table(seq_id) or [0]], dtype=torch.int32, device=self.device)
+        table = torch.tensor([blocks or [0]], dtype=torch.int32, device=self.device)
         lens = torch.tensor([n], dtype=torch.int32, device=self.device)
         out = []
         for kind, view in (("k", self.k_cache), ("v", self.v_cache)):
@@ -286,17 +338,17 @@ class PagedKVCache:
                     x = x * scale.reshape(1, -1, 1)
                 layers.append(x)
             x = torch.stack(layers)
-            res = self._residual.get(seq_id)
             if res is not None:
                 x = torch.cat([x, res["kv".index(kind)].float()], 1)
             out.append(x)
         return out[0], out[1]
 
     def decode(self, q: torch.Tensor, seq_ids: Sequence, layer: int, *, sm_scale: float | None = None,
-               **launch) -> torch.Tensor:
+               return_lse: bool = False, **launch) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of one query token per sequence over layer ``layer``: ``q`` ``[B, Hq, head_dim]`` ->
         ``[B, Hq, head_dim]``. The paged decode kernel reads the blocks (dequantizing inside its loop); a KIVI
-        scheme's fp16 residual is attended by the same kernel and merged by log-sum-exp."""
+        scheme's fp16 residual is attended by the same kernel and merged by log-sum-exp. ``return_lse``: also
+        each head's log-sum-exp ``[B, Hq]`` (fp32, base 2), to merge with attention over other keys."""
         from workbench.kernels import DecodePlan, merge_state, paged_decode
 
         meta = self.vllm_metadata(seq_ids)
@@ -304,12 +356,22 @@ class PagedKVCache:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         bs = meta.block_size
         k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
+        if self.ops == "torch":
+            residuals = [self._residual.get(s) for s in seq_ids]
+            lens = torch.tensor([self.quantized_tokens(s) for s in seq_ids], dtype=torch.int32, device=self.device)
+            o, lse = self.decode_torch(q, layer, bs, meta.block_table, lens, sm_scale=sm_scale,
+                                       residual=[None if r is None else (r[0][layer], r[1][layer]) for r in residuals])
+            return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
         kw = dict(quant=self.scheme, sm_scale=sm_scale, **launch)
         if self.scheme.static:
             kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
         residuals = [self._residual.get(s) for s in seq_ids]
         if not any(r is not None for r in residuals):
-            return paged_decode(q, k_cache, v_cache, self.layout, meta.block_table, meta.seq_lens, **kw)
+            if not return_lse:
+                return paged_decode(q, k_cache, v_cache, self.layout, meta.block_table, meta.seq_lens, **kw)
+            plan = DecodePlan(meta.block_table, meta.seq_lens, layout=self.layout, k_cache=k_cache, v_cache=v_cache,
+                              num_q_heads=q.shape[1], q_dtype=q.dtype, return_lse=True, **kw)
+            return plan.run(q, k_cache, v_cache)
         lens = torch.tensor([self.quantized_tokens(s) for s in seq_ids], dtype=torch.int32, device=self.device)
         plan = DecodePlan(meta.block_table, lens, layout=self.layout, k_cache=k_cache, v_cache=v_cache,
                           num_q_heads=q.shape[1], q_dtype=q.dtype, return_lse=True, **kw)
@@ -328,7 +390,8 @@ class PagedKVCache:
         r_plan = DecodePlan(table, r_lens, layout="nhd", k_cache=rk, v_cache=rv, num_q_heads=q.shape[1],
                             q_dtype=q.dtype, return_lse=True, sm_scale=sm_scale, **launch)
         o_res, s_res = r_plan.run(q, rk, rv)
-        return merge_state(o_blocks, s_blocks, o_res, s_res)[0]
+        merged = merge_state(o_blocks, s_blocks, o_res, s_res)
+        return merged if return_lse else merged[0]
 
     # ---- exports -------------------------------------------------------------------
     def _batch(self, seq_ids: Sequence) -> int:
@@ -347,9 +410,7 @@ class PagedKVCache:
         bs = self._batch(seq_ids)
         tables = [self.manager.block_table(s) for s in seq_ids]
         width = max(1, max(len(t) for t in tables)) + pad_blocks
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # one host->tensor copy
         lens = torch.tensor([self.manager.num_tokens(s) for s in seq_ids], dtype=torch.int32)
         return VllmMetadata(table.to(self.device), lens.to(self.device), bs)
 
@@ -367,13 +428,14 @@ class PagedKVCache:
         return FlashInferMetadata(indptr.to(self.device), indices.to(self.device), last.to(self.device), bs)
 
     # ---- internals -----------------------------------------------------------------
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int) -> None:
-        """Everything the write kernel will check, checked now: nothing may fail after the tables change."""
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, num_tokens: int, layers: int | None = None) -> None:
+        """Everything the write kernel will check, checked now: nothing may fail after the tables change.
+        ``layers``: K/V of that many layers (a decode step writes one at a time), default all."""
         from workbench.kernels import check_write_kv
         from workbench.kernels.write.api import check_dynamic_write
         from workbench.kernels.write.kernel import SOURCE_DTYPES
 
-        want = (self.num_layers, num_tokens, self.num_kv_heads, self.head_dim)
+        want = (self.num_layers if layers is None else layers, num_tokens, self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -421,7 +483,6 @@ class PagedKVCache:
     def _apply(self, placement: Placement, k: torch.Tensor, v: torch.Tensor):
         """Copy-on-write copies first, then write the new tokens' K/V through the slot mapping. Returns
         ``(tokens now in the blocks, the new fp16 residual or None)``; changes no Python state."""
-        from workbench.kernels import write_kv
 
         bs = placement.block_size
         seq = placement.seq_id
@@ -446,12 +507,35 @@ class PagedKVCache:
             slots = placement.slots
         if not slots:
             return target, residual
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=self.device)
-        for layer in range(self.num_layers):
-            if self.scheme.scales_in_blocks:
-                write_kv(src_k[layer], src_v[layer], self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
-                         slot_t, quant=self.scheme, nonfinite=self.nonfinite, validate=False)
-            else:
-                write_kv(src_k[layer], src_v[layer], self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
-                         slot_t, k_scale=self.k_scale, v_scale=self.v_scale, validate=False)
+        self._write_layers(bs, torch.tensor(slots, dtype=torch.int64, device=self.device), src_k, src_v)
         return target, residual
+
+    def _write_layers(self, bs: int, slot_t: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor) -> None:
+        for layer in range(self.num_layers):
+            self._write_layer(layer, bs, slot_t, src_k[layer], src_v[layer])
+
+    def _write_layer(self, layer: int, bs: int, slot_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V ``[T, heads, head_dim]`` of one layer into their slots (checked before: no validation here)."""
+        from workbench.kernels import write_kv
+        from workbench.kernels.reference import write_cache_ref
+
+        k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
+        if self.ops == "torch":
+            write_cache_ref(self.scheme, k, v, k_cache, v_cache, self.layout, slot_t, self.k_scale, self.v_scale)
+        elif self.scheme.scales_in_blocks:
+            write_kv(k, v, k_cache, v_cache, self.layout, slot_t, quant=self.scheme, nonfinite=self.nonfinite,
+                     validate=False)
+        else:
+            write_kv(k, v, k_cache, v_cache, self.layout, slot_t, k_scale=self.k_scale, v_scale=self.v_scale,
+                     validate=False)
+
+    def decode_torch(self, q: torch.Tensor, layer: int, block_size: int, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, *, sm_scale: float | None = None,
+                     residual=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The paged decode in PyTorch (``ops="torch"``): ``(out [B, Hq, D] fp32, lse [B, Hq] base 2)``."""
+        from workbench.kernels.reference import decode_cache_ref
+
+        bs = block_size
+        return decode_cache_ref(self.scheme, q, self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
+                                block_table, seq_lens, self.head_dim, k_scale=self.k_scale, v_scale=self.v_scale,
+                                sm_scale=sm_scale, residual=residual)

@@ -61,13 +61,20 @@ class Placement:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """What :meth:`BlockManager.restore` needs to undo one add/append of ``seq_id`` (see there)."""
+    """What :meth:`BlockManager.restore` needs to undo one add/append of ``seq_id`` (see there). O(1): an add or
+    append only appends tokens and blocks and may replace the last block (copy-on-write), so the lengths and the
+    old last block say what the sequence was."""
 
     seq_id: object
-    seq: _Seq | None  # None: the sequence did not exist
+    existed: bool  # False: the sequence did not exist (an add)
+    num_tokens: int
+    table_len: int
+    last_block: int  # -1 without blocks
     tail_valid: int
+    tail_access: int  # the LRU clock value of the old last block
     hits: int
     misses: int
+    clock: int
 
 
 class BlockManager:
@@ -163,18 +170,8 @@ class BlockManager:
         bs = self.policy.choose(len(prompt), expected_len)
         pool = self.pool
         c = pool._cls(bs)  # validates the policy's choice
-        # Prefix hits: leading full blocks whose chained key is cached. A block holding the
-        # last prompt token is never a hit, so at least one token is computed (as engines do).
-        hits, entries = [], []
-        if self.prefix_caching:
-            cached = c.cached
-            for i in range((len(prompt) - 1) // bs):
-                bid = cached.get(pool.block_key(entries[-1] if entries else None, prompt[i * bs:(i + 1) * bs],
-                                                extra_key))
-                if bid is None:
-                    break
-                hits.append(bid)
-                entries.append(c.entry[bid])
+        hits = self._prefix_hits(prompt, bs, extra_key)
+        entries = [c.entry[b] for b in hits]
         need = -(-len(prompt) // bs) - len(hits)
         hits_in_free = sum(1 for b in hits if b in c.free)
         if need > pool._available(c) - hits_in_free:
@@ -191,6 +188,33 @@ class BlockManager:
         s.tokens = prompt[:first]
         s.entries = entries
         return self._fill(seq_id, s, prompt[first:], first, [], publish)
+
+    def cached_prefix(self, prompt: Sequence[int], *, expected_len: int | None = None,
+                      extra_key: object = None) -> tuple[int, list[int]]:
+        """What :meth:`add` of ``prompt`` would find in the prefix cache, changing nothing (no hit statistics):
+        ``(block_size, hit block ids)``. A runner reads those blocks' K/V and computes only the rest."""
+        prompt = token_ids("prompt", prompt)
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        hashable("extra_key", extra_key)
+        bs = self.policy.choose(len(prompt), expected_len)
+        self.pool._cls(bs)  # validates the policy's choice
+        return bs, self._prefix_hits(prompt, bs, extra_key)
+
+    def _prefix_hits(self, prompt: list[int], bs: int, extra_key) -> list[int]:
+        # Prefix hits: leading full blocks whose chained key is cached. A block holding the
+        # last prompt token is never a hit, so at least one token is computed (as engines do).
+        hits, entries = [], []
+        if self.prefix_caching:
+            c = self.pool._cls(bs)
+            for i in range((len(prompt) - 1) // bs):
+                bid = c.cached.get(self.pool.block_key(entries[-1] if entries else None, prompt[i * bs:(i + 1) * bs],
+                                                       extra_key))
+                if bid is None:
+                    break
+                hits.append(bid)
+                entries.append(c.entry[bid])
+        return hits
 
     def append(self, seq_id, tokens: Sequence[int], *, publish: bool = True) -> Placement:
         """Append generated tokens; copy-on-write a shared, partly filled last block first."""
@@ -252,27 +276,34 @@ class BlockManager:
 
     # ---- undo (for a cache whose K/V write failed after the tables changed) ----------
     def checkpoint(self, seq_id) -> Checkpoint:
-        """What :meth:`restore` needs to undo the next unpublished add or append of ``seq_id``."""
+        """What :meth:`restore` needs to undo the next unpublished add or append of ``seq_id`` (constant time)."""
+        pool = self.pool
         s = self._seqs.get(seq_id) if seq_id in self else None
-        tail = self.pool.valid_tokens(s.block_size, s.table[-1]) if s is not None and s.table else 0
-        return Checkpoint(seq_id, None if s is None else s.copy(), tail, self.pool.hits, self.pool.misses)
+        if s is None or not s.table:
+            return Checkpoint(seq_id, s is not None, len(s.tokens) if s else 0, 0, -1, 0, 0, pool.hits, pool.misses,
+                              pool._clock)
+        c = pool._cls(s.block_size)
+        last = s.table[-1]
+        return Checkpoint(seq_id, True, len(s.tokens), len(s.table), last, c.valid[last], c.last_access[last],
+                          pool.hits, pool.misses, pool._clock)
 
     def restore(self, cp: Checkpoint, placement: Placement) -> None:
         """Undo the ``add``/``append(..., publish=False)`` that returned ``placement`` after ``cp`` was taken.
 
         Blocks it allocated go back to the head of the free queue (where allocation took them),
         prefix hits and a copy-on-write source get their references back, tokens and hit
-        counters are as before. Not undone: cached blocks that its allocation evicted stay evicted
+        counters and the LRU clock (with the sequence's blocks' access times) are as before. Not undone: the
+        access time of the free blocks it took (they go back uncached: no eviction order reads it), cached
+        blocks that its allocation evicted stay evicted
         (their bytes may have been overwritten), pages it carved stay carved (and free), hit blocks
         that were free rejoin the queue's tail. This is the safety net for a write that fails after
         validation (a device error); bad arguments are refused before anything changes.
         """
         pool, s = self.pool, self._get(cp.seq_id)
-        old = cp.seq
-        old_table = old.table if old is not None else []
+        old_table = s.table[:cp.table_len - 1] + [cp.last_block] if cp.table_len else []
         bs = s.block_size
         changed = [i for i, b in enumerate(s.table) if i >= len(old_table) or old_table[i] != b]
-        hits = placement.first // bs if old is None else 0  # an add's leading prefix hits were not allocated
+        hits = placement.first // bs if not cp.existed else 0  # an add's leading prefix hits were not allocated
         allocated = [s.table[i] for i in changed if i >= hits]
         pool.incref(bs, [b for i, b in enumerate(old_table) if s.table[i] != b])  # copy-on-write sources
         pool.decref(bs, [s.table[i] for i in changed])
@@ -280,12 +311,15 @@ class BlockManager:
         for b in reversed(allocated):  # back where allocation found them
             c.free.push_head(b)
         pool.hits, pool.misses = cp.hits, cp.misses
-        if old is None:
+        pool._clock = cp.clock
+        if not cp.existed:
             del self._seqs[cp.seq_id]
             return
-        if old.table:
-            pool.set_valid(bs, old.table[-1], cp.tail_valid)
-        self._seqs[cp.seq_id] = old
+        if old_table:
+            c.valid[cp.last_block] = cp.tail_valid
+            c.last_access[cp.last_block] = cp.tail_access  # the LRU order as it was
+        s.table[:] = old_table
+        del s.tokens[cp.num_tokens:]
 
     # ---- internals -----------------------------------------------------------------
     def _get(self, seq_id) -> _Seq:
