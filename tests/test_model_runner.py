@@ -74,8 +74,7 @@ def test_kernels_and_torch_ops_agree_on_a_scheme(model, scheme):
     assert float((diff > 1e-7).float().mean()) < 0.01
 
 
-@pytest.mark.parametrize("scheme", ["bf16", "fp8_e4m3/token", "int8_asym/token", "int4/token", "int4/kivi",
-                                    "int2/kivi", "fp8_e4m3/tensor", "int8/head"])
+@pytest.mark.parametrize("scheme", ["fp8_e4m3/token", "int8_asym/token", "int4/kivi", "int8/head"])
 def test_every_kind_of_scheme_generates_close_to_fp32(model, baseline, scheme):
     kw = {"k_scale": 0.02, "v_scale": 0.02} if scheme.endswith(("/tensor", "/head")) else {}
     if scheme.endswith("/head"):
@@ -146,7 +145,7 @@ def test_a_failed_step_leaves_the_cache_as_it_was(model):
     assert cache.manager.num_tokens("a") == len(PROMPTS[0])
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bad=st.sampled_from(["unknown", "duplicate", "count", "token", "empty", "full"]), seed=st.integers(0, 999))
 def test_random_bad_steps_change_nothing(bad, seed):
     g = torch.Generator().manual_seed(seed)
@@ -208,7 +207,7 @@ def test_append_batch_is_all_or_nothing():
     assert after[0] == before[0] and torch.equal(after[1], before[1])
 
 
-@pytest.mark.parametrize("ops", ["torch", "kernels"])
+@pytest.mark.parametrize("ops", ["torch"])  # the kernels' step is checked on the H200 (bench model_decode --check)
 def test_graph_decoder_step_equals_the_runner_eagerly(model, ops):
     """The CUDA-graph step's code, run eagerly (no graphs on a CPU): write-then-read in every layer gives the runner's
     logits (the runner reads the same blocks), step after step, and commits its steps."""

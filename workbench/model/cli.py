@@ -14,7 +14,7 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     from workbench import quant
-    from workbench.bench.harness import positive_int
+    from workbench.argtypes import positive_int
 
     p = argparse.ArgumentParser(prog="python -m workbench generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,7 +9,8 @@ Synthetic K/V (:func:`synthetic_kv`) carry the statistics quantization is sensit
 channels per head with ``outlier_scale`` times the magnitude of the others and a consistent sign (why KIVI
 quantizes keys per channel), an attention-sink token 0 with a large key along the direction typical queries
 share (:func:`synthetic_queries`), and values whose scale grows with depth. Keys are pre-RoPE;
-``apply_rope(k)`` gives the post-RoPE keys a cache normally stores.
+``apply_rope(k)`` gives the post-RoPE keys a cache normally stores. ``workbench.model.capture.real_kv`` gives K/V and
+queries captured from SmolLM2-135M (``python -m workbench capture``) in the same layout (``docs/real_kv_findings.md``).
 
 Cost: every scheme of the registry on 6 layers x 512 tokens x 3 heads x 64 with 64 queries takes about a second
 on one CPU core. The tensors are small (~100k values), so on a shared CPU ``torch.set_num_threads(1)`` is much
