@@ -8,7 +8,10 @@ BENCHMARKS = {
     "allocator": "allocator operations per second on this CPU (allocate+free, fork, prefix lookup)",
     "cache_kernels": "GPU: write-to-cache and block-copy kernels vs torch (--smoke: tiny CPU check)",
     "decode": "GPU: paged decode attention on W1-W5 vs SDPA, gather+SDPA, FlexAttention (--smoke: tiny CPU check)",
+    "model_quality": "CPU: every quantized cache vs the fp16 cache on SmolLM2-135M and real text (agreement, KL, ppl)",
     "quant_decode": "GPU: paged decode of every quantization scheme on W1-W5 beside fp16, quantize-on-write, fp8 "
                     "codes vs torch (--tune; --smoke: tiny CPU check)",
+    "model_decode": "GPU: SmolLM2-135M decode tokens/s, our runner (eager, CUDA graph) vs transformers' static-cache "
+                    "generate; where the step goes (--check: logits vs transformers)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
 }

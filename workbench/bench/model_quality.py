@@ -1,0 +1,140 @@
+"""Quantized K/V caches against the fp16 cache on real text: ``python -m workbench bench model_quality``.
+
+SmolLM2-135M (fp32, CPU) decodes through a :class:`~workbench.cache.PagedKVCache` of every scheme of
+``workbench.quant.SCHEMES`` with the kernels' PyTorch references (``ops="torch"``); one row per scheme
+(:func:`workbench.model.quality.evaluate_all`): greedy agreement with the fp16 cache on prompts from the text
+(``agreement``, ``first_divergence_mean``/``_min``), teacher-forced log-prob drift and KL(fp16 || scheme) of
+the next-token distributions (``mean_abs_drift``, ``max_abs_drift``, ``mean_kl``, ``max_kl``), ``perplexity``
+(and the fp16 cache's, ``ref_perplexity``) on the scored tokens, and stored ``bytes_per_token`` (one layer, K and
+V, scales counted, at a ``--chunk``-token context; ``bytes_per_token_long``: the long-context limit).
+
+Text: ``data/text`` (the Declaration of Independence and chapter 1 of Pride and Prejudice; static schemes are
+calibrated on the Gettysburg Address, with ONE k_scale/v_scale for all 30 layers, as the cache takes them).
+``--smoke``: three schemes on a few tokens (under a minute, most of it loading the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from workbench import quant
+from workbench.bench import harness
+
+SMOKE_SCHEMES = ("fp16", "int8/tensor", "int4/token")
+COLUMNS = ["scheme", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift", "max_abs_drift",
+           "mean_kl", "perplexity", "seconds"]
+HEADERS = {"bytes_per_token": "bytes/tok", "first_divergence_mean": "1st_div", "mean_abs_drift": "|drift|",
+           "max_abs_drift": "max|drift|", "perplexity": "ppl", "seconds": "s"}
+
+
+def prompts_from(text_tokens: list[int], n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens from evenly spaced places of the text."""
+    if len(text_tokens) < length:
+        raise ValueError(f"the text has {len(text_tokens)} tokens, fewer than --prompt-tokens {length}")
+    step = (len(text_tokens) - length) // max(n - 1, 1)
+    return [text_tokens[i * step:i * step + length] for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from workbench.model import quality
+
+    ap = argparse.ArgumentParser(prog="python -m workbench bench model_quality", description=__doc__.split("\n")[0])
+    ap.add_argument("--schemes", default=None,
+                    help="comma separated scheme names (default every one of workbench.quant.SCHEMES; --smoke: "
+                         f"{','.join(SMOKE_SCHEMES)})")
+    ap.add_argument("--new-tokens", type=harness.positive_int, default=None,
+                    help="greedy tokens per prompt for agreement (default 32; --smoke 4)")
+    ap.add_argument("--chunk", type=harness.positive_int, default=None,
+                    help=f"tokens per teacher-forced sequence (default {quality.CHUNK}; --smoke 24)")
+    ap.add_argument("--prefill", type=harness.positive_int, default=None,
+                    help=f"of each chunk, tokens prefilled before stepping (default {quality.PREFILL}; --smoke 16)")
+    ap.add_argument("--chunks", type=harness.positive_int, default=None,
+                    help="teacher-forced chunks of the text at most (default 8; --smoke 2)")
+    ap.add_argument("--batch", type=harness.positive_int, default=None,
+                    help=f"chunks decoded as one batch (default {quality.BATCH}; --smoke 2)")
+    ap.add_argument("--prompts", type=harness.positive_int, default=None,
+                    help="agreement prompts taken from the text (default 4; --smoke 2)")
+    ap.add_argument("--prompt-tokens", type=harness.positive_int, default=None,
+                    help="tokens per agreement prompt (default 256; --smoke 16)")
+    ap.add_argument("--threads", type=harness.positive_int, default=None,
+                    help="torch CPU threads (default torch's; on a busy 2-core CPU 1 is several times faster)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny run (three schemes, a few tokens)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for the JSON (default results/, git-ignored; data/results holds the committed ones)")
+    args = ap.parse_args(argv)
+    smoke = args.smoke
+    pick = lambda v, full, tiny: v if v is not None else (tiny if smoke else full)  # noqa: E731
+    new_tokens, chunk = pick(args.new_tokens, 32, 4), pick(args.chunk, quality.CHUNK, 24)
+    prefill, n_chunks = pick(args.prefill, quality.PREFILL, 16), pick(args.chunks, 8, 2)
+    batch, n_prompts = pick(args.batch, quality.BATCH, 2), pick(args.prompts, 4, 2)
+    prompt_tokens = pick(args.prompt_tokens, 256, 16)
+    names = args.schemes.split(",") if args.schemes else list(SMOKE_SCHEMES if smoke else quant.SCHEMES)
+    try:
+        names = [quality.get_scheme(n.strip()).name for n in names]
+    except ValueError as e:
+        ap.error(f"argument --schemes: {e}")
+    if chunk - prefill < 2:
+        ap.error(f"argument --prefill: must leave at least 2 tokens of --chunk {chunk} to step, got {prefill}")
+    out = harness.output_dir(ap, args.out)  # checked before the work, not after
+
+    from workbench.model.gguf_weights import model_available
+
+    if (why := model_available()) is not None:
+        print(f"bench model_quality needs SmolLM2-135M: {why}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    model, tok = quality.smollm2()
+    load_s = time.perf_counter() - start
+    text = tok.encode(quality.load_text())
+    if len(text) < chunk:
+        ap.error(f"argument --chunk: the text has {len(text)} tokens, fewer than {chunk}")
+    forced = text[:chunk * min(n_chunks, len(text) // chunk)]
+    try:
+        prompts = prompts_from(text, n_prompts, prompt_tokens)
+    except ValueError as e:
+        ap.error(f"argument --prompt-tokens: {e}")
+    sample = quality.capture_kv(model, tok.encode(quality.load_text([quality.CALIBRATION_TEXT])))
+    t0 = time.perf_counter()
+
+    def progress(name: str) -> None:
+        print(f"[{names.index(name) + 1}/{len(names)}] {name} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+              flush=True)
+
+    rows = quality.evaluate_all(model, forced, prompts, calibration=sample, schemes=names, new_tokens=new_tokens,
+                                chunk=chunk, batch=batch, prefill=prefill, progress=progress)
+    total_s = time.perf_counter() - start
+    harness.print_table(rows, COLUMNS, HEADERS)
+    meta = harness.machine_meta()
+    meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # ops="torch": no GPU involved
+    meta["command"] = " ".join(["python -m workbench bench model_quality", *(argv if argv is not None else
+                                                                              sys.argv[1:])])
+    amax = sample.layer_amax()
+    extra = {
+        "mode": "smoke" if smoke else "full", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, fp32 on the CPU)",
+        "ops": "torch", "threads": torch.get_num_threads(), "reference": quality.REFERENCE,
+        "texts": list(quality.EVAL_TEXTS), "text_tokens": len(text), "forced_tokens": len(forced), "chunk": chunk,
+        "prefill": prefill, "batch": batch, "scored_tokens_per_chunk": chunk - prefill - 1,
+        "prompts": n_prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "page_tokens": quality.PAGE_TOKENS, "calibration_text": quality.CALIBRATION_TEXT,
+        "calibration_tokens": int(sample.k.shape[1]), "calibration_layer_amax": amax,
+        "static_scales": "one k_scale and one v_scale (scalar or per kv head) for all layers: the cache takes one",
+        "load_seconds": load_s, "total_seconds": total_s,
+    }
+    path = harness.write_results("model-quality", rows, meta, out, extra=extra)
+    spread = {n: max(a) / min(a) for n, a in amax.items()}
+    print(f"calibration |K| max per layer {min(amax['k']):.3g}..{max(amax['k']):.3g} ({spread['k']:.1f}x), "
+          f"|V| {min(amax['v']):.3g}..{max(amax['v']):.3g} ({spread['v']:.1f}x): one static scale serves all")
+    print(f"{len(rows)} schemes in {total_s:.0f} s; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
