@@ -230,3 +230,26 @@ def test_graph_decoder_step_equals_the_runner_eagerly(model, ops):
     with pytest.raises(ValueError, match="batch_size"):
         dec.step(["a"], [1])
     assert caches[1].manager.num_tokens("a") == len(PROMPTS[1]) + 3  # the refused step changed nothing
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU (none here: the "
+                    "eager test above runs the same step code; bench model_decode --check runs it on the GPU)")
+def test_graph_replay_equals_the_eager_step_on_the_gpu():
+    from workbench.model.graph import GraphDecoder
+
+    model = Llama(CFG, {k: v.half() for k, v in random_weights(CFG, seed=1).items()}, dtype=torch.float16,
+                  device="cuda")
+    outs = []
+    for use_graph in (False, True):
+        cache = PagedKVCache(CFG.num_hidden_layers, 3, 64, 24, page_tokens=16, kv_dtype="fp16", device="cuda")
+        runner = Runner(model, PagedKV(cache))
+        for s, p in zip("ab", PROMPTS[1:], strict=True):
+            runner.prefill(s, p)
+        dec = GraphDecoder(model, cache, 2, 64, use_graph=use_graph)
+        toks, got = [3, 4], []
+        for _ in range(4):
+            out = dec.step(["a", "b"], toks).clone()
+            got.append(out)
+            toks = out.argmax(-1).tolist()
+        outs.append(torch.stack(got))
+    assert float((outs[0] - outs[1]).abs().max()) < 1e-2

@@ -2,9 +2,9 @@
 
 For each notebook: the stored copy shows its figures before anything runs (never a widget's text repr);
 Run All finishes with no error or stderr output; every plotly figure draws at its output area's width;
-then every panel's dropdowns and sliders are moved (keyboard on the slider handle) and after each change
-the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same data, no stale
-layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
+then every panel's text boxes, dropdowns, sliders (keyboard on the handle), toggles and buttons are used, and
+after each change the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same
+data, no stale layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
 draw its charts with every network request refused. Screenshots go to ``test-artifacts/browser/``
 (``WORKBENCH_TEST_ARTIFACTS`` moves it).
 
@@ -28,6 +28,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
 WIDTHS = (1280, 1920)
 ARTIFACTS = Path(os.environ.get("WORKBENCH_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "browser"
 MAX_OPTIONS = 4  # options tried per dropdown (then back to the first)
+TEXTAREA_LINE = "\nName an animal."  # what the test adds to a text box (06's prompt box: one prompt a line)
+BUTTON_TIMEOUT_S = 180  # a button may run a model (06's Generate: seconds on a CPU)
 try:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 except ImportError:  # the fixture skips (or fails) with the reason
@@ -164,6 +166,8 @@ class Notebook:
 
 # Each control's value as the page shows it, in the panel's order (its first child holds the controls).
 CONTROLS_JS = """(pid) => [...document.querySelector(`.wb-panel-${pid}`).firstElementChild.children].map(el => {
+    const area = el.querySelector('textarea');
+    if (area) return area.value;
     const select = el.querySelector('select');
     if (select) return select.selectedOptions[0].text.replace(/\u00a0/g, ' ');  // options use no-break spaces
     const readout = el.querySelector('.widget-readout');
@@ -182,8 +186,9 @@ def _panel_data(nb: Notebook, panel_id: int) -> str:
         return JSON.stringify([__wbFlatten({d: gd.data}), text]); }""", panel_id)
 
 
-def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | None = None) -> None:
-    r = nb.compare(panel_id, changed_from)
+def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | None = None,
+                  timeout_s: float = 30) -> None:
+    r = nb.compare(panel_id, changed_from, timeout_s)
     assert not r["status"], f"panel {panel_id} after {what}: {r['status']}"
     assert not r["stale"], f"panel {panel_id} after {what}: stale layout keys on the page: {r['stale']}"
     assert not r["missing"], f"panel {panel_id} after {what}: layout keys missing on the page: {r['missing']}"
@@ -195,8 +200,9 @@ def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | No
 
 
 def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: bool = True) -> list[str]:
-    """Move every dropdown through a few options and every slider by a step (``full=False``: one option of
-    the first dropdown, the first slider, the first toggle); check the page against the kernel after each."""
+    """Add a line to every text box, move every dropdown through a few options and every slider by a step, flip
+    every toggle, then press every plain button (a panel's Generate) (``full=False``: the first of each kind);
+    check the page against the kernel after each."""
     options_per_dropdown = MAX_OPTIONS if full else 1
     controls = slice(None) if full else slice(1)
     panel = nb.page.locator(f".wb-panel-{panel_id}")
@@ -209,6 +215,13 @@ def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: b
             f"panel {panel_id} at {width} px: a control overflows the panel: {control.inner_text()!r}"
     for track in panel.locator(".noUi-target").all():
         assert track.bounding_box()["width"] >= 100, f"panel {panel_id} at {width} px: slider track too narrow"
+
+    for i, area in enumerate(panel.locator("textarea:not([disabled])").all()[controls]):
+        before = _panel_data(nb, panel_id)
+        area.fill(area.input_value() + TEXTAREA_LINE)
+        area.blur()  # a Textarea with continuous_update=False sends its value on change
+        _assert_clean(nb, panel_id, f"textarea {i}", changed_from=before)
+        moved.append(f"textarea {i}")
 
     for i, select in enumerate(panel.locator("select").all()[controls]):
         options = select.locator("option").all_inner_texts()
@@ -240,6 +253,14 @@ def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: b
                 _assert_clean(nb, panel_id, f"toggle {i} -> {j}", changed_from=before)
                 moved.append(f"toggle {i} -> {j}")
                 break
+
+    # plain buttons (not a toggle's): a panel's Generate runs a model, so the kernel may take a while
+    for i, button in enumerate(panel.locator("button.widget-button:not([disabled])").all()[controls]):
+        before = _panel_data(nb, panel_id)
+        button.click()
+        _assert_clean(nb, panel_id, f"button {i} ({button.inner_text().strip()!r})", changed_from=before,
+                      timeout_s=BUTTON_TIMEOUT_S)
+        moved.append(f"button {i}")
     panel.screenshot(path=shots)
     return moved
 

@@ -5,7 +5,8 @@ and a runner that prefills and decodes through :class:`~workbench.cache.PagedKVC
 - ``tokenizer``: the GGUF's BPE vocabulary with ``tokenizers``; ``llama``: the model's pieces;
 - ``kv``: where K/V lives (paged cache or contiguous baseline); ``runner``: prefill, batched decode, forks;
 - ``graph``: the CUDA-graph decode step for the GPU; ``quality``: quantized caches against fp16 on real text;
-- ``capture``: real K/V and attention for the quantization, compression and prefetch studies.
+- ``capture``: real K/V and attention for the quantization, compression and prefetch studies;
+- ``inspect``: block-table snapshots of a run (sharing, copy-on-write, prefix hits) for notebook 06.
 """
 
 from workbench.model.config import SMOLLM2_135M, LlamaConfig

@@ -1,0 +1,337 @@
+"""What a generation does to the paged cache, as plain data: block-table snapshots taken while a
+:class:`~workbench.model.Runner` runs, the grid a figure draws from one, and the sharing counts over a run.
+
+    rec = record(model, [tok.chat("Name a fruit."), tok.chat("Name a colour.")], 16, n=2, temperature=0.8)
+    rec.snapshots[-1].tables            # every sequence's block table after the last decode step
+    block_grid(rec.snapshots[3])        # sequences x logical blocks: physical id, ref count, fill, what changed
+    timeline(rec.snapshots)             # per snapshot: blocks in use, shared, copy-on-write copies, prefix hits
+
+A snapshot is taken after every prefill (``"prefill"``), every fork (``"fork"``: ``n > 1`` samples of a prompt)
+and every decode step (``"step"``). Ref counts are recomputed from the tables (a block's users are exactly the
+sequences whose table holds it: the prefix cache holds no reference), so a snapshot needs nothing but the
+manager's tables. No plotting here: ``workbench.ui.model_figures`` draws these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from workbench.model.kv import PagedKV
+from workbench.model.runner import Generation, Runner
+
+EVENTS = ("prefill", "fork", "step")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The block manager's tables at one moment of a run.
+
+    Attributes:
+        index: position in the run (0 = after the first prefill).
+        event: ``"prefill"``, ``"fork"`` or ``"step"``: what just happened.
+        seq_ids: every sequence in the cache, in the order they were added (``(prompt, sample)`` ids).
+        tables: each sequence's block table (physical block ids, logical order).
+        tokens: each sequence's tokens in the cache (prompt, then the generated tokens fed back so far).
+        block_size: tokens per block.
+        prefix_hit_blocks: prefix-cache hits so far (full blocks a prompt found already cached).
+    """
+
+    index: int
+    event: str
+    seq_ids: tuple
+    tables: tuple[tuple[int, ...], ...]
+    tokens: tuple[tuple[int, ...], ...]
+    block_size: int
+    prefix_hit_blocks: int
+
+    @property
+    def num_tokens(self) -> tuple[int, ...]:
+        return tuple(len(t) for t in self.tokens)
+
+
+def snapshot(manager, event: str, index: int = 0) -> Snapshot:
+    """The tables of a :class:`~workbench.allocator.BlockManager` now (one block size per snapshot)."""
+    if event not in EVENTS:
+        raise ValueError(f"event must be one of {EVENTS}, got {event!r}")
+    ids = tuple(manager.seq_ids)
+    sizes = {manager.block_size(s) for s in ids}
+    if len(sizes) > 1:
+        raise ValueError(f"sequences use several block sizes {sorted(sizes)}: a snapshot draws one")
+    bs = sizes.pop() if sizes else manager.pool.block_sizes[0]
+    return Snapshot(index, event, ids, tuple(tuple(manager.block_table(s)) for s in ids),
+                    tuple(tuple(manager.tokens(s)) for s in ids), bs, manager.pool.hits)
+
+
+def ref_counts(snap: Snapshot) -> dict[int, int]:
+    """Physical block -> the sequences holding it."""
+    return dict(Counter(b for t in snap.tables for b in t))
+
+
+def seq_label(seq_id) -> str:
+    """``(prompt, sample)`` -> ``"p0 s1"``; other ids as ``str``."""
+    if isinstance(seq_id, tuple) and len(seq_id) == 2:
+        return f"p{seq_id[0]} s{seq_id[1]}"
+    return str(seq_id)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """One snapshot as a sequences x logical blocks grid (``None`` past a sequence's last block, and in the whole
+    row of a sequence that does not exist yet).
+
+    Attributes:
+        rows: a label per sequence (:func:`seq_label`).
+        block: ``[rows][width]`` physical block id.
+        refs: ``[rows][width]`` that block's ref count (2 or more: shared).
+        fill: ``[rows][width]`` tokens of this sequence in the block (``block_size`` when full).
+        new: ``[rows][width]`` True where the block is in no table of the previous snapshot: just allocated, or
+            the destination of a copy-on-write (a fork or a prefix hit only adds users to existing blocks); all
+            False without a previous snapshot.
+        block_size: tokens per block.
+    """
+
+    rows: list[str]
+    block: list[list[int | None]]
+    refs: list[list[int | None]]
+    fill: list[list[int | None]]
+    new: list[list[bool]]
+    block_size: int
+
+    @property
+    def width(self) -> int:
+        return len(self.block[0]) if self.block else 0
+
+
+def block_grid(snap: Snapshot, prev: Snapshot | None = None, width: int | None = None,
+               seq_ids: Sequence | None = None) -> Grid:
+    """``snap`` as a :class:`Grid` ``width`` logical blocks wide (default: the longest table).
+
+    Args:
+        prev: the snapshot before it, for the ``new`` mask.
+        width: columns (at least the longest table: a run's longest keeps the grid still while it is replayed).
+        seq_ids: the rows (default ``snap``'s sequences; a run's last snapshot's keeps every row in place, those not
+            created yet empty).
+    """
+    longest = max((len(t) for t in snap.tables), default=0)
+    width = longest if width is None else width
+    if width < longest:
+        raise ValueError(f"width must be at least the longest block table ({longest}), got {width}")
+    tables = dict(zip(snap.seq_ids, zip(snap.tables, snap.num_tokens, strict=True), strict=True))
+    seq_ids = list(snap.seq_ids) if seq_ids is None else list(seq_ids)
+    missing = [s for s in snap.seq_ids if s not in seq_ids]
+    if missing:
+        raise ValueError(f"seq_ids must hold every sequence of the snapshot, {missing} missing")
+    refs = ref_counts(snap)
+    before = set(ref_counts(prev)) if prev is not None else None
+    bs = snap.block_size
+    out = {"block": [], "refs": [], "fill": [], "new": []}
+    for s in seq_ids:
+        table, n = tables.get(s, ((), 0))
+        pad = [None] * (width - len(table))
+        out["block"].append(list(table) + pad)
+        out["refs"].append([refs[b] for b in table] + pad)
+        out["fill"].append([min(bs, n - i * bs) for i in range(len(table))] + pad)
+        out["new"].append([before is not None and b not in before for b in table] + [False] * len(pad))
+    return Grid([seq_label(s) for s in seq_ids], block_size=bs, **out)
+
+
+def copies_between(prev: Snapshot, snap: Snapshot) -> int:
+    """Copy-on-write copies from ``prev`` to ``snap``: entries of a sequence's table that now name another block
+    (during generation only copy-on-write rewrites an entry; appends only extend a table)."""
+    before = dict(zip(prev.seq_ids, prev.tables, strict=True))
+    n = 0
+    for s, table in zip(snap.seq_ids, snap.tables, strict=True):
+        old = before.get(s, ())
+        n += sum(1 for a, b in zip(old, table, strict=False) if a != b)
+    return n
+
+
+def counts(snap: Snapshot) -> dict[str, int]:
+    """``sequences``, ``tokens`` (in all tables), ``blocks_in_use`` (distinct physical blocks), ``blocks_unshared``
+    (what the tables would take with no sharing), ``shared_blocks`` (ref count 2 or more) and
+    ``prefix_hit_tokens`` (prompt tokens found in the prefix cache so far)."""
+    refs = ref_counts(snap)
+    return {"sequences": len(snap.seq_ids), "tokens": sum(snap.num_tokens), "blocks_in_use": len(refs),
+            "blocks_unshared": sum(len(t) for t in snap.tables),
+            "shared_blocks": sum(1 for r in refs.values() if r > 1),
+            "prefix_hit_tokens": snap.prefix_hit_blocks * snap.block_size}
+
+
+def timeline(snaps: Sequence[Snapshot]) -> list[dict]:
+    """Per snapshot: ``index``, ``event``, :func:`counts` and ``cow_copies`` (copy-on-write copies so far)."""
+    out, cow = [], 0
+    for i, s in enumerate(snaps):
+        if i:
+            cow += copies_between(snaps[i - 1], s)
+        out.append({"index": s.index, "event": s.event, **counts(s), "cow_copies": cow})
+    return out
+
+
+class Recorder:
+    """``observe`` for a :class:`~workbench.model.Runner` (and forks, through :class:`RecordingKV`): a
+    :class:`Snapshot` of ``manager`` after each event; ``on_snapshot(snap)`` sees each as it is taken."""
+
+    def __init__(self, manager, on_snapshot: Callable[[Snapshot], None] | None = None):
+        self.manager, self.on_snapshot = manager, on_snapshot
+        self.snapshots: list[Snapshot] = []
+
+    def __call__(self, event: str, runner=None, seq_ids=None) -> None:
+        snap = snapshot(self.manager, event, len(self.snapshots))
+        self.snapshots.append(snap)
+        if self.on_snapshot is not None:
+            self.on_snapshot(snap)
+
+
+class RecordingKV(PagedKV):
+    """A :class:`~workbench.model.PagedKV` that also reports every fork to ``recorder`` (the runner reports
+    prefills and steps)."""
+
+    def __init__(self, cache, recorder: Recorder, q_dtype=None):
+        super().__init__(cache, q_dtype)
+        self.recorder = recorder
+
+    def fork(self, parent, child) -> None:
+        super().fork(parent, child)
+        self.recorder("fork", None, [child])
+
+
+@dataclass
+class Recorded:
+    """A generation and the snapshots taken while it ran (the cache's sequences are freed at the end)."""
+
+    generation: Generation
+    snapshots: list[Snapshot]
+    prompts: list[list[int]]
+    kv_dtype: str
+    page_tokens: int
+    ops: str
+    seconds: float
+    params: dict = field(default_factory=dict)  # max_new_tokens, n, temperature, seed
+    quantized_tokens: dict = field(default_factory=dict)  # seq_id -> tokens stored as codes at the end (KIVI: the
+    # newest ones stay in an fp16 residual; other schemes: all of them)
+
+    def generated(self, snap: Snapshot) -> dict:
+        """Sequence id -> the generated tokens already in the cache at ``snap`` (the newest chosen token is fed,
+        and so stored, at the next step)."""
+        return {s: list(t[len(self.prompts[s[0]]):]) for s, t in zip(snap.seq_ids, snap.tokens, strict=True)}
+
+
+def pages_needed(prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int, page_tokens: int) -> int:
+    """Pages for every sample of every prompt to own all its blocks, plus one copy-on-write block each."""
+    return sum(n * (-(-(len(p) + max_new_tokens) // page_tokens) + 1) for p in prompts) + 1
+
+
+def record(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: int = 1, temperature: float = 0.0,
+           seed: int = 0, kv_dtype: str = "fp16", page_tokens: int = 16, ops: str | None = None,
+           k_scale=None, v_scale=None, on_snapshot: Callable[[Snapshot], None] | None = None) -> Recorded:
+    """Generate through a fresh :class:`~workbench.cache.PagedKVCache` sized for the run, recording its tables.
+
+    Args:
+        model: a :class:`~workbench.model.Llama`; the cache lives on its device.
+        prompts: token ids per prompt; ``n`` samples of each (forked after its prefill).
+        max_new_tokens, temperature, seed: as :meth:`Runner.generate` (greedy at ``temperature=0``).
+        kv_dtype: a ``workbench.quant`` scheme name (static ones need ``k_scale``/``v_scale``; KIVI needs
+            ``page_tokens`` a multiple of 32).
+        ops: ``"kernels"`` (Triton) or ``"torch"`` (the references); default kernels on a GPU, torch elsewhere.
+        on_snapshot: called with each :class:`Snapshot` as it is taken (a notebook draws the run live).
+    """
+    from workbench.cache import PagedKVCache
+
+    cfg = model.config
+    prompts = [[int(t) for t in p] for p in prompts]
+    ops = ops or ("kernels" if model.device.type == "cuda" else "torch")
+    cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                         pages_needed(prompts, max_new_tokens, n, page_tokens), page_tokens=page_tokens,
+                         kv_dtype=kv_dtype, device=model.device, ops=ops, k_scale=k_scale, v_scale=v_scale)
+    rec = Recorder(cache.manager, on_snapshot)
+    runner = Runner(model, RecordingKV(cache, rec), observe=rec)
+    t0 = time.perf_counter()
+    g = runner.generate(prompts, max_new_tokens, n=n, temperature=temperature, seed=seed, free=False)
+    seconds = time.perf_counter() - t0
+    quantized = {s: cache.quantized_tokens(s) for s in cache.manager.seq_ids}
+    for s in list(cache.manager.seq_ids):
+        cache.free(s)
+    return Recorded(g, rec.snapshots, prompts, cache.scheme.name, page_tokens, ops, seconds,
+                    {"max_new_tokens": max_new_tokens, "n": n, "temperature": temperature, "seed": seed}, quantized)
+
+
+def chat_prompts(tok, text: str, system: str | None = None) -> list[list[int]]:
+    """One prompt per non-empty line of ``text``, each in SmolLM2's chat template (``tok.chat``): the prompts
+    share the template's system prompt, so the second and later ones find its full blocks in the prefix cache.
+    ``system=None`` keeps the tokenizer's default system prompt."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return [tok.chat(line) if system is None else tok.chat(line, system) for line in lines]
+
+
+# ---- K/V statistics of the captured prompts (workbench.model.capture) ----------------------------------------------
+def kv_stats_sources(path=None) -> dict[str, dict]:
+    """The statistics ``python -m workbench capture`` saved (``stats.json`` in ``path``, default
+    ``data/activations``), by source: ``"average of N prompts"`` then each prompt by name, each
+    ``{"layers": [...], "tokens": T or None}`` with layers as :func:`workbench.model.capture.kv_stats` gives them
+    (``absmax`` per channel included: a prompt's comes from its ``.npz``; a prompt without it is left out).
+    ``{}`` when there is no ``stats.json``."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from workbench.model.capture import DEFAULT_PATH
+
+    root = Path(path) if path is not None else DEFAULT_PATH
+    f = root / "stats.json"
+    if not f.is_file():
+        return {}
+    stats = json.loads(f.read_text())
+    out = {}
+    avg = stats.get("average")
+    if avg and all("absmax" in d["k_pre"] for d in avg["layers"]):
+        out[f"average of {avg.get('prompts', len(stats.get('prompts', [])))} prompts"] = {"layers": avg["layers"],
+                                                                                          "tokens": None}
+    npz = {p.stem.split("_", 1)[-1]: p for p in sorted(root.glob("[0-9][0-9]_*.npz"))}
+    for p in stats.get("prompts", []):
+        layers = p["layers"]
+        if not all("absmax" in d["k_pre"] for d in layers):
+            if p["name"] not in npz:
+                continue
+            with np.load(npz[p["name"]]) as z:
+                if "absmax" not in z.files:
+                    continue
+                a = z["absmax"].astype(np.float32)  # [k_pre / k / v, L, H, D]
+            layers = [{**d, **{n: {**d[n], "absmax": a[i, li].tolist()} for i, n in enumerate(("k_pre", "k", "v"))}}
+                      for li, d in enumerate(layers)]
+        out[p["name"]] = {"layers": layers, "tokens": p.get("tokens")}
+    return out
+
+
+# ---- a quantized cache against fp16 ----------------------------------------------------------------------------
+def compare_greedy(ref_tokens: Sequence[int], ref_logprobs: Sequence[float], tokens: Sequence[int],
+                   logprobs: Sequence[float]) -> dict:
+    """Two greedy runs of one prompt (fp16 cache ``ref_*``, another cache): ``equal`` (leading tokens equal),
+    ``first_divergence`` (the first differing position, None when all are equal), ``drift`` (per position before
+    it: the other run's log-prob of the same token minus fp16's) and ``max_drift`` (its largest magnitude)."""
+    if len(ref_tokens) != len(ref_logprobs) or len(tokens) != len(logprobs):
+        raise ValueError(f"each run needs one log-prob per token, got {len(ref_tokens)} tokens / "
+                         f"{len(ref_logprobs)} log-probs and {len(tokens)} / {len(logprobs)}")
+    equal = 0
+    for a, b in zip(ref_tokens, tokens, strict=False):
+        if int(a) != int(b):
+            break
+        equal += 1
+    n = min(len(ref_tokens), len(tokens))
+    drift = [float(logprobs[i]) - float(ref_logprobs[i]) for i in range(equal)]
+    return {"equal": equal, "first_divergence": None if equal == n and len(ref_tokens) == len(tokens) else equal,
+            "drift": drift, "max_drift": max((abs(d) for d in drift), default=0.0)}
+
+
+def page_tokens_for(scheme, page_tokens: int = 16) -> int:
+    """``page_tokens``, raised to a multiple of the key group for schemes whose key groups span tokens (KIVI's
+    per-channel keys: 32 tokens)."""
+    from workbench import quant
+
+    s = quant.resolve(scheme)
+    if s.packed and s.key_mode == "channel" and page_tokens % s.group:
+        return -(-page_tokens // s.group) * s.group
+    return page_tokens
