@@ -27,6 +27,11 @@ FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tokens.json"
 N = 32
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    """One torch thread: two stall each other on a busy 2-core CPU (about 10x slower under pytest -n 2)."""
+
+
 @pytest.fixture(scope="module")
 def smol():
     return load_smollm2()
@@ -35,7 +40,7 @@ def smol():
 @pytest.fixture(scope="module")
 def prompts(smol):
     _, tok = smol
-    # two chat prompts share the system prompt (a prefix hit for the second); one plain-text prompt
+    # two chat prompts share the system prompt (a prefix hit for the second), and a plain-text prompt
     return [tok.chat("Write a short story about a robot who learns to paint."),
             tok.chat("Explain why the sky is blue, in detail."), tok.encode("def fibonacci(n):")]
 
@@ -121,10 +126,10 @@ def test_forked_samples_and_prefix_caching_off_give_the_same_greedy_text(smol, o
     model, _ = smol
     paged, _, _ = ours
     cache = cache_for(model, prefix_caching=False)
-    g = Runner(model, PagedKV(cache)).generate(prompts[:2], 6, n=2, free=False)
+    g = Runner(model, PagedKV(cache)).generate(prompts[:2], 3, n=2, free=False)
     assert g.prefix_hit_tokens == {0: 0, 1: 0} and cache.manager.pool.hits == 0
     for i in range(2):
-        assert g.tokens[(i, 0)] == g.tokens[(i, 1)] == paged.tokens[(i, 0)][:6]
+        assert g.tokens[(i, 0)] == g.tokens[(i, 1)] == paged.tokens[(i, 0)][:3]
         t0, t1 = cache.manager.block_table((i, 0)), cache.manager.block_table((i, 1))
         assert t0[:-1] == t1[:-1] and t0[-1] != t1[-1]  # full blocks shared, the last one copied on write
 
@@ -132,7 +137,7 @@ def test_forked_samples_and_prefix_caching_off_give_the_same_greedy_text(smol, o
 def test_generate_cli_prints_text_and_cache_numbers(capsys):
     from workbench.__main__ import main
 
-    assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "3", "--ops", "torch"]) == 0
+    assert main(["generate", "--prompt", "Say hi.", "--max-new-tokens", "2", "--ops", "torch"]) == 0
     out = capsys.readouterr().out
     assert "blocks in use" in out and "[prompt 0, sample 0]" in out
     assert main(["generate", "--kv-dtype", "int9", "--max-new-tokens", "2"]) == 2

@@ -18,6 +18,11 @@ SYSTEM = list(range(300, 320))  # 20 shared tokens: one full block of 16 is a pr
 PROMPTS = [SYSTEM + [5, 6, 7], SYSTEM + [9, 10], list(range(40, 51))]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    """One torch thread: two stall each other on a busy 2-core CPU."""
+
+
 @pytest.fixture(scope="module")
 def model():
     return Llama(CFG, random_weights(CFG, seed=1))

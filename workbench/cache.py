@@ -516,8 +516,10 @@ class PagedKVCache:
 
     def _write_layer(self, layer: int, bs: int, slot_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """K/V ``[T, heads, head_dim]`` of one layer into their slots (checked before: no validation here)."""
+        from workbench.backend import is_interpreted
         from workbench.kernels import write_kv
         from workbench.kernels.reference import write_cache_ref
+        from workbench.kernels.write.config import interpreter_launch
 
         k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
         if self.ops == "torch":
@@ -526,8 +528,9 @@ class PagedKVCache:
             write_kv(k, v, k_cache, v_cache, self.layout, slot_t, quant=self.scheme, nonfinite=self.nonfinite,
                      validate=False)
         else:
+            launch = interpreter_launch(k.shape[0], bs, self.layout) if is_interpreted() else {}
             write_kv(k, v, k_cache, v_cache, self.layout, slot_t, k_scale=self.k_scale, v_scale=self.v_scale,
-                     validate=False)
+                     validate=False, **launch)
 
     def decode_torch(self, q: torch.Tensor, layer: int, block_size: int, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, sm_scale: float | None = None,

@@ -101,15 +101,10 @@ def _is_pow2(n) -> bool:
     return isinstance(n, int) and n >= 1 and not n & (n - 1)
 
 
-def _interpreted() -> bool:
-    from workbench.backend import is_interpreted
-
-    return is_interpreted()
-
-
-def _interpreter_launch(num_tokens: int, block_size: int, layout: Layout) -> dict:
-    """Under the Triton interpreter a program costs milliseconds whatever its size: the fewest programs (all heads,
-    up to 16 tokens each; a divisor of the block for the vLLM value layout) for defaults not given explicitly."""
+def interpreter_launch(num_tokens: int, block_size: int, layout: Layout | str) -> dict:
+    """``write_kv`` keywords for the Triton interpreter, where a program costs milliseconds whatever its size: the
+    fewest programs (all heads, up to 16 tokens each; a divisor of the block for the vLLM value layout)."""
+    layout = Layout.parse(layout)
     bt = min(16, triton.next_power_of_2(max(1, num_tokens)))
     if layout is Layout.VLLM and block_size > 1:
         bt = min(bt, common.pow2_divisor(block_size, 16))
@@ -125,8 +120,6 @@ def launch_config(
     batches), then the scheme's heuristic. Raises ValueError for a bad keyword."""
     layout = Layout.parse(layout)
     table = PREFILL_DEFAULTS.get((layout, quantized), {}) if num_tokens * num_heads >= PREFILL_MIN_ROWS else {}
-    if _interpreted():
-        table = _interpreter_launch(num_tokens, block_size, layout)
     pick = lambda name, given: table.get(name) if given is None else given  # noqa: E731
     scheme = pick("scheme", scheme) or "head"
     if scheme not in SCHEMES:
