@@ -7,11 +7,12 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitiz
 tour:
 	@py=$$(scripts/setup.sh) && $$py -m workbench tour
 
-# The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, on one worker.
+# The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, on one worker. Three
+# workers on two cores: the browser test's worker mostly waits on JupyterLab and Chromium, a third keeps both busy.
 test:
 	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
 	$$py -m ruff check . && \
-	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile $(NBVAL) tests notebooks
+	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 3 --dist loadfile $(NBVAL) tests notebooks
 
 lint:
 	@py=$$(scripts/setup.sh) && $$py -m ruff check .
