@@ -1,7 +1,7 @@
 """SmolLM2-135M through the paged cache against Hugging Face transformers on the same GGUF weights.
 
-Greedy decoding of two chat prompts for 32 new tokens must give the same tokens as (a) the same runner on a plain contiguous store
-and (b) transformers' ``LlamaForCausalLM.from_pretrained(..., gguf_file=...)`` (its own GGUF reader and
+Greedy decoding of two chat prompts for 32 new tokens must give the same tokens as (a) the same runner on a plain
+contiguous store and (b) transformers' ``LlamaForCausalLM.from_pretrained(..., gguf_file=...)`` (its own GGUF reader and
 dequantization, fp32), with the logits compared at every step. The paged runs use the cache's PyTorch ops
 (the kernels' references) for all 32 tokens, and the Triton kernels (interpreter) for a few tokens: the whole
 30-layer model under the interpreter costs about 2 s a token. Needs the optional model packages (installed by
