@@ -7,12 +7,14 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitiz
 tour:
 	@py=$$(scripts/setup.sh) && $$py -m workbench tour
 
-# The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, on one worker. Three
-# workers on two cores: the browser test's worker mostly waits on JupyterLab and Chromium, a third keeps both busy.
+# The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, on one worker (three
+# workers were slower here: the scheduler then started the browser test, the longest file, minutes late).
+# OMP_NUM_THREADS=1: every process (workers, notebook kernels) on one thread; two threads each on two cores stall
+# each other (small matmuls ran ~10x slower that way).
 test:
 	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
 	$$py -m ruff check . && \
-	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 3 --dist loadfile $(NBVAL) tests notebooks
+	OMP_NUM_THREADS=1 WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile $(NBVAL) tests notebooks
 
 lint:
 	@py=$$(scripts/setup.sh) && $$py -m ruff check .
