@@ -9,12 +9,11 @@ tour:
 
 # The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, on one worker (three
 # workers were slower here: the scheduler then started the browser test, the longest file, minutes late).
-# OMP_NUM_THREADS=1: every process (workers, notebook kernels) on one thread; two threads each on two cores stall
-# each other (small matmuls ran ~10x slower that way).
+# (OMP_NUM_THREADS=1 for every process was tried and measured slower; the model tests pin torch to one thread.)
 test:
 	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
 	$$py -m ruff check . && \
-	OMP_NUM_THREADS=1 WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile $(NBVAL) tests notebooks
+	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile $(NBVAL) tests notebooks
 
 lint:
 	@py=$$(scripts/setup.sh) && $$py -m ruff check .
