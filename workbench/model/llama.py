@@ -117,6 +117,7 @@ class Llama:
         self._logits = torch.compile(final_logits, dynamic=False, fullgraph=True)
         return self
 
+    # the plain functions (defined below) until compile() replaces them on the instance
     _qkv = staticmethod(lambda *a: qkv_rope(*a))
     _mlp = staticmethod(lambda *a: attn_out_mlp(*a))
     _logits = staticmethod(lambda *a: final_logits(*a))
