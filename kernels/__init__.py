@@ -12,7 +12,8 @@ import workbench  # noqa: F401  (chooses compiled vs interpreted before any kern
 from .copy import copy_blocks
 from .decode import DecodePlan, decode_config, merge_state, merge_states, paged_decode
 from .gather import paged_gather
+from .swap import move_blocks
 from .write import check_write_kv, write_kv
 
 __all__ = ["DecodePlan", "check_write_kv", "copy_blocks", "decode_config", "merge_state", "merge_states",
-           "paged_decode", "paged_gather", "write_kv"]
+           "move_blocks", "paged_decode", "paged_gather", "write_kv"]

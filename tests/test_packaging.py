@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"pytorch": "torch", "playwright-python": "playwright"}  # conda-forge name -> PyPI name
+# conda-forge name -> PyPI name
+CONDA_NAMES = {"pytorch": "torch", "playwright-python": "playwright", "python-xxhash": "xxhash"}
 NOT_PACKAGES = {"python", "pip"}
 
 

@@ -140,6 +140,7 @@ class PagedKVCache:
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)  # NaN/Inf the write kernels saw
         self._quantized: dict = {}  # seq_id -> tokens stored as codes (the rest is the fp16 residual)
         self._residual: dict = {}  # seq_id -> (k, v) [num_layers, n, heads, head_dim] fp16, the newest tokens
+        self.on_evict = None  # a tier below (workbench.tiers): called with the blocks the allocator evicted
         self._base = (-flat.data_ptr() % ALIGN) // elem  # first 128-byte aligned element
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
@@ -283,6 +284,7 @@ class PagedKVCache:
         from workbench.kernels import copy_blocks
 
         self.manager.pool.num_blocks(block_size)  # validates block_size
+        self.flush_evictions()  # every write into newly allocated blocks starts here: their old bytes go down first
         pairs = list(pairs)
         if not pairs:
             return
@@ -293,6 +295,16 @@ class PagedKVCache:
             blocks[:, :, dst] = blocks[:, :, src]
         else:
             copy_blocks(self.blocks(block_size), src, dst)
+
+    def flush_evictions(self) -> None:
+        """Hand the prefix blocks the allocator just evicted to :attr:`on_evict` (a tier below copies them down),
+        before anything overwrites them; without a listener they are forgotten, as before."""
+        evicted = self.manager.pool.evicted
+        if evicted:
+            batch = list(evicted)
+            evicted.clear()
+            if self.on_evict is not None:
+                self.on_evict(batch)
 
     def gather(self, seq_id) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, contiguous: each ``[num_layers, num_tokens, heads, head_dim]``."""

@@ -1,6 +1,6 @@
 """Drive JupyterLab in headless Chromium: start a throwaway server, open a notebook, run it, read its figures.
 
-Used by ``test_notebooks_in_browser.py`` (this module's name never shadows the ``jupyterlab`` package).
+Used by ``notebook_checks.py`` (this module's name never shadows the ``jupyterlab`` package).
 The server runs on a copy of the notebooks in a temporary folder (running them never touches the
 repository), on a free loopback port with an empty token, with the notebook's windowing off so every
 cell is in the DOM. Chromium is Debian's (``/usr/bin/chromium``); playwright never downloads a browser.

@@ -145,7 +145,7 @@ class BlockManager:
 
     # ---- operations ----------------------------------------------------------------
     def add(self, seq_id, prompt: Sequence[int], *, expected_len: int | None = None,
-            extra_key: object = None, publish: bool = True) -> Placement:
+            extra_key: object = None, publish: bool = True, block_size: int | None = None) -> Placement:
         """Start a sequence with ``prompt`` tokens, reusing cached full blocks of the same prefix.
 
         Args:
@@ -155,6 +155,8 @@ class BlockManager:
             extra_key: hashable; blocks are shared only between prompts with equal ``extra_key``
                 (a LoRA id, an image hash, a cache salt).
             publish: make the new full blocks findable now; False defers it to :meth:`publish`.
+            block_size: this size class instead of the policy's choice (a sequence coming back from a lower
+                tier, whose stored blocks have the size it had).
         """
         hashable("seq_id", seq_id)
         if seq_id in self._seqs:
@@ -167,7 +169,7 @@ class BlockManager:
                 raise ValueError(f"expected_len must be None or a positive int (prompt plus expected new tokens), "
                                  f"got {expected_len!r}")
         hashable("extra_key", extra_key)
-        bs = self.policy.choose(len(prompt), expected_len)
+        bs = self.policy.choose(len(prompt), expected_len) if block_size is None else block_size
         pool = self.pool
         c = pool._cls(bs)  # validates the policy's choice
         hits = self._prefix_hits(prompt, bs, extra_key)
@@ -267,12 +269,24 @@ class BlockManager:
         self.pool._incref(self.pool._cls(p.block_size), p.table)
         self._seqs[child_id] = p.copy()
 
-    def free(self, seq_id) -> None:
-        """Release the sequence; its blocks go back in reverse order, so shared prefixes are evicted last."""
+    def free(self, seq_id, *, observe: bool = True) -> None:
+        """Release the sequence; its blocks go back in reverse order, so shared prefixes are evicted last.
+        ``observe=False``: the block-size policy does not learn from it (a sequence swapped out, not finished)."""
         s = self._get(seq_id)
         self.pool._decref(self.pool._cls(s.block_size), reversed(s.table))
-        self.policy.observe(len(s.tokens), s.prompt_len)
+        if observe:
+            self.policy.observe(len(s.tokens), s.prompt_len)
         del self._seqs[seq_id]
+
+    def published(self, seq_id) -> list[int]:
+        """Prefix-cache entry ids of the sequence's published full blocks, in order (one per leading full block)."""
+        return list(self._get(seq_id).entries)
+
+    def extra_key(self, seq_id) -> object:
+        return self._get(seq_id).extra_key
+
+    def prompt_len(self, seq_id) -> int:
+        return self._get(seq_id).prompt_len
 
     # ---- undo (for a cache whose K/V write failed after the tables changed) ----------
     def checkpoint(self, seq_id) -> Checkpoint:

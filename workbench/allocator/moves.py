@@ -37,6 +37,7 @@ class PoolMoves:
         new.block_sizes = self.block_sizes
         new._uncarved = list(self._uncarved)
         new._classes = {bs: c.copy() for bs, c in self._classes.items()}
+        new.evicted = None  # a clone (a compaction plan) has no tier below it
         return new
 
     def fingerprint(self) -> int:

@@ -86,6 +86,9 @@ class BlockPool(PoolMoves):
         self._clock = 0
         self._next_entry = 0  # prefix-cache entry ids: handed out once, never reused
         self.hits = self.misses = self.evictions = 0
+        # A tier below the device (workbench.tiers) sets this to a list: every eviction appends
+        # (block_size, block_id, entry_id) so the block's bytes can be copied down before they are overwritten.
+        self.evicted: list[tuple[int, int, int]] | None = None
 
     # ---- queries -------------------------------------------------------------------
     def blocks_per_page(self, block_size: int) -> int:
@@ -385,6 +388,8 @@ class BlockPool(PoolMoves):
             c.free.move_to_end(bid, last=False)
 
     def _evict(self, c: SizeClass, bid: int) -> None:
+        if self.evicted is not None:
+            self.evicted.append((c.block_size, bid, c.entry[bid]))
         del c.cached[c.key[bid]]
         c.key[bid] = c.entry[bid] = None
         self.evictions += 1

@@ -13,5 +13,7 @@ BENCHMARKS = {
                     "codes vs torch (--tune; --smoke: tiny CPU check)",
     "model_decode": "GPU: SmolLM2-135M decode tokens/s, our runner (eager, CUDA graph) vs transformers' static-cache "
                     "generate; where the step goes (--check: logits vs transformers)",
+    "tiers": "GPU: the host link for KV blocks: bandwidth by block size x batch for the copy-engine and SM-copy paths, "
+             "the slowdown of a decode beside transfers, prefetch overlap, TieredCache checks",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
 }

@@ -51,6 +51,16 @@ class Result:
         conversions: requests whose large tail block compaction moved into small blocks.
         rows: event rows, ``metrics.ROW_FIELDS`` -> int64 arrays ``[R]`` (slots).
         finish_step: ``[n_requests]`` step each request completed at, -1 if it did not.
+        preemption: the preemption mode of the run, ``"recompute"`` or ``"swap"``.
+        block_size: tokens per block of a fixed-block paged strategy (``Paged``), None for contiguous and
+            adaptive strategies (no single block size).
+        preempted_tokens: ``[preemptions]`` tokens each preempted request held when it was preempted (what a
+            swap moves to the host), in order; the same in both modes.
+        resumed_tokens: ``[resumes]`` tokens each preempted request brought back when it was re-admitted (what
+            a swap moves back, what a recompute prefills again), in order; fewer than ``preemptions`` when a
+            run stops (``max_steps``) or rejects a request while it is preempted. ``recomputed_tokens`` is
+            their sum (recompute); ``swapped_bytes`` is ``(preempted_tokens.sum() + resumed_tokens.sum()) *
+            bytes_per_token`` (swap).
     """
 
     strategy: str
@@ -67,6 +77,10 @@ class Result:
     conversions: int = 0
     rows: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     finish_step: np.ndarray = field(default=None, repr=False)
+    preemption: str = "recompute"
+    block_size: int | None = None
+    preempted_tokens: np.ndarray = field(default=None, repr=False)
+    resumed_tokens: np.ndarray = field(default=None, repr=False)
 
     def series(self, name: str) -> np.ndarray:
         """Per-step series ``[steps]`` of a row field (``batch``, ``token``, ``free``, ...), in slots."""
@@ -145,7 +159,10 @@ def run(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | Non
     reqs = trace.requests
     n = len(reqs)
     arrive = [0] * n if step_s is None else [int(r.arrival_s // step_s) for r in reqs]
-    res = Result(cfg.label, budget, trace.name, n)
+    res = Result(cfg.label, budget, trace.name, n, preemption=preemption,
+                 block_size=cfg.block_size if isinstance(cfg, st.Paged) else None)
+    preempted_tokens: list[int] = []  # per preemption / re-admission event (Result.preempted/resumed_tokens)
+    resumed_tokens: list[int] = []
     finish = np.full(n, -1, dtype=np.int64)
     rows: dict[str, list[int]] = {k: [] for k in metrics.ROW_FIELDS}
     bpt = budget.bytes_per_token
@@ -180,6 +197,7 @@ def run(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | Non
         parked[q.idx] = q
         heapq.heappush(waiting, q.idx)
         res.preemptions += 1
+        preempted_tokens.append(q.p + q.g)
         if swap:
             res.swapped_bytes += (q.p + q.g) * bpt
 
@@ -212,6 +230,7 @@ def run(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | Non
                 break
             heapq.heappop(waiting)
             if parked.pop(i, None) is not None:
+                resumed_tokens.append(q.p + q.g)
                 if swap:
                     res.swapped_bytes += (q.p + q.g) * bpt
                 else:
@@ -306,6 +325,8 @@ def run(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | Non
 
     res.rows = {k: np.asarray(v, dtype=np.int64) for k, v in rows.items()}
     res.finish_step = finish
+    res.preempted_tokens = np.asarray(preempted_tokens, dtype=np.int64)
+    res.resumed_tokens = np.asarray(resumed_tokens, dtype=np.int64)
     return res
 
 

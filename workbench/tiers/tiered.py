@@ -1,0 +1,660 @@
+"""A paged KV cache over three tiers: the device pool (HBM), a pinned host pool (DDR) and a disk pool (SSD).
+
+    tc = TieredCache(cache, host_bytes=2 << 30, disk_path="/nvme/kv", disk_bytes=64 << 30, eviction="lru")
+    tc.add("a", prompt, k, v)          # a prompt whose prefix was demoted is promoted back first (a prefix hit)
+    tc.swap_out(["a"])                  # preemption by swap: the sequence's blocks go down in one batch
+    tc.decode(q, ["a"], layer)          # a swapped sequence comes back first (or NotResident, on_miss="raise")
+
+What lives where:
+
+- *device*: the :class:`~workbench.cache.PagedKVCache`, unchanged. Its allocator evicts cached prefix blocks
+  (free, ref count 0) when it needs memory; the cache hands them to :meth:`TieredCache._on_evict` before their
+  bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* to the host tier in one batch
+  instead of dropped.
+- *host* and *disk*: :class:`LowerEntry` records keyed by a block's *digest*, a chained BLAKE2b hash of the
+  tokens of every block up to it (and the sequence's ``extra_key``, salted with the cache's geometry), so a
+  block's identity does not depend on the device allocator's entry ids, which die with the device copy. A host
+  tier that is full pushes entries to disk by the eviction policy (``workbench.tiers.eviction``: LRU, LFU,
+  priority); a full disk drops them. Entries are *inclusive*: a promoted block keeps its lower copy, so evicting
+  it again costs no copy.
+- A *swapped-out* sequence (:meth:`TieredCache.swap_out`) keeps its tokens and, per block, a digest (the chain
+  digest for a published block, a private one for its partly filled tail); its entries are *pinned* (moved to
+  disk if need be, never dropped). :meth:`TieredCache.block_table` gives every block's tier and place.
+
+Promotion reuses the allocator: the promoted blocks are allocated as a short-lived sequence holding just that
+prefix, filled from host or disk in one batch, published (so the device prefix map knows them) and released, so
+the following :meth:`PagedKVCache.add` finds them as ordinary device hits and computes nothing for them.
+
+Every method checks its arguments and the room it needs before it changes anything; a move that fails (a tier
+full, a corrupt disk block) raises and leaves every sequence where it was. Not supported with tiers: compaction
+(it renames device blocks under the digests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.allocator.errors import OutOfBlocks, token_ids
+from workbench.tiers import eviction as eviction_policies
+from workbench.tiers.errors import HostFull, NotInTier, NotResident, TierFull
+from workbench.tiers.host import HostPool
+from workbench.tiers.transfer import BlockMover, Transfer, TransferStats, block_bytes
+
+ON_MISS = ("fetch", "raise")
+
+
+@dataclass
+class LowerEntry:
+    """One block below the device. ``tier`` is ``"host"`` (at ``host_start``, ``units`` units) or ``"disk"``."""
+
+    digest: bytes
+    block_size: int
+    nbytes: int
+    tier: str
+    host_start: int | None = None
+    units: int = 1
+    hits: int = 0
+    last_access: int = 0
+    priority: int = 0
+    pins: int = 0  # swapped-out sequences that need this block: never dropped while > 0
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """Where one logical block of a sequence is: ``tier`` ``"device"`` (``index`` = device block id), ``"host"``
+    (``index`` = first host unit) or ``"disk"`` (``index`` None; ``digest`` names it in the disk pool)."""
+
+    tier: str
+    index: int | None
+    digest: bytes | None = None
+
+
+@dataclass
+class _Swapped:
+    tokens: list[int]
+    block_size: int
+    extra_key: object
+    prompt_len: int
+    digests: list[bytes]
+    private: list[bytes]  # digests made for this sequence alone (its tail, unpublished blocks): dropped on return
+    quantized: int | None
+    residual: tuple | None = None  # KIVI's fp16 residual, on the host
+    priority: int = 0
+
+
+@dataclass
+class _Counters:
+    demoted: int = 0  # device -> host blocks (prefix evictions)
+    demote_skipped: int = 0  # evicted blocks already below (inclusive copies)
+    dropped: int = 0  # evicted blocks with nowhere to go
+    to_disk: int = 0  # host -> disk blocks
+    disk_dropped: int = 0
+    promoted_host: int = 0  # prefix hits served from the host tier
+    promoted_disk: int = 0
+    swapped_out: int = 0  # sequences
+    swapped_in: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class TieredCache:
+    """See the module docstring.
+
+    Args:
+        cache: the device tier.
+        host_bytes: size of the pinned host pool.
+        disk_path: a directory for the disk pool (None: no disk tier).
+        disk_bytes: the disk pool's capacity.
+        eviction: ``"lru"``, ``"lfu"``, ``"priority"`` (or a config): which lower entry moves down first.
+        path: ``"dma"``, ``"sm"`` or ``"auto"`` (``workbench.tiers.transfer``).
+        sm_programs: grid cap of the SM copy.
+        on_miss: ``"fetch"`` (a decode of a swapped-out sequence swaps it in first) or ``"raise"`` (NotResident).
+        fsync: the disk pool's durability (False: faster, for tests and benchmarks of the link).
+    """
+
+    def __init__(self, cache, *, host_bytes: int, disk_path: str | os.PathLike | None = None, disk_bytes: int = 0,
+                 eviction="lru", path: str = "auto", sm_programs: int | None = None, on_miss: str = "fetch",
+                 fsync: bool = True):
+        from workbench.cache import PagedKVCache
+
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        if cache.on_evict is not None or cache.manager.pool.evicted is not None:
+            raise ValueError("cache already has a tier below it (one TieredCache per PagedKVCache)")
+        if on_miss not in ON_MISS:
+            raise ValueError(f"on_miss must be one of {ON_MISS}, got {on_miss!r}")
+        if disk_path is not None and (isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int)
+                                      or disk_bytes < 1):
+            raise ValueError(f"disk_bytes must be a positive int with a disk_path, got {disk_bytes!r}")
+        self.policy = eviction_policies.get(eviction)
+        self.cache, self.on_miss = cache, on_miss
+        self.unit_bytes = block_bytes(cache, min(cache.pool_sizes))
+        self.host = HostPool(host_bytes, self.unit_bytes, pin=cache.device.type == "cuda")
+        self.mover = BlockMover(cache, self.host, path=path, sm_programs=sm_programs)
+        self.disk = None
+        if disk_path is not None:
+            from workbench.tiers.disk import DiskPool
+
+            self.disk = DiskPool(disk_path, disk_bytes, fsync=fsync)
+        self.entries: dict[bytes, LowerEntry] = {}
+        self._swapped: dict[object, _Swapped] = {}
+        self._chain: dict[object, list[bytes]] = {}  # seq -> digests of its published blocks, in order
+        self._entry_digest: dict[int, tuple[bytes, int]] = {}  # device entry id -> (digest, priority), for eviction
+        self._priority: dict[object, int] = {}
+        self._clock = itertools.count(1)
+        self._temp_ids = itertools.count()
+        self.counters = _Counters()
+        c = cache
+        self._salt = hashlib.blake2b(repr((c.num_layers, c.num_kv_heads, c.head_dim, c.scheme.name, c.layout.value,
+                                           c.manager.pool.page_tokens)).encode(), digest_size=16).digest()
+        cache.manager.pool.evicted = []
+        cache.on_evict = self._on_evict
+
+    # ---- digests ---------------------------------------------------------------------
+    def digests(self, tokens: Sequence[int], block_size: int, extra_key: object = None,
+                n: int | None = None) -> list[bytes]:
+        """Chain digests of the first ``n`` (default all) full blocks of ``tokens``."""
+        out, prev = [], self._salt + block_size.to_bytes(4, "little")
+        extra = repr(extra_key).encode()
+        full = len(tokens) // block_size if n is None else n
+        for i in range(full):
+            h = hashlib.blake2b(prev, digest_size=16)
+            h.update(torch.tensor(tokens[i * block_size:(i + 1) * block_size], dtype=torch.int64).numpy().tobytes())
+            h.update(extra)
+            prev = h.digest()
+            out.append(prev)
+        return out
+
+    def _note(self, seq_id) -> None:
+        """Record the digests of the sequence's newly published blocks (what their eviction is stored under)."""
+        m = self.cache.manager
+        entries = m.published(seq_id)
+        chain = self._chain.setdefault(seq_id, [])
+        if len(entries) > len(chain):
+            bs = m.block_size(seq_id)
+            tokens = m.tokens(seq_id)
+            chain[:] = self.digests(tokens, bs, m.extra_key(seq_id), len(entries))
+            priority = self._priority.get(seq_id, 0)
+            for e, d in zip(entries, chain, strict=True):
+                old = self._entry_digest.get(e)
+                self._entry_digest[e] = (d, max(priority, old[1]) if old else priority)
+
+    # ---- the cache's operations, with the tiers' bookkeeping ---------------------------
+    def add(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, expected_len: int | None = None,
+            extra_key: object = None, priority: int = 0):
+        """:meth:`PagedKVCache.add`, after promoting the longest run of the prompt's prefix found below the
+        device (host or disk) back into device blocks; ``priority`` marks its blocks for the priority policy."""
+        tokens = token_ids("tokens", tokens)
+        self._check_priority(priority)
+        if seq_id in self._swapped:
+            raise ValueError(f"sequence {seq_id!r} is swapped out (swap_in it, or free it)")
+        self.cache._check_kv(k, v, len(tokens))
+        self.promote_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
+        placement = self.cache.add(seq_id, tokens, k, v, expected_len=expected_len, extra_key=extra_key)
+        self._priority[seq_id] = priority
+        self._note(seq_id)
+        for d in self._chain.get(seq_id, []):  # a prompt that reuses blocks below raises their priority
+            if d in self.entries:
+                self.entries[d].priority = max(self.entries[d].priority, priority)
+        return placement
+
+    def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
+        self._resident([seq_id])
+        placement = self.cache.append(seq_id, tokens, k, v)
+        self._note(seq_id)
+        return placement
+
+    def append_batch(self, seq_ids: Sequence, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
+        self._resident(seq_ids)
+        placements = self.cache.append_batch(seq_ids, tokens, k, v)
+        for s in seq_ids:
+            self._note(s)
+        return placements
+
+    def decode(self, q: torch.Tensor, seq_ids: Sequence, layer: int, **kw):
+        """:meth:`PagedKVCache.decode`; every sequence must be resident (swapped ones come back, or NotResident)."""
+        self._resident(seq_ids)
+        return self.cache.decode(q, seq_ids, layer, **kw)
+
+    def read_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None, extra_key: object = None):
+        """:meth:`PagedKVCache.read_prefix` after promoting the lower tiers' part of the prefix."""
+        tokens = token_ids("tokens", tokens)
+        self.promote_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
+        return self.cache.read_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
+
+    def fork(self, parent_id, child_id) -> None:
+        self._resident([parent_id])
+        if child_id in self._swapped:
+            raise ValueError(f"sequence {child_id!r} already exists (swapped out)")
+        self.cache.fork(parent_id, child_id)
+        self._chain[child_id] = list(self._chain.get(parent_id, []))
+        self._priority[child_id] = self._priority.get(parent_id, 0)
+
+    def free(self, seq_id) -> None:
+        """Release a sequence, resident or swapped out (its private lower blocks are dropped, the rest unpinned)."""
+        if seq_id in self._swapped:
+            self._release_swapped(self._swapped.pop(seq_id))
+            self.counters.extra["freed_swapped"] = self.counters.extra.get("freed_swapped", 0) + 1
+            return
+        self.cache.free(seq_id)
+        self._chain.pop(seq_id, None)
+        self._priority.pop(seq_id, None)
+
+    def evict(self, n: int | None = None) -> int:
+        """Demote up to ``n`` (default all) of the device's cached free prefix blocks now, oldest first (the
+        allocator's order); returns how many left the device."""
+        done = self.cache.manager.pool.evict(n)
+        self.cache.flush_evictions()
+        return done
+
+    # ---- residency -------------------------------------------------------------------
+    def is_resident(self, seq_id) -> bool:
+        if seq_id in self._swapped:
+            return False
+        self.cache.manager.num_tokens(seq_id)  # validates
+        return True
+
+    def block_table(self, seq_id) -> list[BlockRef]:
+        """Every logical block's tier and place (device ids for a resident sequence)."""
+        if seq_id not in self._swapped:
+            return [BlockRef("device", b) for b in self.cache.manager.block_table(seq_id)]
+        out = []
+        for d in self._swapped[seq_id].digests:
+            e = self.entries[d]
+            out.append(BlockRef(e.tier, e.host_start if e.tier == "host" else None, d))
+        return out
+
+    def _resident(self, seq_ids: Sequence) -> None:
+        missing = [s for s in seq_ids if s in self._swapped]
+        if not missing:
+            return
+        if self.on_miss == "raise":
+            where = []
+            for s in missing:
+                tiers = [r.tier for r in self.block_table(s)]
+                where.append(f"sequence {s!r}: {tiers.count('host')} blocks on host, {tiers.count('disk')} on disk")
+            raise NotResident("a decode step needs blocks that are not in device memory (swap_in them first): "
+                              + "; ".join(where))
+        self.swap_in(missing).wait()
+
+    # ---- swapping (preemption) -----------------------------------------------------------
+    def swap_out(self, seq_ids: Sequence) -> Transfer:
+        """Move sequences' blocks below the device in one batch per size class and free their device blocks.
+
+        Blocks already below (inclusive copies of published prefix blocks) are not copied again. Raises
+        :class:`HostFull` (nothing changed) when the host tier, after pushing entries to disk, has no room."""
+        seq_ids = self._distinct("seq_ids", seq_ids)
+        m = self.cache.manager
+        self.cache.flush_evictions()
+        for s in seq_ids:
+            if s in self._swapped:
+                raise ValueError(f"sequence {s!r} is swapped out already")
+            m.num_tokens(s)  # validates
+        plans = []
+        for s in seq_ids:
+            bs, table = m.block_size(s), m.block_table(s)
+            published = len(m.published(s))
+            if self.cache.scheme.packed:  # KIVI: only wholly quantized blocks are complete
+                published = min(published, self.cache.quantized_tokens(s) // bs)
+            chain = self.digests(m.tokens(s), bs, m.extra_key(s), published)
+            private = [hashlib.blake2b(os.urandom(16), digest_size=16).digest() for _ in range(len(table) - published)]
+            plans.append((s, bs, table, chain + private, private))
+        copies = {}  # block size -> [(device block, digest)] not yet below
+        seen = set()
+        for _s, bs, table, digests, _ in plans:
+            for b, d in zip(table, digests, strict=True):
+                if d not in self.entries and d not in seen:
+                    copies.setdefault(bs, []).append((b, d))
+                    seen.add(d)
+        to_disk = self._plan_room(copies)  # HostFull / DiskFull here: nothing changed
+        transfer = Transfer("device", "host", 0, 0, self.mover.path, 0)
+        for bs, pairs in copies.items():
+            host_part = pairs[:len(pairs) - to_disk.get(bs, 0)]
+            if host_part:
+                transfer = self._store(bs, host_part, pinned=False)
+            if len(host_part) < len(pairs):
+                transfer = self._store_disk(bs, pairs[len(host_part):])
+        cache = self.cache
+        for s, bs, _table, digests, private in plans:
+            for d in digests:
+                self.entries[d].pins += 1
+            residual = cache.residual(s)
+            host_res = tuple(t.to("cpu") for t in residual) if residual is not None else None
+            self._swapped[s] = _Swapped(m.tokens(s), bs, m.extra_key(s), m.prompt_len(s), digests, private,
+                                        cache._quantized.get(s), host_res, self._priority.pop(s, 0))
+            cache.manager.free(s, observe=False)
+            cache._quantized.pop(s, None)
+            cache._residual.pop(s, None)
+            self._chain.pop(s, None)
+            self.counters.swapped_out += 1
+        return transfer
+
+    def swap_in(self, seq_ids: Sequence) -> Transfer:
+        """Bring swapped-out sequences back: device prefix hits where their published blocks are still cached,
+        the rest filled from host or disk in one batch. All or nothing (``OutOfBlocks`` when the device is short)."""
+        seq_ids = self._distinct("seq_ids", seq_ids)
+        for s in seq_ids:
+            if s not in self._swapped:
+                raise ValueError(f"sequence {s!r} is not swapped out")
+        m, pool = self.cache.manager, self.cache.manager.pool
+        by_size: dict[int, int] = {}
+        for s in seq_ids:
+            sw = self._swapped[s]
+            by_size[sw.block_size] = by_size.get(sw.block_size, 0) + len(sw.digests)
+        for bs, n in by_size.items():  # conservative: device hits would need fewer
+            if n > pool.free_blocks(bs):
+                raise OutOfBlocks(f"swapping in {seq_ids} needs up to {n} blocks of {bs} tokens, "
+                                  f"{pool.free_blocks(bs)} available")
+        fills: dict[int, list[tuple[int, bytes]]] = {}
+        for s in seq_ids:
+            sw = self._swapped[s]
+            placement = m.add(s, sw.tokens, extra_key=sw.extra_key, publish=False, block_size=sw.block_size)
+            table = m.block_table(s)
+            hits = placement.first // sw.block_size
+            fills.setdefault(sw.block_size, []).extend(zip(table[hits:], sw.digests[hits:], strict=True))
+        self.cache.flush_evictions()  # blocks the allocation evicted go down before they are overwritten
+        transfer = Transfer("host", "device", 0, 0, self.mover.path, 0)
+        for bs, pairs in fills.items():
+            transfer = self._load(bs, pairs)
+        cache = self.cache
+        for s in seq_ids:
+            sw = self._swapped.pop(s)
+            if sw.quantized is not None:
+                cache._quantized[s] = sw.quantized
+            if sw.residual is not None:
+                cache._residual[s] = tuple(t.to(cache.device) for t in sw.residual)
+            m.publish(s, upto=cache.quantized_tokens(s))
+            self._priority[s] = sw.priority
+            self._release_swapped(sw)
+            self._note(s)
+            self.counters.swapped_in += 1
+        return transfer
+
+    def _release_swapped(self, sw: _Swapped) -> None:
+        for d in sw.digests:
+            e = self.entries.get(d)
+            if e is not None:
+                e.pins -= 1
+        self._drop([d for d in sw.private if d in self.entries])
+
+    # ---- prefix promotion --------------------------------------------------------------
+    def promote_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None,
+                       extra_key: object = None) -> int:
+        """Bring the part of ``tokens``' cached prefix that lies below the device back into device blocks (one
+        batch from host, one from disk) and make it findable there. Returns the blocks promoted (0 when the
+        device lacks free blocks for them: the prompt is then computed, as on a miss)."""
+        m = self.cache.manager
+        self.cache.flush_evictions()  # blocks evicted since the last write (PagedKVCache.evict, say) go down first
+        bs, hits = m.cached_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
+        eligible = (len(tokens) - 1) // bs  # the block with the last prompt token is never a hit
+        if eligible <= len(hits):
+            return 0
+        digests = self.digests(tokens, bs, extra_key, eligible)
+        run = 0
+        for d in digests[len(hits):]:
+            e = self.entries.get(d)
+            if e is None or e.block_size != bs:
+                break
+            run += 1
+        if not run:
+            return 0
+        end = (len(hits) + run) * bs
+        temp = ("__tiers_promote__", next(self._temp_ids))
+        try:
+            placement = m.add(temp, tokens[:end], extra_key=extra_key, publish=False, block_size=bs)
+        except OutOfBlocks:
+            return 0
+        try:
+            table = m.block_table(temp)
+            first = placement.first // bs
+            self.cache.flush_evictions()
+            self._load(bs, list(zip(table[first:], digests[first:len(hits) + run], strict=True)))
+            m.publish(temp)
+            for e, d in zip(m.published(temp), digests, strict=False):
+                self._entry_digest[e] = (d, self.entries[d].priority if d in self.entries else 0)
+        finally:
+            m.free(temp, observe=False)
+        return len(table) - first
+
+    # ---- moves between tiers ---------------------------------------------------------------
+    def _store(self, bs: int, pairs: list[tuple[int, bytes]], pinned: bool) -> Transfer:
+        """Copy device blocks to new host entries (room made by the caller), one batch."""
+        units = self.mover.units(bs)
+        starts = self.host.allocate([units] * len(pairs))
+        transfer = self.mover.to_host(bs, [b for b, _ in pairs], starts)
+        nbytes = units * self.unit_bytes
+        for (_, d), st in zip(pairs, starts, strict=True):
+            self.entries[d] = LowerEntry(d, bs, nbytes, "host", st, units, last_access=next(self._clock))
+        return transfer
+
+    def _plan_room(self, copies: dict[int, list]) -> dict[int, int]:
+        """Make host room for a swap-out's blocks; what cannot fit goes straight to disk (the overflow tier).
+        Returns, per block size, how many of the batch's last blocks go to disk. Raises before any block moves."""
+        need = sum(self.mover.units(bs) * len(v) for bs, v in copies.items())
+        room = self.host.free_units + sum(e.units for e in self.entries.values() if e.tier == "host"
+                                          and (e.pins == 0 or self.disk is not None))
+        if need <= room and (self.disk is not None or need <= self.host.free_units
+                             or self._host_droppable() >= need - self.host.free_units):
+            try:
+                self._make_host_room(need, protect=set())
+                return {}
+            except TierFull:
+                if self.disk is None:
+                    raise
+        if self.disk is None:
+            raise HostFull(f"the host tier needs {need} units ({need * self.unit_bytes} bytes), has "
+                           f"{self.host.free_units} free and {room - self.host.free_units} it could free (the rest "
+                           f"hold swapped-out sequences; no disk tier)")
+        overflow, units_left = {}, self.host.free_units  # keep the host as it is: the overflow goes to disk
+        disk_need = 0
+        for bs, pairs in copies.items():
+            u = self.mover.units(bs)
+            fit = min(len(pairs), units_left // u)
+            units_left -= fit * u
+            overflow[bs] = len(pairs) - fit
+            disk_need += overflow[bs] * u * self.unit_bytes
+        free = self.disk.capacity_bytes - self.disk.used_bytes
+        if disk_need > free:
+            from workbench.tiers.errors import DiskFull
+
+            raise DiskFull(f"the swap needs {disk_need} bytes on disk beyond the host tier, the disk has {free} free")
+        return overflow
+
+    def _host_droppable(self) -> int:
+        return sum(e.units for e in self.entries.values() if e.tier == "host" and e.pins == 0)
+
+    def _store_disk(self, bs: int, pairs: list[tuple[int, bytes]]) -> Transfer:
+        """Copy device blocks straight to new disk entries (through a pinned buffer), one segment."""
+        units = self.mover.units(bs)
+        nbytes = units * self.unit_bytes
+        buf = torch.empty((len(pairs), nbytes), dtype=torch.uint8, pin_memory=self.host.pinned)
+        transfer = self.mover.to_buffer(bs, [b for b, _ in pairs], buf).synchronize()
+        self.disk.put([d for _, d in pairs], buf)
+        for _, d in pairs:
+            self.entries[d] = LowerEntry(d, bs, nbytes, "disk", None, units, last_access=next(self._clock))
+        self.counters.to_disk += len(pairs)
+        return transfer
+
+    def _load(self, bs: int, pairs: list[tuple[int, bytes]]) -> Transfer:
+        """Fill device blocks from their entries: host ones in one batch, disk ones read then one batch."""
+        host = [(b, d) for b, d in pairs if self.entries[d].tier == "host"]
+        disk = [(b, d) for b, d in pairs if self.entries[d].tier == "disk"]
+        transfer = Transfer("host", "device", 0, 0, self.mover.path, 0)
+        if host:
+            transfer = self.mover.to_device(bs, [self.entries[d].host_start for _, d in host], [b for b, _ in host])
+            self.counters.promoted_host += len(host)
+        if disk:
+            nbytes = self.entries[disk[0][1]].nbytes
+            buf = torch.empty((len(disk), nbytes), dtype=torch.uint8, pin_memory=self.host.pinned)
+            self.disk.get_into([d for _, d in disk], buf)  # CorruptBlock names the block
+            transfer = self.mover.from_buffer(bs, buf, [b for b, _ in disk])
+            self.counters.promoted_disk += len(disk)
+        for _, d in pairs:
+            e = self.entries[d]
+            e.hits += 1
+            e.last_access = next(self._clock)
+        transfer.wait()
+        return transfer
+
+    def _on_evict(self, batch: list[tuple[int, int, int]]) -> None:
+        """The allocator evicted these cached device blocks: demote the ones not below yet, in one batch per size."""
+        todo: dict[int, list[tuple[int, bytes]]] = {}
+        priorities = {}
+        for bs, bid, entry in batch:
+            d, priorities[bid] = self._entry_digest.pop(entry, (None, 0))
+            if d is None:
+                self.counters.dropped += 1  # published outside this TieredCache: no digest to keep it under
+            elif d in self.entries:
+                self.entries[d].last_access = next(self._clock)
+                self.counters.demote_skipped += 1
+            else:
+                todo.setdefault(bs, []).append((bid, d))
+        for bs, pairs in todo.items():
+            units = self.mover.units(bs) * len(pairs)
+            try:
+                self._make_host_room(units, protect=set())
+            except TierFull:
+                self.counters.dropped += len(pairs)  # every entry below is pinned: this prefix is forgotten
+                continue
+            self._store(bs, pairs, pinned=False)
+            for bid, d in pairs:
+                self.entries[d].priority = priorities[bid]
+            self.counters.demoted += len(pairs)
+
+    def _make_host_room(self, units: int, protect: set) -> None:
+        """Free host units until ``units`` are free: entries leave by the policy, to disk (batched) if there is one,
+        else dropped (pinned ones only move). Raises :class:`HostFull` with the tier as it was if impossible."""
+        short = units - self.host.free_units
+        if short <= 0:
+            return
+        host = sorted((e for e in self.entries.values() if e.tier == "host" and e.digest not in protect),
+                      key=self.policy.rank)
+        movable = [e for e in host if e.pins == 0] if self.disk is None else host
+        if sum(e.units for e in movable) < short:
+            raise HostFull(f"the host tier needs {units} units ({units * self.unit_bytes} bytes), has "
+                           f"{self.host.free_units} free and {sum(e.units for e in movable)} it could free "
+                           f"(the rest hold swapped-out sequences{'' if self.disk else '; no disk tier'})")
+        victims, freed = [], 0
+        for e in movable:
+            if freed >= short:
+                break
+            victims.append(e)
+            freed += e.units
+        if self.disk is not None:
+            self._to_disk(victims)
+        else:
+            self._drop([e.digest for e in victims])
+
+    def _to_disk(self, victims: list[LowerEntry]) -> None:
+        need = sum(e.nbytes for e in victims)
+        room = self.disk.capacity_bytes - self.disk.used_bytes
+        if room < need:  # drop unpinned disk entries by the policy
+            on_disk = sorted((e for e in self.entries.values() if e.tier == "disk" and e.pins == 0),
+                             key=self.policy.rank)
+            drop, freed = [], 0
+            for e in on_disk:
+                if room + freed >= need:
+                    break
+                drop.append(e.digest)
+                freed += e.nbytes
+            if room + freed < need:
+                pinned = [e for e in victims if e.pins]
+                if pinned:
+                    from workbench.tiers.errors import DiskFull
+
+                    raise DiskFull(f"the disk tier needs {need} bytes for blocks pushed from the host, has {room} "
+                                   f"free and {freed} it could free")
+                self._drop([e.digest for e in victims])  # nothing pinned: forget them instead
+                return
+            self._drop(drop)
+            self.counters.disk_dropped += len(drop)
+        if self.mover.cuda:
+            self.mover.side.synchronize()  # the host copies the disk reads must have landed
+        views = [self.host.view(e.host_start, e.units) for e in victims]
+        self.disk.put([e.digest for e in victims], views)
+        self.host.free([e.host_start for e in victims], [e.units for e in victims])
+        for e in victims:
+            e.tier, e.host_start = "disk", None
+        self.counters.to_disk += len(victims)
+
+    def _drop(self, digests: list[bytes]) -> None:
+        host = [self.entries[d] for d in digests if self.entries[d].tier == "host"]
+        disk = [d for d in digests if self.entries[d].tier == "disk"]
+        if host:
+            self.host.free([e.host_start for e in host], [e.units for e in host])
+        if disk:
+            try:
+                self.disk.drop(disk)
+            except NotInTier:
+                pass
+        for d in digests:
+            del self.entries[d]
+
+    # ---- reports -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Occupancy per tier, the moves (bytes, blocks, batches, copy calls, seconds per direction) and counters."""
+        self.cache.flush_evictions()
+        moves = TransferStats()
+        moves.merge(self.mover.stats.as_dict())
+        if self.disk is not None:
+            ds = self.disk.stats()
+            moves.add("host", "disk", ds["bytes_written"], 0, 0, ds["write_seconds"])
+            moves.add("disk", "host", ds["bytes_read"], 0, 0, ds["read_seconds"])
+        pool = self.cache.manager.pool
+        on = lambda t: [e for e in self.entries.values() if e.tier == t]
+        c = self.counters
+        return {
+            "device": {"used_slots": pool.used_slots(), "free_slots": pool.free_slots(),
+                       "cached_blocks": pool.cached_blocks()},
+            "host": {"blocks": len(on("host")), "used_bytes": self.host.used_units * self.unit_bytes,
+                     "capacity_bytes": self.host.capacity_bytes, "pinned": self.host.pinned},
+            "disk": None if self.disk is None else {"blocks": len(on("disk")), "used_bytes": self.disk.used_bytes,
+                                                    "capacity_bytes": self.disk.capacity_bytes},
+            "moves": moves.as_dict(),
+            "demoted": c.demoted, "demote_skipped": c.demote_skipped, "dropped": c.dropped, "to_disk": c.to_disk,
+            "disk_dropped": c.disk_dropped, "promoted_host": c.promoted_host, "promoted_disk": c.promoted_disk,
+            "swapped_out": c.swapped_out, "swapped_in": c.swapped_in, "swapped_now": len(self._swapped),
+        }
+
+    def close(self) -> None:
+        """Detach from the cache (it forgets evicted blocks again) and close the disk pool."""
+        self.cache.on_evict = None
+        self.cache.manager.pool.evicted = None
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- checks ------------------------------------------------------------------------
+    @staticmethod
+    def _distinct(name: str, ids) -> list:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+            raise ValueError(f"{name} must be a non-empty list of sequence ids, got {ids!r}")
+        ids = list(ids)
+        if len(set(map(repr, ids))) != len(ids):
+            raise ValueError(f"{name} must not repeat a sequence, got {ids!r}")
+        return ids
+
+    @staticmethod
+    def _check_priority(priority) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+
+    def check_invariants(self) -> None:
+        """Host units in use == the host entries' units; pins == the swapped sequences holding each entry."""
+        host = [e for e in self.entries.values() if e.tier == "host"]
+        assert self.host.used_units == sum(e.units for e in host), "host units leaked or double-counted"
+        pins: dict[bytes, int] = {}
+        for sw in self._swapped.values():
+            for d in sw.digests:
+                assert d in self.entries, "a swapped sequence lost a block"
+                pins[d] = pins.get(d, 0) + 1
+        for d, e in self.entries.items():
+            assert e.pins == pins.get(d, 0), f"entry {d.hex()}: pins {e.pins} != {pins.get(d, 0)}"
+        if self.disk is not None:
+            assert set(self.disk.keys()) == {d for d, e in self.entries.items() if e.tier == "disk"}, \
+                "the disk pool and the entries disagree"
+        self.cache.manager.check_invariants()

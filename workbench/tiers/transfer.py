@@ -1,0 +1,293 @@
+"""Moving a batch of cache blocks between the device pool and host memory: two paths, one accounting.
+
+A cache block of size class ``bs`` is ``layers * 2`` rows (every layer's K and V plane) of
+``block_stride(bs)`` elements, scales included, scattered over the pool. Host copies are block-major: a
+block's rows lie together, and a batch placed in one host run (``workbench.tiers.host``) is one range.
+
+- ``"dma"``: gather the batch's scattered blocks into one contiguous device staging buffer (one kernel), then
+  one ``cudaMemcpyAsync`` per contiguous host run (one for a batch the host allocator placed together), on a
+  side stream; swap-in is the reverse (copy in, then scatter). The copy engine reaches the link's bandwidth
+  only for large copies, which is why the batch goes as one.
+- ``"sm"``: one launch of the block-move kernel (``workbench.kernels.swap``) whose threads read or write
+  pinned host memory directly: no staging, no per-run copy call; best for small batches. ``sm_programs``
+  caps its grid (it shares the SMs with whatever runs beside it).
+- ``"auto"``: ``"sm"`` for batches below :data:`SM_BELOW_BYTES`, else ``"dma"``.
+
+Ordering (CUDA): a swap-out reads the device blocks on the *current* stream (the gather, or the SM kernel), so
+a later write into those blocks (their next owner's K/V) is ordered after it; only the device-to-host copy runs
+on the side stream. A swap-in runs wholly on the side stream after waiting for the current one, and returns a
+:class:`Transfer` whose :meth:`Transfer.wait` makes the current stream wait for it (no host sync): a prefetch
+issued early overlaps the decode running meanwhile. On a CPU every move is a plain synchronous copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.tiers.host import HostPool, contiguous_runs
+
+PATHS = ("dma", "sm", "auto")
+SM_BELOW_BYTES = 256 << 10  # "auto": batches smaller than this take the SM path (see bench tiers' link map)
+
+
+@dataclass
+class Transfer:
+    """One batched move in flight. ``wait()`` orders the current stream after it (CUDA) and returns self."""
+
+    src: str
+    dst: str
+    nbytes: int
+    blocks: int
+    path: str
+    copies: int  # copy-engine calls (dma) or kernel launches (sm)
+    event: object = None  # torch.cuda.Event recorded on the side stream after the move, None on a CPU
+    _keep: list = field(default_factory=list)  # staging buffers alive until the move completes
+
+    def wait(self) -> Transfer:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        return self
+
+    def synchronize(self) -> Transfer:
+        """Block the host until the move is done (before the CPU reads host memory it wrote, say)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self
+
+
+class TransferStats:
+    """Bytes, blocks, batches, copy calls and seconds per ``(src tier, dst tier)``.
+
+    Seconds are the moves' own time: CUDA events around each move on its stream (read when asked, which
+    synchronizes), host wall time on a CPU."""
+
+    def __init__(self):
+        self._rows: dict = defaultdict(lambda: {"bytes": 0, "blocks": 0, "batches": 0, "copies": 0, "seconds": 0.0})
+        self._pending: list = []  # (key, start event, end event)
+
+    def add(self, src: str, dst: str, nbytes: int, blocks: int, copies: int, seconds: float = 0.0,
+            events: tuple | None = None, batches: int = 1) -> None:
+        row = self._rows[(src, dst)]
+        row["bytes"] += nbytes
+        row["blocks"] += blocks
+        row["batches"] += batches
+        row["copies"] += copies
+        row["seconds"] += seconds
+        if events is not None:
+            self._pending.append(((src, dst), *events))
+
+    def as_dict(self) -> dict[str, dict]:
+        """``{"device->host": {"bytes", "blocks", "batches", "copies", "seconds", "gbps"}, ...}``."""
+        for key, start, end in self._pending:
+            end.synchronize()
+            self._rows[key]["seconds"] += start.elapsed_time(end) / 1e3
+        self._pending.clear()
+        out = {}
+        for (src, dst), row in sorted(self._rows.items()):
+            r = dict(row)
+            r["gbps"] = r["bytes"] / r["seconds"] / 1e9 if r["seconds"] > 0 else None
+            out[f"{src}->{dst}"] = r
+        return out
+
+    def merge(self, other: dict[str, dict]) -> None:
+        """Add rows reported elsewhere (the disk pool's) in :meth:`as_dict` form."""
+        for name, r in other.items():
+            src, dst = name.split("->")
+            self.add(src, dst, r["bytes"], r.get("blocks", 0), r.get("copies", 0), r.get("seconds", 0.0),
+                     batches=r.get("batches", 1))
+
+
+class BlockMover:
+    """Batched moves of one cache's blocks to and from host memory (see the module docstring).
+
+    Args:
+        cache: the :class:`~workbench.cache.PagedKVCache` whose pool is the device tier.
+        host: the host tier (its ``unit_bytes`` must be the cache's smallest block, all rows).
+        path: ``"dma"``, ``"sm"`` or ``"auto"``.
+        sm_programs: grid cap of the SM path (default: one program per (block, row), at most 4096).
+    """
+
+    def __init__(self, cache, host: HostPool, *, path: str = "auto", sm_programs: int | None = None):
+        if path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+        unit = block_bytes(cache, min(cache.pool_sizes))
+        if host.unit_bytes != unit:
+            raise ValueError(f"host unit_bytes must be the cache's smallest block, {unit} bytes, got {host.unit_bytes}")
+        if sm_programs is not None and (isinstance(sm_programs, bool) or not isinstance(sm_programs, int)
+                                        or sm_programs < 1):
+            raise ValueError(f"sm_programs must be None or a positive int, got {sm_programs!r}")
+        self.cache, self.host, self.path, self.sm_programs = cache, host, path, sm_programs
+        self.cuda = cache.device.type == "cuda"
+        self.side = torch.cuda.Stream(cache.device) if self.cuda else None
+        self.stats = TransferStats()
+
+    # ---- geometry ------------------------------------------------------------------
+    def units(self, block_size: int) -> int:
+        """Host units a block of this size class takes."""
+        return block_size // min(self.cache.pool_sizes)
+
+    def _space(self, block_size: int) -> dict:
+        c = self.cache
+        elem = c.dtype.itemsize
+        row = c.block_stride(block_size) * elem
+        return dict(num_rows=c.num_layers * 2, row_bytes=row, plane=c._plane * elem, base=c._base * elem)
+
+    def _choose(self, nbytes: int) -> str:
+        if self.path != "auto":
+            return self.path
+        return "sm" if nbytes < SM_BELOW_BYTES else "dma"
+
+    # ---- moves ---------------------------------------------------------------------
+    def to_host(self, block_size: int, device_ids: Sequence[int], host_starts: Sequence[int],
+                path: str | None = None) -> Transfer:
+        """Copy device blocks ``device_ids`` of one size class to host units ``host_starts`` (one batch)."""
+        return self._move("device", "host", block_size, list(device_ids), list(host_starts), None, path)
+
+    def to_device(self, block_size: int, host_starts: Sequence[int], device_ids: Sequence[int],
+                  path: str | None = None) -> Transfer:
+        """Copy host units ``host_starts`` into device blocks ``device_ids`` (one batch, on the side stream)."""
+        return self._move("host", "device", block_size, list(device_ids), list(host_starts), None, path)
+
+    def from_buffer(self, block_size: int, buffer: torch.Tensor, device_ids: Sequence[int], src: str = "disk",
+                    path: str | None = None) -> Transfer:
+        """Copy blocks laid out one after another in a (pinned) host ``buffer`` ``[n, block bytes]`` into device
+        blocks ``device_ids`` (what a read from the disk tier lands in)."""
+        return self._move(src, "device", block_size, list(device_ids), None, buffer, path)
+
+    def to_buffer(self, block_size: int, device_ids: Sequence[int], buffer: torch.Tensor, dst: str = "disk",
+                  path: str | None = None) -> Transfer:
+        """Copy device blocks one after another into a (pinned) host ``buffer`` ``[n, block bytes]`` (what a write
+        to the disk tier is made from)."""
+        return self._move("device", dst, block_size, list(device_ids), None, buffer, path)
+
+    def _move(self, src_tier: str, dst_tier: str, bs: int, dev: list[int], starts, buffer, path) -> Transfer:
+        c, g = self.cache, self._space(bs)
+        n = len(dev)
+        nblk = c.manager.pool.num_blocks(bs)
+        if any(not 0 <= b < nblk for b in dev) or len(set(dev)) != n:
+            raise ValueError(f"device_ids must be distinct block ids in [0, {nblk}) of size {bs}, got {dev}")
+        bb = g["num_rows"] * g["row_bytes"]
+        units = self.units(bs)
+        if buffer is None:
+            if len(starts) != n:
+                raise ValueError(f"host_starts must hold one start per block ({n}), got {len(starts)}")
+            runs = [(first, self.host.view(s, u), u // units) for first, s, u in contiguous_runs(starts, [units] * n)]
+        else:
+            if buffer.numel() * buffer.element_size() != n * bb:
+                raise ValueError(f"buffer must hold {n} blocks of {bb} bytes, got {buffer.numel()} elements")
+            runs = [(0, buffer.reshape(-1).view(torch.uint8), n)]
+        path = self._choose(n * bb) if path is None else path
+        if path not in ("dma", "sm"):
+            raise ValueError(f"path must be 'dma' or 'sm', got {path!r}")
+        if n == 0:
+            return Transfer(src_tier, dst_tier, 0, 0, path, 0)
+        to_host = dst_tier != "device"
+        if path == "sm" and buffer is not None:
+            path = "dma"  # a foreign buffer is not a host-tier space with unit strides: stage it
+        t0 = time.perf_counter()
+        events = None
+        if self.cuda:
+            main = torch.cuda.current_stream(c.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.side.wait_stream(main)
+            # swap-out: the device reads on the current stream (ordered before any reuse of the blocks)
+            (main if to_host else self.side).record_event(start)
+            with torch.cuda.stream(main if (to_host and path == "sm") else self.side):
+                keep = self._run(path, to_host, bs, g, dev, starts, runs, bb, main)
+                torch.cuda.current_stream().record_event(end)
+            events = (start, end)
+            event = end
+        else:
+            keep = self._run(path, to_host, bs, g, dev, starts, runs, bb, None)
+            event = None
+        copies = 1 if path == "sm" else len(runs)
+        self.stats.add(src_tier, dst_tier, n * bb, n, copies, 0.0 if self.cuda else time.perf_counter() - t0, events)
+        return Transfer(src_tier, dst_tier, n * bb, n, path, copies, event, keep)
+
+    def _run(self, path, to_host, bs, g, dev, starts, runs, bb, main) -> list:
+        from workbench.kernels import move_blocks
+
+        c = self.cache
+        n = len(dev)
+        pool_space = dict(buffer=c._flat, row=g["plane"], blk=g["row_bytes"], off=g["base"])
+        dev_t = torch.tensor(dev, dtype=torch.int64)
+        if path == "sm":
+            host_units = self.host.unit_bytes
+            ids_h = torch.tensor(starts, dtype=torch.int64)
+            host_space = dict(buffer=self.host.buffer, row=g["row_bytes"], blk=host_units, off=0)
+            a, b = (pool_space, host_space) if to_host else (host_space, pool_space)
+            ia, ib = (dev_t, ids_h) if to_host else (ids_h, dev_t)
+            move_blocks(a["buffer"], ia.to(c.device), b["buffer"], ib.to(c.device), num_rows=g["num_rows"],
+                        row_bytes=g["row_bytes"], src_row_stride=a["row"], src_block_stride=a["blk"],
+                        dst_row_stride=b["row"], dst_block_stride=b["blk"], src_offset=a["off"],
+                        dst_offset=b["off"], num_programs=self.sm_programs)
+            return []
+        # dma: a contiguous staging buffer on the device, one copy per host run
+        staging = torch.empty(n * bb, dtype=torch.uint8, device=c.device)
+        stage_space = dict(row=g["row_bytes"], blk=bb)
+        geometry = dict(num_rows=g["num_rows"], row_bytes=g["row_bytes"])
+        seq = torch.arange(n, dtype=torch.int64, device=c.device)
+        if to_host:
+            with torch.cuda.stream(main) if main is not None else _nullcontext():
+                self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
+            for first, host_run, count in runs:
+                host_run.copy_(staging[first * bb:(first + count) * bb], non_blocking=self.cuda)
+        else:
+            for first, host_run, count in runs:
+                staging[first * bb:(first + count) * bb].copy_(host_run[:count * bb], non_blocking=self.cuda)
+            self._scatter(staging, seq, dev_t, stage_space, pool_space, geometry)
+        if self.cuda:
+            staging.record_stream(self.side)
+        return [staging]
+
+    def _gather(self, staging, dev_t, seq, pool_space, stage_space, geometry) -> None:
+        """Scattered device blocks -> staging (block-major)."""
+        if not self.cuda:  # a CPU "DMA": torch indexing (the kernel would run under the interpreter)
+            blocks = self._blocks_view(pool_space, geometry)  # [rows, num_blocks, row_bytes]
+            staging.view(len(dev_t), geometry["num_rows"], -1).copy_(blocks[:, dev_t].transpose(0, 1))
+            return
+        from workbench.kernels import move_blocks
+
+        move_blocks(pool_space["buffer"], dev_t.to(staging.device), staging, seq, **geometry,
+                    src_row_stride=pool_space["row"], src_block_stride=pool_space["blk"],
+                    dst_row_stride=stage_space["row"], dst_block_stride=stage_space["blk"],
+                    src_offset=pool_space["off"])
+
+    def _scatter(self, staging, seq, dev_t, stage_space, pool_space, geometry) -> None:
+        """Staging (block-major) -> scattered device blocks."""
+        if not self.cuda:
+            blocks = self._blocks_view(pool_space, geometry)
+            blocks[:, dev_t] = staging.view(len(dev_t), geometry["num_rows"], -1).transpose(0, 1)
+            return
+        from workbench.kernels import move_blocks
+
+        move_blocks(staging, seq, pool_space["buffer"], dev_t.to(staging.device), **geometry,
+                    src_row_stride=stage_space["row"], src_block_stride=stage_space["blk"],
+                    dst_row_stride=pool_space["row"], dst_block_stride=pool_space["blk"],
+                    dst_offset=pool_space["off"])
+
+    def _blocks_view(self, pool_space, geometry) -> torch.Tensor:
+        """The pool's bytes as ``[rows, num_blocks, row_bytes]`` (a view)."""
+        c = self.cache
+        flat = c._flat.view(torch.uint8)
+        rows, row = geometry["num_rows"], geometry["row_bytes"]
+        nblk = pool_space["row"] // row
+        return flat.as_strided((rows, nblk, row), (pool_space["row"], row, 1), pool_space["off"])
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def block_bytes(cache, block_size: int) -> int:
+    """Bytes one block of this size class takes in every layer's K and V (codes, scales, padding)."""
+    return cache.num_layers * 2 * cache.block_stride(block_size) * cache.dtype.itemsize
