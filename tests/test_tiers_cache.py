@@ -74,16 +74,16 @@ def test_host_pool_places_a_batch_in_one_run_and_merges_freed_runs():
 
 
 @pytest.mark.parametrize("programs", [None, 1, 3])
-def test_move_blocks_kernel_equals_its_reference_between_scattered_spaces(programs):
+def test_move_blocks_kernel_equals_its_reference_between_scattered_spaces(programs, device):
     from workbench.kernels import move_blocks
 
     g = torch.Generator().manual_seed(3)
     rows, row, nblk = 4, 192, 9
-    src = torch.randint(0, 256, (rows * nblk * row,), dtype=torch.uint8, generator=g)
-    got = torch.full((6 * rows * row + 64,), 0xAB, dtype=torch.uint8)  # poisoned
+    src = torch.randint(0, 256, (rows * nblk * row,), dtype=torch.uint8, generator=g).to(device)
+    got = torch.full((6 * rows * row + 64,), 0xAB, dtype=torch.uint8, device=device)  # poisoned
     want = got.clone()
-    ids_s = torch.tensor([7, 0, 4, 2], dtype=torch.int64)
-    ids_d = torch.tensor([5, 1, 0, 3], dtype=torch.int64)
+    ids_s = torch.tensor([7, 0, 4, 2], dtype=torch.int64, device=device)
+    ids_d = torch.tensor([5, 1, 0, 3], dtype=torch.int64, device=device)
     geo = dict(num_rows=rows, row_bytes=row, src_row_stride=nblk * row, src_block_stride=row, dst_row_stride=row,
                dst_block_stride=rows * row, dst_offset=64)
     move_blocks(src, ids_s, got, ids_d, num_programs=programs, **geo)

@@ -17,9 +17,10 @@ from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import PREFETCH
 from workbench.tiers.prefetch import get as get_prefetch
 from workbench.tiers.replay import ReplayResult, compare, replay
+from workbench.tiers.tiered import BlockRef, TieredCache
 
 __all__ = [
-    "PREFETCH", "AccessTrace", "CorruptBlock", "DiskFull", "HostFull", "LinkModel", "NotInTier", "NotResident",
-    "ReplayResult", "TierError", "TierFull", "compare", "full_trace", "get_prefetch", "latest_link_model", "replay",
-    "sliding_window_trace", "topk_trace", "trace_from_capture",
+    "PREFETCH", "AccessTrace", "BlockRef", "CorruptBlock", "DiskFull", "HostFull", "LinkModel", "NotInTier",
+    "NotResident", "ReplayResult", "TierError", "TierFull", "TieredCache", "compare", "full_trace", "get_prefetch",
+    "latest_link_model", "replay", "sliding_window_trace", "topk_trace", "trace_from_capture",
 ]
