@@ -33,9 +33,11 @@ _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 def _move_blocks_kernel(
     src_ptr, dst_ptr,  # flat word buffers of the two block spaces
     src_id_ptr, dst_id_ptr,  # [n] int64: block i moves from src id src_ids[i] to dst id dst_ids[i]
-    num_tasks,  # n * num_rows
+    num_tasks,  # n * num_rows * chunks
     num_rows,  # rows per block (layers * 2)
     row_words,  # words per row
+    chunks,  # pieces a row is cut into (one task each: a large row is copied by many programs)
+    chunk_words,  # words per piece (a multiple of BLOCK_W)
     s_src_row, s_src_blk, s_dst_row, s_dst_blk,  # word strides of a row and of a block id, in each space
     num_programs,  # the grid (programs loop over tasks)
     ALIGN: tl.constexpr,  # proven divisibility (words) of every row start
@@ -44,13 +46,14 @@ def _move_blocks_kernel(
     i_pid = tl.program_id(0)
     o_w = tl.arange(0, BLOCK_W)  # [BLOCK_W]
     for t in range(i_pid, num_tasks, num_programs):
-        i_blk = t // num_rows
-        i_row = (t % num_rows).to(tl.int64)
+        i_blk = t // (num_rows * chunks)
+        i_row = ((t // chunks) % num_rows).to(tl.int64)
+        o_first = (t % chunks).to(tl.int64) * chunk_words
         i_src = tl.load(src_id_ptr + i_blk)
         i_dst = tl.load(dst_id_ptr + i_blk)
         o_src = i_row * s_src_row + i_src * s_src_blk
         o_dst = i_row * s_dst_row + i_dst * s_dst_blk
-        for o in range(0, row_words, BLOCK_W):
+        for o in range(o_first, tl.minimum(o_first + chunk_words, row_words), BLOCK_W):
             m = o + o_w < row_words  # [BLOCK_W]
             p_src = src_ptr + tl.multiple_of(o_src + o, ALIGN) + o_w
             p_dst = dst_ptr + tl.multiple_of(o_dst + o, ALIGN) + o_w
@@ -73,7 +76,7 @@ def move_blocks(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, *,
     num_rows: int, row_bytes: int, src_row_stride: int, src_block_stride: int, dst_row_stride: int,
     dst_block_stride: int, src_offset: int = 0, dst_offset: int = 0, num_programs: int | None = None,
-    step_bytes: int = 8192, num_warps: int = 4,
+    step_bytes: int = 8192, chunk_bytes: int = 64 << 10, num_warps: int = 4,
 ) -> None:
     """Copy block ``src_ids[i]`` of the ``src`` space to block ``dst_ids[i]`` of the ``dst`` space, every row.
 
@@ -84,8 +87,10 @@ def move_blocks(
         num_rows: rows per block (``layers * 2``); row_bytes: bytes per row.
         src_row_stride, src_block_stride, dst_row_stride, dst_block_stride: byte strides of a row and of a block
             id in each space; src_offset, dst_offset: the spaces' first byte in their buffers.
-        num_programs: the grid (default: one program per (block, row) task, at most 4096).
+        num_programs: the grid (default: one program per task, at most 4096).
         step_bytes: bytes per load/store step (a power of two); num_warps: warps per program.
+        chunk_bytes: a row longer than this is cut into pieces of this size, one task each (one program would
+            copy a 2 MiB row over PCIe at a fraction of the link).
 
     The caller (``workbench.tiers.transfer``) checks ids against the spaces' sizes; nothing here reads past
     ``num_rows`` rows of ``row_bytes``.
@@ -107,11 +112,14 @@ def move_blocks(
     align = 1
     while align < 16 and all(s // w % (align * 2) == 0 for s in strides):
         align *= 2
-    tasks = n * num_rows
+    row_words = row_bytes // w
+    block_w = max(1, min(triton.next_power_of_2(row_words), step_bytes // w))
+    chunk_words = max(block_w, chunk_bytes // w // block_w * block_w)
+    chunks = -(-row_words // chunk_words)
+    tasks = n * num_rows * chunks
     grid = min(tasks, 4096) if num_programs is None else max(1, min(int(num_programs), tasks))
-    block_w = max(1, min(triton.next_power_of_2(row_bytes // w), step_bytes // w))
     _move_blocks_kernel[(grid,)](
-        src_w, dst_w, src_ids, dst_ids, tasks, num_rows, row_bytes // w,
+        src_w, dst_w, src_ids, dst_ids, tasks, num_rows, row_words, chunks, chunk_words,
         src_row_stride // w, src_block_stride // w, dst_row_stride // w, dst_block_stride // w, grid,
         ALIGN=align, BLOCK_W=block_w, num_warps=num_warps,
     )

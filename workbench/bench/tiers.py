@@ -8,7 +8,7 @@ Sections (every figure a ratio to something measured in the same run):
 - ``pinned``: one 256 MiB pinned copy each way (the link's bandwidth, the denominator of every ``frac``), and a
   pageable one for reference.
 - ``link``: blocks of 4 KiB .. 2 MiB scattered in a device pool, ``blocks`` per batch, moved to / from pinned
-  host memory by ``dma`` (gather into one staging buffer + one copy; the reverse for h2d: the mover's path),
+  host memory (device time from a CUDA graph; ``*_eager`` with the host's launches) by ``dma`` (gather into one staging buffer + one copy; the reverse for h2d: the mover's path),
   ``dma_per_block`` (one ``cudaMemcpyAsync`` per block: the baseline that batching replaces) and ``sm`` (the
   block-move kernel reading / writing pinned memory directly); ``gbps`` and ``frac`` of pinned.
 - ``beside``: a paged decode (W1: 64 sequences x 4k tokens, 8 KV heads x 128, fp16, one layer) timed alone and
@@ -51,6 +51,21 @@ def _time_us(fn, reps: int = 10, rounds: int = 3, stream=None) -> float:
         end.synchronize()
         out.append(start.elapsed_time(end) * 1e3 / reps)
     return statistics.median(out)
+
+
+def _time_graph_us(fn, per_graph: int, rounds: int = 3) -> float:
+    """Like :func:`_time_us`, replayed from a CUDA graph of ``per_graph`` calls: the device's time, without the
+    host's launch overhead (which a swap issued ahead of need hides anyway)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiled and warm before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            fn()
+    return _time_us(graph.replay, reps=1, rounds=rounds) / per_graph
 
 
 def pinned_bandwidth(nbytes: int = 256 << 20) -> dict:
@@ -115,11 +130,14 @@ def _link_case(pool, host, staging, bb: int, ids: torch.Tensor, pinned: dict, mo
     for path, fn in (("dma", dma), ("dma_per_block", per_block), ("sm", sm)):
         for direction, d2h in (("d2h", True), ("h2d", False)):
             reps = max(2, min(20, (64 << 20) // (n * bb)))
-            t = _time_us(lambda f=fn, x=d2h: f(x), reps)
+            call = lambda f=fn, x=d2h: f(x)
+            eager = _time_us(call, reps)
+            t = _time_graph_us(call, per_graph=max(1, min(reps, 4096 // n)))
             gbps = n * bb / t / 1e3
             rows.append(dict(section="link", path=path, direction=direction, block_bytes=bb, blocks=n,
                              bytes=n * bb, time_us=round(t, 2), gbps=round(gbps, 2),
-                             frac=round(gbps / pinned[f"pinned_{direction}"], 3)))
+                             frac=round(gbps / pinned[f"pinned_{direction}"], 3), time_us_eager=round(eager, 2),
+                             frac_eager=round(n * bb / eager / 1e3 / pinned[f"pinned_{direction}"], 3)))
     return rows
 
 

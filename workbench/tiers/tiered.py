@@ -574,7 +574,7 @@ class TieredCache:
             self._drop(drop)
             self.counters.disk_dropped += len(drop)
         if self.mover.cuda:
-            self.mover.side.synchronize()  # the host copies the disk reads must have landed
+            torch.cuda.synchronize(self.cache.device)  # the host copies the disk write reads must have landed
         views = [self.host.view(e.host_start, e.units) for e in victims]
         self.disk.put([e.digest for e in victims], views)
         self.host.free([e.host_start for e in victims], [e.units for e in victims])

@@ -191,38 +191,41 @@ class BlockMover:
             path = "dma"  # a foreign buffer is not a host-tier space with unit strides: stage it
         t0 = time.perf_counter()
         events = None
+        # ids reach the device on the current stream, before the side stream waits for it
+        dev_t = _ids(dev, c.device)
+        ids_h = _ids(starts, c.device) if path == "sm" else None
         if self.cuda:
             main = torch.cuda.current_stream(c.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.side.wait_stream(main)
+            if to_host and path == "sm":
+                main.wait_stream(self.side)  # host units it writes may still be read by an earlier swap-in
             # swap-out: the device reads on the current stream (ordered before any reuse of the blocks)
             (main if to_host else self.side).record_event(start)
             with torch.cuda.stream(main if (to_host and path == "sm") else self.side):
-                keep = self._run(path, to_host, bs, g, dev, starts, runs, bb, main)
+                keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, main)
                 torch.cuda.current_stream().record_event(end)
             events = (start, end)
             event = end
         else:
-            keep = self._run(path, to_host, bs, g, dev, starts, runs, bb, None)
+            keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, None)
             event = None
         copies = 1 if path == "sm" else len(runs)
         self.stats.add(src_tier, dst_tier, n * bb, n, copies, 0.0 if self.cuda else time.perf_counter() - t0, events)
         return Transfer(src_tier, dst_tier, n * bb, n, path, copies, event, keep)
 
-    def _run(self, path, to_host, bs, g, dev, starts, runs, bb, main) -> list:
+    def _run(self, path, to_host, g, dev_t, ids_h, runs, bb, main) -> list:
         from workbench.kernels import move_blocks
 
         c = self.cache
-        n = len(dev)
+        n = len(dev_t)
         pool_space = dict(buffer=c._flat, row=g["plane"], blk=g["row_bytes"], off=g["base"])
-        dev_t = torch.tensor(dev, dtype=torch.int64)
         if path == "sm":
             host_units = self.host.unit_bytes
-            ids_h = torch.tensor(starts, dtype=torch.int64)
             host_space = dict(buffer=self.host.buffer, row=g["row_bytes"], blk=host_units, off=0)
             a, b = (pool_space, host_space) if to_host else (host_space, pool_space)
             ia, ib = (dev_t, ids_h) if to_host else (ids_h, dev_t)
-            move_blocks(a["buffer"], ia.to(c.device), b["buffer"], ib.to(c.device), num_rows=g["num_rows"],
+            move_blocks(a["buffer"], ia, b["buffer"], ib, num_rows=g["num_rows"],
                         row_bytes=g["row_bytes"], src_row_stride=a["row"], src_block_stride=a["blk"],
                         dst_row_stride=b["row"], dst_block_stride=b["blk"], src_offset=a["off"],
                         dst_offset=b["off"], num_programs=self.sm_programs)
@@ -235,6 +238,8 @@ class BlockMover:
         if to_host:
             with torch.cuda.stream(main) if main is not None else _nullcontext():
                 self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
+            if main is not None:
+                self.side.wait_stream(main)  # the copies read what the gather wrote
             for first, host_run, count in runs:
                 host_run.copy_(staging[first * bb:(first + count) * bb], non_blocking=self.cuda)
         else:
@@ -253,7 +258,7 @@ class BlockMover:
             return
         from workbench.kernels import move_blocks
 
-        move_blocks(pool_space["buffer"], dev_t.to(staging.device), staging, seq, **geometry,
+        move_blocks(pool_space["buffer"], dev_t, staging, seq, **geometry,
                     src_row_stride=pool_space["row"], src_block_stride=pool_space["blk"],
                     dst_row_stride=stage_space["row"], dst_block_stride=stage_space["blk"],
                     src_offset=pool_space["off"])
@@ -266,7 +271,7 @@ class BlockMover:
             return
         from workbench.kernels import move_blocks
 
-        move_blocks(staging, seq, pool_space["buffer"], dev_t.to(staging.device), **geometry,
+        move_blocks(staging, seq, pool_space["buffer"], dev_t, **geometry,
                     src_row_stride=stage_space["row"], src_block_stride=stage_space["blk"],
                     dst_row_stride=pool_space["row"], dst_block_stride=pool_space["blk"],
                     dst_offset=pool_space["off"])
@@ -278,6 +283,15 @@ class BlockMover:
         rows, row = geometry["num_rows"], geometry["row_bytes"]
         nblk = pool_space["row"] // row
         return flat.as_strided((rows, nblk, row), (pool_space["row"], row, 1), pool_space["off"])
+
+
+def _ids(ids: list[int], device) -> torch.Tensor:
+    """Block ids on ``device`` without a host sync: a pageable host->device copy would wait for the stream (all
+    the transfers queued before it) before returning, serializing the caller with its own prefetches."""
+    t = torch.tensor(ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class _nullcontext:
