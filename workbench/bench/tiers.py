@@ -8,9 +8,10 @@ Sections (every figure a ratio to something measured in the same run):
 - ``pinned``: one 256 MiB pinned copy each way (the link's bandwidth, the denominator of every ``frac``), and a
   pageable one for reference.
 - ``link``: blocks of 4 KiB .. 2 MiB scattered in a device pool, ``blocks`` per batch, moved to / from pinned
-  host memory (device time from a CUDA graph; ``*_eager`` with the host's launches) by ``dma`` (gather into one staging buffer + one copy; the reverse for h2d: the mover's path),
-  ``dma_per_block`` (one ``cudaMemcpyAsync`` per block: the baseline that batching replaces) and ``sm`` (the
-  block-move kernel reading / writing pinned memory directly); ``gbps`` and ``frac`` of pinned.
+  host memory (device time from a CUDA graph; ``*_eager`` with the host's launches) by ``dma`` (gather into
+  one staging buffer + one copy; the reverse for h2d: the mover's path), ``dma_per_block`` (one
+  ``cudaMemcpyAsync`` per block: the baseline that batching replaces) and ``sm`` (the block-move kernel
+  reading / writing pinned memory directly); ``gbps`` and ``frac`` of pinned.
 - ``beside``: a paged decode (W1: 64 sequences x 4k tokens, 8 KV heads x 128, fp16, one layer) timed alone and
   with transfers running on a side stream all the while (dma 16 MiB batches; sm at several grid caps): the
   decode's slowdown and the bandwidth the transfers kept.
