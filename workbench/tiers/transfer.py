@@ -194,7 +194,10 @@ class BlockMover:
         # ids reach the device on the current stream, before the side stream waits for it
         dev_t = _ids(dev, c.device)
         ids_h = _ids(starts, c.device) if path == "sm" else None
-        if self.cuda:
+        if self.cuda:  # made on the current stream, read on the side one: not reusable before the side is done
+            for t in (dev_t, ids_h):
+                if t is not None:
+                    t.record_stream(self.side)
             main = torch.cuda.current_stream(c.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.side.wait_stream(main)
