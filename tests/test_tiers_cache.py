@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from workbench.kernels.reference import move_blocks_ref
 
+import workbench
 from workbench.allocator import AllocatorError, OutOfBlocks
 from workbench.cache import PagedKVCache
 from workbench.tiers.errors import CorruptBlock, HostFull, NotResident
@@ -16,6 +17,7 @@ from workbench.tiers.tiered import TieredCache
 from workbench.tiers.transfer import block_bytes
 
 L, H, D = 2, 2, 32
+DEV = workbench.device()  # CPU here and in CI; the H200 run checks the same on CUDA (pinned host, two streams)
 
 SCHEMES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/kivi",
            "int2/kivi"]
@@ -23,7 +25,7 @@ SCHEMES = ["fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e4m3/token", "int8/token", "
 
 def _kv(n, seed, dtype=torch.float16, head_dim=D):
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(L, n, H, head_dim, generator=g).to(dtype) for _ in range(2))
+    return tuple(torch.randn(L, n, H, head_dim, generator=g).to(dtype).to(DEV) for _ in range(2))
 
 
 def _cache(kv_dtype="fp16", layout="nhd", pages=8, page_tokens=8, ops="torch", head_dim=D):
@@ -48,7 +50,7 @@ def _kv_of(tokens, first=0):
         g = torch.Generator().manual_seed(t * 4099 + p)
         ks.append(torch.randn(L, 1, H, D, generator=g))
         vs.append(torch.randn(L, 1, H, D, generator=g))
-    return torch.cat(ks, 1).half(), torch.cat(vs, 1).half()
+    return torch.cat(ks, 1).half().to(DEV), torch.cat(vs, 1).half().to(DEV)
 
 
 def _tokens(n, base=0):
@@ -201,7 +203,7 @@ def test_host_eviction_order_follows_the_policy(policy, survivor):
 def test_decode_of_a_swapped_sequence_fetches_it_or_says_where_its_blocks_are(tmp_path):
     cache = _cache(pages=6)
     unit = block_bytes(cache, 8)
-    q = torch.randn(1, H, D, dtype=torch.float16)
+    q = torch.randn(1, H, D, dtype=torch.float16, device=DEV)
     tc = TieredCache(cache, host_bytes=2 * unit, disk_path=tmp_path / "d", disk_bytes=32 * unit, on_miss="raise",
                      fsync=False)
     tc.add("s", _tokens(30), *_kv(30, 5))

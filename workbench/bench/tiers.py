@@ -244,9 +244,12 @@ def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 256) ->
     torch.cuda.synchronize()
     s, d_end, e = (torch.cuda.Event(enable_timing=True) for _ in range(3))
     times, dec = [], []
+    issue = []
     for _ in range(3):
         s.record()
+        t0 = time.perf_counter()
         moves = prefetch()
+        issue.append((time.perf_counter() - t0) * 1e6)
         for _ in range(steps):
             plan.run(q, kc, vc)
         d_end.record()
@@ -261,7 +264,7 @@ def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 256) ->
     return dict(section="overlap", path=path, block_bytes=bb, batch=batch, batches=n_batches,
                 compute_us=round(t_c, 1), transfer_us=round(t_x, 1), both_us=round(t_both, 1),
                 hidden=round(hidden, 3), decode_slowdown=round(t_dec / t_c - 1, 4),
-                transfer_gbps=round(n_batches * batch * bb / t_x / 1e3, 2))
+                transfer_gbps=round(n_batches * batch * bb / t_x / 1e3, 2), issue_us=round(statistics.median(issue), 1))
 
 
 def check_rows() -> list[dict]:
@@ -280,11 +283,11 @@ def check_rows() -> list[dict]:
                 tc = TieredCache(cache, host_bytes=8 * bb, disk_path=d, disk_bytes=256 * bb, path=path, fsync=False)
                 k = torch.randn(4, 200, 8, 128, dtype=torch.float16, device="cuda")
                 tc.add("a", list(range(200)), k, k * 0.5)
-                raw = cache.blocks(16)[:, :, cache.manager.block_table("a")].clone()
+                raw = cache.blocks(16)[:, :, cache.manager.block_table("a")].view(torch.uint8).clone()
                 tc.swap_out(["a"])
                 tc.evict()
                 tc.swap_in(["a"])
-                ok_swap = torch.equal(cache.blocks(16)[:, :, cache.manager.block_table("a")], raw)
+                ok_swap = torch.equal(cache.blocks(16)[:, :, cache.manager.block_table("a")].view(torch.uint8), raw)
                 want = cache.read("a")
                 tc.free("a")
                 tc.evict()

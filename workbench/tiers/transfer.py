@@ -124,6 +124,7 @@ class BlockMover:
         self.cache, self.host, self.path, self.sm_programs = cache, host, path, sm_programs
         self.cuda = cache.device.type == "cuda"
         self.side = torch.cuda.Stream(cache.device) if self.cuda else None
+        self.ids = PinnedIds() if self.cuda else None
         self.stats = TransferStats()
 
     # ---- geometry ------------------------------------------------------------------
@@ -191,13 +192,10 @@ class BlockMover:
             path = "dma"  # a foreign buffer is not a host-tier space with unit strides: stage it
         t0 = time.perf_counter()
         events = None
-        # ids reach the device on the current stream, before the side stream waits for it
-        dev_t = _ids(dev, c.device)
-        ids_h = _ids(starts, c.device) if path == "sm" else None
-        if self.cuda:  # made on the current stream, read on the side one: not reusable before the side is done
-            for t in (dev_t, ids_h):
-                if t is not None:
-                    t.record_stream(self.side)
+        both = dev + (list(starts) if path == "sm" else [])
+        ids = self.ids.put(both) if self.cuda else torch.tensor(both, dtype=torch.int64)
+        dev_t, ids_h = ids[:n], (ids[n:] if path == "sm" else None)
+        if self.cuda:
             main = torch.cuda.current_stream(c.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.side.wait_stream(main)
@@ -210,6 +208,7 @@ class BlockMover:
                 torch.cuda.current_stream().record_event(end)
             events = (start, end)
             event = end
+            self.ids.done(end)
         else:
             keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, None)
             event = None
@@ -288,13 +287,45 @@ class BlockMover:
         return flat.as_strided((rows, nblk, row), (pool_space["row"], row, 1), pool_space["off"])
 
 
-def _ids(ids: list[int], device) -> torch.Tensor:
-    """Block ids on ``device`` without a host sync: a pageable host->device copy would wait for the stream (all
-    the transfers queued before it) before returning, serializing the caller with its own prefetches."""
-    t = torch.tensor(ids, dtype=torch.int64)
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
+class PinnedIds:
+    """Block ids for the copy kernels, in a ring of pinned host memory that the kernels read directly (mapped).
+
+    Uploading them instead would go through the host-to-device copy engine, whose queue holds the swap-ins in
+    flight: the upload, and the host with it, would wait until those finish (measured: 13 prefetches took as long
+    to *issue* as to run, and nothing overlapped). A range of the ring is reused once the move that read it has
+    completed (its event); the ring is large, so that wait is rare."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.buf = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        self.head = 0
+        self.inflight: list = []  # (start, end, event of the move reading it)
+        self._last = (0, 0)
+
+    def put(self, ids: list[int]) -> torch.Tensor:
+        n, cap = len(ids), self.buf.numel()
+        if n > cap:  # a huge batch: its own pinned tensor (allocating page-locked memory synchronizes, once)
+            self._last = (0, 0)
+            return torch.tensor(ids, dtype=torch.int64).pin_memory()
+        if self.head + n > cap:
+            self.head = 0
+        start, end = self.head, self.head + n
+        keep = []
+        for s, e, event in self.inflight:
+            if s < end and start < e:
+                event.synchronize()  # that move still reads this range
+            elif not event.query():
+                keep.append((s, e, event))
+        self.inflight = keep
+        view = self.buf[start:end]
+        view.numpy()[:] = ids
+        self.head = end
+        self._last = (start, end)
+        return view
+
+    def done(self, event) -> None:
+        """The last :meth:`put` range is read by the move that ``event`` follows."""
+        if self._last[1] > self._last[0]:
+            self.inflight.append((*self._last, event))
 
 
 class _nullcontext:
