@@ -76,7 +76,7 @@ def move_blocks(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, *,
     num_rows: int, row_bytes: int, src_row_stride: int, src_block_stride: int, dst_row_stride: int,
     dst_block_stride: int, src_offset: int = 0, dst_offset: int = 0, num_programs: int | None = None,
-    step_bytes: int = 8192, chunk_bytes: int = 64 << 10, num_warps: int = 4,
+    step_bytes: int = 8192, chunk_bytes: int = 16 << 10, num_warps: int = 4,
 ) -> None:
     """Copy block ``src_ids[i]`` of the ``src`` space to block ``dst_ids[i]`` of the ``dst`` space, every row.
 
@@ -90,7 +90,7 @@ def move_blocks(
         num_programs: the grid (default: one program per task, at most 4096).
         step_bytes: bytes per load/store step (a power of two); num_warps: warps per program.
         chunk_bytes: a row longer than this is cut into pieces of this size, one task each (one program would
-            copy a 2 MiB row over PCIe at a fraction of the link).
+            copy a 2 MiB row at a fraction of the link, or of HBM in a gather: its steps are serial).
 
     The caller (``workbench.tiers.transfer``) checks ids against the spaces' sizes; nothing here reads past
     ``num_rows`` rows of ``row_bytes``.
