@@ -150,9 +150,14 @@ class BlockMover:
         return self._move("device", "host", block_size, list(device_ids), list(host_starts), None, path)
 
     def to_device(self, block_size: int, host_starts: Sequence[int], device_ids: Sequence[int],
-                  path: str | None = None) -> Transfer:
-        """Copy host units ``host_starts`` into device blocks ``device_ids`` (one batch, on the side stream)."""
-        return self._move("host", "device", block_size, list(device_ids), list(host_starts), None, path)
+                  path: str | None = None, *, ordered: bool = True) -> Transfer:
+        """Copy host units ``host_starts`` into device blocks ``device_ids`` (one batch, on the side stream).
+
+        ``ordered=False``: do not wait for the work already queued on the current stream (a prefetch issued
+        while decode steps run). Only when none of that work touches ``device_ids``: blocks that were free
+        before it was queued."""
+        return self._move("host", "device", block_size, list(device_ids), list(host_starts), None, path,
+                          ordered=ordered)
 
     def from_buffer(self, block_size: int, buffer: torch.Tensor, device_ids: Sequence[int], src: str = "disk",
                     path: str | None = None) -> Transfer:
@@ -166,7 +171,8 @@ class BlockMover:
         to the disk tier is made from)."""
         return self._move("device", dst, block_size, list(device_ids), None, buffer, path)
 
-    def _move(self, src_tier: str, dst_tier: str, bs: int, dev: list[int], starts, buffer, path) -> Transfer:
+    def _move(self, src_tier: str, dst_tier: str, bs: int, dev: list[int], starts, buffer, path,
+              ordered: bool = True) -> Transfer:
         c, g = self.cache, self._space(bs)
         n = len(dev)
         nblk = c.manager.pool.num_blocks(bs)
@@ -198,7 +204,8 @@ class BlockMover:
         if self.cuda:
             main = torch.cuda.current_stream(c.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.side.wait_stream(main)
+            if ordered or to_host:
+                self.side.wait_stream(main)
             if to_host and path == "sm":
                 main.wait_stream(self.side)  # host units it writes may still be read by an earlier swap-in
             # swap-out: the device reads on the current stream (ordered before any reuse of the blocks)
