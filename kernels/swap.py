@@ -76,7 +76,7 @@ def move_blocks(
     src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor, *,
     num_rows: int, row_bytes: int, src_row_stride: int, src_block_stride: int, dst_row_stride: int,
     dst_block_stride: int, src_offset: int = 0, dst_offset: int = 0, num_programs: int | None = None,
-    step_bytes: int = 8192, chunk_bytes: int | None = None, num_warps: int = 4,
+    step_bytes: int = 8192, chunk_bytes: int = 16 << 10, num_warps: int = 4,
 ) -> None:
     """Copy block ``src_ids[i]`` of the ``src`` space to block ``dst_ids[i]`` of the ``dst`` space, every row.
 
@@ -90,9 +90,9 @@ def move_blocks(
         num_programs: the grid (default: one program per task, at most 4096).
         step_bytes: bytes per load/store step (a power of two); num_warps: warps per program.
         chunk_bytes: a row longer than this is cut into pieces of this size, one task each (one program would
-            copy a 2 MiB row at a fraction of the link, or of HBM in a gather: its steps are serial). Default:
-            about 1024 tasks for the whole move, pieces of 4 to 64 KiB (reads of pinned memory cross PCIe: the
-            more in flight, the closer to the link's bandwidth).
+            copy a 2 MiB row at a fraction of the link, or of HBM in a gather: its steps are serial). 16 KiB
+            measured best on the H200: 64 KiB was no faster, 4 KiB pieces cut host reads from 0.86 to 0.77 of
+            the link at 2 MiB (``bench tiers``).
 
     The caller (``workbench.tiers.transfer``) checks ids against the spaces' sizes; nothing here reads past
     ``num_rows`` rows of ``row_bytes``.
@@ -115,8 +115,6 @@ def move_blocks(
     while align < 16 and all(s // w % (align * 2) == 0 for s in strides):
         align *= 2
     row_words = row_bytes // w
-    if chunk_bytes is None:
-        chunk_bytes = min(64 << 10, max(4 << 10, n * num_rows * row_bytes // 1024))
     block_w = max(1, min(triton.next_power_of_2(row_words), step_bytes // w, chunk_bytes // w))
     chunk_words = max(block_w, chunk_bytes // w // block_w * block_w)
     chunks = -(-row_words // chunk_words)

@@ -16,7 +16,7 @@ Sections (every figure a ratio to something measured in the same run):
   with transfers running on a side stream all the while (dma 16 MiB batches; sm at several grid caps): the
   decode's slowdown and the bandwidth the transfers kept.
 - ``overlap``: a prefetch (the :class:`~workbench.tiers.transfer.BlockMover`'s swap-in of 64 KiB cache blocks,
-  batches of 256) sized to ~0.8x the compute time of 20 decode steps, issued on the side stream as the steps
+  batches of 1024, issued while the steps run) sized to ~0.8x the compute time of 20 decode steps, issued on the side stream as the steps
   start: the share of the transfer time hidden and the decode's slowdown.
 - ``check``: a :class:`~workbench.tiers.TieredCache` on the GPU: swap out / in and prefix demotion / promotion by
   both paths, bit-exact; the disk pool's write / read bandwidth on this machine's disk.
@@ -213,11 +213,11 @@ def beside_rows(pinned: dict) -> list[dict]:
 
 
 def overlap_rows(pinned: dict) -> list[dict]:
-    """A prefetch (BlockMover swap-in, batches of 256 blocks) beside 20 decode steps: how much of it is hidden."""
+    """A prefetch (BlockMover swap-in, batches of 1024 blocks) beside 20 decode steps: how much of it is hidden."""
     return [_overlap_case(path, pinned) for path in ("dma", "sm")]
 
 
-def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 256) -> dict:
+def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 1024) -> dict:
     from workbench.kernels import DecodePlan
     from workbench.tiers.host import HostPool
     from workbench.tiers.transfer import BlockMover, block_bytes

@@ -32,7 +32,10 @@ import torch
 from workbench.tiers.host import HostPool, contiguous_runs
 
 PATHS = ("dma", "sm", "auto")
-SM_BELOW_BYTES = 256 << 10  # "auto": batches smaller than this take the SM path (see bench tiers' link map)
+# "auto": batches below this take the SM path. On the H200 (bench tiers) the copy engine reaches 0.60 of the link
+# at 1 MiB batches and 0.74 at 2 MiB (gather + copy), the SM copy 0.90-0.94 from 256 KiB; but an SM copy beside a
+# decode slows it 30-77%, a DMA 1%. Below 1 MiB the copy engine is too slow to be worth the SMs it saves.
+SM_BELOW_BYTES = 1 << 20
 
 
 @dataclass
