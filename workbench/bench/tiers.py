@@ -16,8 +16,8 @@ Sections (every figure a ratio to something measured in the same run):
   with transfers running on a side stream all the while (dma 16 MiB batches; sm at several grid caps): the
   decode's slowdown and the bandwidth the transfers kept.
 - ``overlap``: a prefetch (the :class:`~workbench.tiers.transfer.BlockMover`'s swap-in of 64 KiB cache blocks,
-  batches of 1024, issued while the steps run) sized to ~0.8x the compute time of 20 decode steps, issued on the side stream as the steps
-  start: the share of the transfer time hidden and the decode's slowdown.
+  batches of 1024) sized to ~0.8x the compute time of 20 decode steps, issued on the side stream while the steps
+  run: the share of the transfer time hidden and the decode's slowdown.
 - ``check``: a :class:`~workbench.tiers.TieredCache` on the GPU: swap out / in and prefix demotion / promotion by
   both paths, bit-exact; the disk pool's write / read bandwidth on this machine's disk.
 """
