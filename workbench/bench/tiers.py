@@ -214,10 +214,11 @@ def beside_rows(pinned: dict) -> list[dict]:
 
 def overlap_rows(pinned: dict) -> list[dict]:
     """A prefetch (BlockMover swap-in, batches of 1024 blocks) beside 20 decode steps: how much of it is hidden."""
-    return [_overlap_case(path, pinned) for path in ("dma", "sm")]
+    return [_overlap_case(path, pinned, programs) for path, programs in (("dma", None), ("dma", 32), ("dma", 8),
+                                                                         ("sm", None), ("sm", 16))]
 
 
-def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 1024) -> dict:
+def _overlap_case(path: str, pinned: dict, programs: int | None, steps: int = 20, batch: int = 1024) -> dict:
     from workbench.kernels import DecodePlan
     from workbench.tiers.host import HostPool
     from workbench.tiers.transfer import BlockMover, block_bytes
@@ -232,7 +233,7 @@ def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 1024) -
     n_batches = max(1, int(0.8 * t_c * 1e-6 * pinned["pinned_h2d"] * 1e9 / (batch * bb)))
     host = HostPool(n_batches * batch * bb, bb, pin=True)
     host.buffer.random_(0, 255)
-    mover = BlockMover(cache, host, path=path)
+    mover = BlockMover(cache, host, path=path, **{f"{path}_programs": programs})
     free = cache.manager.pool.allocate(16, n_batches * batch)  # the prefetch's destination blocks
     starts = host.allocate([1] * (n_batches * batch))
 
@@ -261,7 +262,7 @@ def _overlap_case(path: str, pinned: dict, steps: int = 20, batch: int = 1024) -
         dec.append(s.elapsed_time(d_end) * 1e3)
     t_both, t_dec = statistics.median(times), statistics.median(dec)
     hidden = (t_c + t_x - t_both) / t_x
-    return dict(section="overlap", path=path, block_bytes=bb, batch=batch, batches=n_batches,
+    return dict(section="overlap", path=path, programs=programs, block_bytes=bb, batch=batch, batches=n_batches,
                 compute_us=round(t_c, 1), transfer_us=round(t_x, 1), both_us=round(t_both, 1),
                 hidden=round(hidden, 3), decode_slowdown=round(t_dec / t_c - 1, 4),
                 transfer_gbps=round(n_batches * batch * bb / t_x / 1e3, 2), issue_us=round(statistics.median(issue), 1))

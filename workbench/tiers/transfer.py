@@ -27,6 +27,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from workbench.tiers.host import HostPool, contiguous_runs
@@ -112,19 +113,23 @@ class BlockMover:
         cache: the :class:`~workbench.cache.PagedKVCache` whose pool is the device tier.
         host: the host tier (its ``unit_bytes`` must be the cache's smallest block, all rows).
         path: ``"dma"``, ``"sm"`` or ``"auto"``.
-        sm_programs: grid cap of the SM path (default: one program per (block, row), at most 4096).
+        sm_programs: grid cap of the SM path (default: one program per 16 KiB piece, at most 4096).
+        dma_programs: grid cap of the DMA path's gather / scatter kernels (a prefetch beside a decode: fewer
+            programs take fewer SMs from it).
     """
 
-    def __init__(self, cache, host: HostPool, *, path: str = "auto", sm_programs: int | None = None):
+    def __init__(self, cache, host: HostPool, *, path: str = "auto", sm_programs: int | None = None,
+                 dma_programs: int | None = None):
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         unit = block_bytes(cache, min(cache.pool_sizes))
         if host.unit_bytes != unit:
             raise ValueError(f"host unit_bytes must be the cache's smallest block, {unit} bytes, got {host.unit_bytes}")
-        if sm_programs is not None and (isinstance(sm_programs, bool) or not isinstance(sm_programs, int)
-                                        or sm_programs < 1):
-            raise ValueError(f"sm_programs must be None or a positive int, got {sm_programs!r}")
+        for name, v in (("sm_programs", sm_programs), ("dma_programs", dma_programs)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be None or a positive int, got {v!r}")
         self.cache, self.host, self.path, self.sm_programs = cache, host, path, sm_programs
+        self.dma_programs = dma_programs
         self.cuda = cache.device.type == "cuda"
         self.side = torch.cuda.Stream(cache.device) if self.cuda else None
         self.ids = PinnedIds() if self.cuda else None
@@ -150,7 +155,7 @@ class BlockMover:
     def to_host(self, block_size: int, device_ids: Sequence[int], host_starts: Sequence[int],
                 path: str | None = None) -> Transfer:
         """Copy device blocks ``device_ids`` of one size class to host units ``host_starts`` (one batch)."""
-        return self._move("device", "host", block_size, list(device_ids), list(host_starts), None, path)
+        return self._move("device", "host", block_size, device_ids, host_starts, None, path)
 
     def to_device(self, block_size: int, host_starts: Sequence[int], device_ids: Sequence[int],
                   path: str | None = None, *, ordered: bool = True) -> Transfer:
@@ -159,34 +164,34 @@ class BlockMover:
         ``ordered=False``: do not wait for the work already queued on the current stream (a prefetch issued
         while decode steps run). Only when none of that work touches ``device_ids``: blocks that were free
         before it was queued."""
-        return self._move("host", "device", block_size, list(device_ids), list(host_starts), None, path,
-                          ordered=ordered)
+        return self._move("host", "device", block_size, device_ids, host_starts, None, path, ordered=ordered)
 
     def from_buffer(self, block_size: int, buffer: torch.Tensor, device_ids: Sequence[int], src: str = "disk",
                     path: str | None = None) -> Transfer:
         """Copy blocks laid out one after another in a (pinned) host ``buffer`` ``[n, block bytes]`` into device
         blocks ``device_ids`` (what a read from the disk tier lands in)."""
-        return self._move(src, "device", block_size, list(device_ids), None, buffer, path)
+        return self._move(src, "device", block_size, device_ids, None, buffer, path)
 
     def to_buffer(self, block_size: int, device_ids: Sequence[int], buffer: torch.Tensor, dst: str = "disk",
                   path: str | None = None) -> Transfer:
         """Copy device blocks one after another into a (pinned) host ``buffer`` ``[n, block bytes]`` (what a write
         to the disk tier is made from)."""
-        return self._move("device", dst, block_size, list(device_ids), None, buffer, path)
+        return self._move("device", dst, block_size, device_ids, None, buffer, path)
 
     def _move(self, src_tier: str, dst_tier: str, bs: int, dev: list[int], starts, buffer, path,
               ordered: bool = True) -> Transfer:
         c, g = self.cache, self._space(bs)
+        dev = np.asarray(dev, dtype=np.int64).reshape(-1)
         n = len(dev)
         nblk = c.manager.pool.num_blocks(bs)
-        if any(not 0 <= b < nblk for b in dev) or len(set(dev)) != n:
-            raise ValueError(f"device_ids must be distinct block ids in [0, {nblk}) of size {bs}, got {dev}")
+        if n and (dev.min() < 0 or dev.max() >= nblk or np.unique(dev).size != n):
+            raise ValueError(f"device_ids must be distinct block ids in [0, {nblk}) of size {bs}, got {dev.tolist()}")
         bb = g["num_rows"] * g["row_bytes"]
         units = self.units(bs)
         if buffer is None:
             if len(starts) != n:
                 raise ValueError(f"host_starts must hold one start per block ({n}), got {len(starts)}")
-            runs = [(first, self.host.view(s, u), u // units) for first, s, u in contiguous_runs(starts, [units] * n)]
+            runs = [(first, self.host.view(s, u), u // units) for first, s, u in contiguous_runs(starts, units)]
         else:
             if buffer.numel() * buffer.element_size() != n * bb:
                 raise ValueError(f"buffer must hold {n} blocks of {bb} bytes, got {buffer.numel()} elements")
@@ -201,8 +206,8 @@ class BlockMover:
             path = "dma"  # a foreign buffer is not a host-tier space with unit strides: stage it
         t0 = time.perf_counter()
         events = None
-        both = dev + (list(starts) if path == "sm" else [])
-        ids = self.ids.put(both) if self.cuda else torch.tensor(both, dtype=torch.int64)
+        both = np.concatenate((dev, np.asarray(starts, dtype=np.int64))) if path == "sm" else dev
+        ids = self.ids.put(both) if self.cuda else torch.from_numpy(both.copy())
         dev_t, ids_h = ids[:n], (ids[n:] if path == "sm" else None)
         if self.cuda:
             main = torch.cuda.current_stream(c.device)
@@ -270,7 +275,7 @@ class BlockMover:
             return
         from workbench.kernels import move_blocks
 
-        move_blocks(pool_space["buffer"], dev_t, staging, seq, **geometry,
+        move_blocks(pool_space["buffer"], dev_t, staging, seq, **geometry, num_programs=self.dma_programs,
                     src_row_stride=pool_space["row"], src_block_stride=pool_space["blk"],
                     dst_row_stride=stage_space["row"], dst_block_stride=stage_space["blk"],
                     src_offset=pool_space["off"])
@@ -283,7 +288,7 @@ class BlockMover:
             return
         from workbench.kernels import move_blocks
 
-        move_blocks(staging, seq, pool_space["buffer"], dev_t, **geometry,
+        move_blocks(staging, seq, pool_space["buffer"], dev_t, **geometry, num_programs=self.dma_programs,
                     src_row_stride=stage_space["row"], src_block_stride=stage_space["blk"],
                     dst_row_stride=pool_space["row"], dst_block_stride=pool_space["blk"],
                     dst_offset=pool_space["off"])
@@ -311,11 +316,11 @@ class PinnedIds:
         self.inflight: list = []  # (start, end, event of the move reading it)
         self._last = (0, 0)
 
-    def put(self, ids: list[int]) -> torch.Tensor:
+    def put(self, ids) -> torch.Tensor:
         n, cap = len(ids), self.buf.numel()
         if n > cap:  # a huge batch: its own pinned tensor (allocating page-locked memory synchronizes, once)
             self._last = (0, 0)
-            return torch.tensor(ids, dtype=torch.int64).pin_memory()
+            return torch.as_tensor(np.asarray(ids, dtype=np.int64)).pin_memory()
         if self.head + n > cap:
             self.head = 0
         start, end = self.head, self.head + n
