@@ -4,8 +4,10 @@ A :class:`LinkModel` holds measured points ``(bytes of one transfer, achieved GB
 and interpolates between them in log-log space (clamped at both ends), so a small transfer pays what the
 link really charges small transfers, not ``bytes / peak``. Paths:
 
-- ``"dma"``: the copy engine (``cudaMemcpyAsync`` of one contiguous staging buffer): fast for large copies,
-  slow below ~28 KiB (vLLM measured 4-7 GB/s for 4-24 KiB pages);
+- ``"dma"``: a batch of scattered blocks through the copy engine: gathered into one staging buffer, then one
+  ``cudaMemcpyAsync`` (the mover's path); fast for large batches;
+- ``"copy"``: one ``cudaMemcpyAsync`` of contiguous bytes (a block copied on its own): slow below ~28 KiB (vLLM
+  measured 4-7 GB/s for 4-24 KiB pages);
 - ``"sm"``: a copy kernel whose threads read/write pinned host memory directly (no staging, many blocks in
   one launch; it takes SMs from the compute beside it);
 - ``"disk"``: the disk pool (``workbench.tiers.disk``), ``"write"`` / ``"read"``.
@@ -24,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PATHS = ("dma", "sm", "disk")
-DIRECTIONS = {"dma": ("d2h", "h2d"), "sm": ("d2h", "h2d"), "disk": ("write", "read")}
+PATHS = ("dma", "copy", "sm", "disk")
+DIRECTIONS = {"dma": ("d2h", "h2d"), "copy": ("d2h", "h2d"), "sm": ("d2h", "h2d"), "disk": ("write", "read")}
 
 # (bytes of one copy, GB/s): DESIGN.md section 4 for the copy engine; the SM path assumed flat near the link's
 # peak above a few blocks (vLLM's reason to use it for small pages); an NVMe disk (~3 GB/s, ~100 us a request).
@@ -61,28 +63,36 @@ class LinkModel:
         """The H200 figures of DESIGN.md section 4 (copy engine), an assumed SM-copy curve and NVMe disk."""
         pts = {}
         for d in ("d2h", "h2d"):
-            pts[("dma", d)] = _H200_DMA
+            pts[("dma", d)] = pts[("copy", d)] = _H200_DMA
             pts[("sm", d)] = _H200_SM
         pts[("disk", "write")] = pts[("disk", "read")] = _NVME
         return cls(pts)
 
     @classmethod
     def from_results(cls, path: Path | str) -> LinkModel:
-        """A model from a ``bench tiers`` result file: its ``link`` rows (one per path, direction and size, the
-        best batch of that size) and its measured ``pinned_gbps``; curves it lacks come from :meth:`default`."""
+        """A model from a ``bench tiers`` result file: its ``link`` rows and its measured ``pinned_gbps``.
+
+        A point is the best bandwidth a row reached for one transfer of that many bytes: a gathered batch
+        (``dma``), a single block's own copy (``copy``, from the ``dma_per_block`` rows of one block) and the SM
+        copy of a batch (``sm``). Curves the file lacks (the disk) come from :meth:`default`."""
         import json
 
         doc = json.loads(Path(path).read_text())
         base = cls.default()
-        pts: dict[tuple[str, str], list[tuple[int, float]]] = {}
-        for row in doc.get("link", []):
-            pts.setdefault((row["path"], row["direction"]), []).append((int(row["bytes"]), float(row["gbps"])))
+        best: dict[tuple[str, str], dict[int, float]] = {}
+        for row in doc.get("rows", []):
+            if row.get("section") != "link":
+                continue
+            p = row["path"]
+            if p == "dma_per_block":
+                if row["blocks"] != 1:
+                    continue
+                p = "copy"
+            curve = best.setdefault((p, row["direction"]), {})
+            b = int(row["bytes"])
+            curve[b] = max(float(row["gbps"]), curve.get(b, 0.0))
         merged = dict(base.points)
-        for key, rows in pts.items():
-            best: dict[int, float] = {}
-            for b, g in rows:
-                best[b] = max(g, best.get(b, 0.0))
-            merged[key] = tuple(sorted(best.items()))
+        merged.update({key: tuple(sorted(c.items())) for key, c in best.items()})
         pinned = doc.get("pinned_gbps") or {}
         peak = float(pinned.get("h2d", base.peak_gbps))
         return cls(merged, peak, source=str(Path(path).name), meta=dict(doc.get("meta", {})))
@@ -113,11 +123,13 @@ class LinkModel:
     def batch_seconds(self, block_bytes: int, blocks: int, path: str = "dma", direction: str = "h2d",
                       batched: bool = True) -> float:
         """Time to move ``blocks`` blocks of ``block_bytes``: one transfer of them all (``batched``, the staging
-        buffer or one SM-copy launch) or one transfer per block."""
+        buffer or one SM-copy launch) or one transfer per block (``path="dma"`` then means a ``copy`` each)."""
         if blocks == 0:
             return 0.0
         if batched:
             return self.seconds(block_bytes * blocks, path, direction)
+        if path == "dma" and ("copy", direction) in self.points:
+            path = "copy"
         return self.seconds(block_bytes, path, direction, transfers=blocks)
 
     def _curve(self, path: str, direction: str) -> Sequence[tuple[int, float]]:
