@@ -2,6 +2,8 @@
 
 - :mod:`~workbench.tiers.tiered`: :class:`TieredCache`, a ``PagedKVCache`` whose evicted prefix blocks are
   demoted (device -> host -> disk) and promoted back on a prefix hit, with preemption by swap.
+- :mod:`~workbench.tiers.lower`: the host and disk pools as one store of blocks keyed by digest (what moves down,
+  in which order, and back).
 - :mod:`~workbench.tiers.transfer`: batched device <-> host moves, the copy-engine (staging + one DMA) and the
   SM-copy paths, with accounting; :mod:`~workbench.tiers.host` the pinned pool; :mod:`~workbench.tiers.disk`
   the crash-safe disk pool; :mod:`~workbench.tiers.eviction` LRU / LFU / priority; :mod:`~workbench.tiers.errors`.

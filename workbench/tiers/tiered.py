@@ -11,7 +11,8 @@ What lives where:
   (free, ref count 0) when it needs memory; the cache hands them to :meth:`TieredCache._on_evict` before their
   bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* to the host tier in one batch
   instead of dropped.
-- *host* and *disk*: :class:`LowerEntry` records keyed by a block's *digest*, a chained BLAKE2b hash of the
+- *host* and *disk* (``workbench.tiers.lower``): a :class:`~workbench.tiers.lower.LowerEntry` per block, keyed by its
+  *digest*, a chained BLAKE2b hash of the
   tokens of every block up to it (and the sequence's ``extra_key``, salted with the cache's geometry), so a
   block's identity does not depend on the device allocator's entry ids, which die with the device copy. A host
   tier that is full pushes entries to disk by the eviction policy (``workbench.tiers.eviction``: LRU, LFU,
@@ -41,28 +42,11 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.allocator.errors import OutOfBlocks, token_ids
-from workbench.tiers import eviction as eviction_policies
-from workbench.tiers.errors import HostFull, NotInTier, NotResident, TierFull
-from workbench.tiers.host import HostPool
-from workbench.tiers.transfer import BlockMover, Transfer, TransferStats, block_bytes
+from workbench.tiers.errors import NotResident, TierFull
+from workbench.tiers.lower import LowerEntry, LowerTiers
+from workbench.tiers.transfer import Transfer
 
 ON_MISS = ("fetch", "raise")
-
-
-@dataclass
-class LowerEntry:
-    """One block below the device. ``tier`` is ``"host"`` (at ``host_start``, ``units`` units) or ``"disk"``."""
-
-    digest: bytes
-    block_size: int
-    nbytes: int
-    tier: str
-    host_start: int | None = None
-    units: int = 1
-    hits: int = 0
-    last_access: int = 0
-    priority: int = 0
-    pins: int = 0  # swapped-out sequences that need this block: never dropped while > 0
 
 
 @dataclass(frozen=True)
@@ -93,10 +77,6 @@ class _Counters:
     demoted: int = 0  # device -> host blocks (prefix evictions)
     demote_skipped: int = 0  # evicted blocks already below (inclusive copies)
     dropped: int = 0  # evicted blocks with nowhere to go
-    to_disk: int = 0  # host -> disk blocks
-    disk_dropped: int = 0
-    promoted_host: int = 0  # prefix hits served from the host tier
-    promoted_disk: int = 0
     swapped_out: int = 0  # sequences
     swapped_in: int = 0
     extra: dict = field(default_factory=dict)
@@ -131,22 +111,13 @@ class TieredCache:
         if disk_path is not None and (isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int)
                                       or disk_bytes < 1):
             raise ValueError(f"disk_bytes must be a positive int with a disk_path, got {disk_bytes!r}")
-        self.policy = eviction_policies.get(eviction)
         self.cache, self.on_miss = cache, on_miss
-        self.unit_bytes = block_bytes(cache, min(cache.pool_sizes))
-        self.host = HostPool(host_bytes, self.unit_bytes, pin=cache.device.type == "cuda")
-        self.mover = BlockMover(cache, self.host, path=path, sm_programs=sm_programs)
-        self.disk = None
-        if disk_path is not None:
-            from workbench.tiers.disk import DiskPool
-
-            self.disk = DiskPool(disk_path, disk_bytes, fsync=fsync)
-        self.entries: dict[bytes, LowerEntry] = {}
+        self.lower = LowerTiers(cache, host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
+                                eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync)
         self._swapped: dict[object, _Swapped] = {}
         self._chain: dict[object, list[bytes]] = {}  # seq -> digests of its published blocks, in order
         self._entry_digest: dict[int, tuple[bytes, int]] = {}  # device entry id -> (digest, priority), for eviction
         self._priority: dict[object, int] = {}
-        self._clock = itertools.count(1)
         self._temp_ids = itertools.count()
         self.counters = _Counters()
         c = cache
@@ -154,6 +125,11 @@ class TieredCache:
                                            c.manager.pool.page_tokens)).encode(), digest_size=16).digest()
         cache.manager.pool.evicted = []
         cache.on_evict = self._on_evict
+
+    @property
+    def entries(self) -> dict[bytes, LowerEntry]:
+        """The blocks below the device, by digest (``self.lower.entries``)."""
+        return self.lower.entries
 
     # ---- digests ---------------------------------------------------------------------
     def digests(self, tokens: Sequence[int], block_size: int, extra_key: object = None,
@@ -199,8 +175,8 @@ class TieredCache:
         self._priority[seq_id] = priority
         self._note(seq_id)
         for d in self._chain.get(seq_id, []):  # a prompt that reuses blocks below raises their priority
-            if d in self.entries:
-                self.entries[d].priority = max(self.entries[d].priority, priority)
+            if d in self.lower.entries:
+                self.lower.entries[d].priority = max(self.lower.entries[d].priority, priority)
         return placement
 
     def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
@@ -265,7 +241,7 @@ class TieredCache:
             return [BlockRef("device", b) for b in self.cache.manager.block_table(seq_id)]
         out = []
         for d in self._swapped[seq_id].digests:
-            e = self.entries[d]
+            e = self.lower.entries[d]
             out.append(BlockRef(e.tier, e.host_start if e.tier == "host" else None, d))
         return out
 
@@ -308,21 +284,21 @@ class TieredCache:
         seen = set()
         for _s, bs, table, digests, _ in plans:
             for b, d in zip(table, digests, strict=True):
-                if d not in self.entries and d not in seen:
+                if d not in self.lower.entries and d not in seen:
                     copies.setdefault(bs, []).append((b, d))
                     seen.add(d)
-        to_disk = self._plan_room(copies)  # HostFull / DiskFull here: nothing changed
-        transfer = Transfer("device", "host", 0, 0, self.mover.path, 0)
+        to_disk = self.lower.plan_room(copies)  # HostFull / DiskFull here: nothing changed
+        transfer = Transfer("device", "host", 0, 0, self.lower.mover.path, 0)
         for bs, pairs in copies.items():
             host_part = pairs[:len(pairs) - to_disk.get(bs, 0)]
             if host_part:
-                transfer = self._store(bs, host_part, pinned=False)
+                transfer = self.lower.store(bs, host_part, pinned=False)
             if len(host_part) < len(pairs):
-                transfer = self._store_disk(bs, pairs[len(host_part):])
+                transfer = self.lower.store_disk(bs, pairs[len(host_part):])
         cache = self.cache
         for s, bs, _table, digests, private in plans:
             for d in digests:
-                self.entries[d].pins += 1
+                self.lower.entries[d].pins += 1
             residual = cache.residual(s)
             host_res = tuple(t.to("cpu") for t in residual) if residual is not None else None
             self._swapped[s] = _Swapped(m.tokens(s), bs, m.extra_key(s), m.prompt_len(s), digests, private,
@@ -358,9 +334,9 @@ class TieredCache:
             hits = placement.first // sw.block_size
             fills.setdefault(sw.block_size, []).extend(zip(table[hits:], sw.digests[hits:], strict=True))
         self.cache.flush_evictions()  # blocks the allocation evicted go down before they are overwritten
-        transfer = Transfer("host", "device", 0, 0, self.mover.path, 0)
+        transfer = Transfer("host", "device", 0, 0, self.lower.mover.path, 0)
         for bs, pairs in fills.items():
-            transfer = self._load(bs, pairs)
+            transfer = self.lower.load(bs, pairs)
         cache = self.cache
         for s in seq_ids:
             sw = self._swapped.pop(s)
@@ -377,10 +353,10 @@ class TieredCache:
 
     def _release_swapped(self, sw: _Swapped) -> None:
         for d in sw.digests:
-            e = self.entries.get(d)
+            e = self.lower.entries.get(d)
             if e is not None:
                 e.pins -= 1
-        self._drop([d for d in sw.private if d in self.entries])
+        self.lower.drop([d for d in sw.private if d in self.lower.entries])
 
     # ---- prefix promotion --------------------------------------------------------------
     def promote_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None,
@@ -397,7 +373,7 @@ class TieredCache:
         digests = self.digests(tokens, bs, extra_key, eligible)
         run = 0
         for d in digests[len(hits):]:
-            e = self.entries.get(d)
+            e = self.lower.entries.get(d)
             if e is None or e.block_size != bs:
                 break
             run += 1
@@ -413,94 +389,15 @@ class TieredCache:
             table = m.block_table(temp)
             first = placement.first // bs
             self.cache.flush_evictions()
-            self._load(bs, list(zip(table[first:], digests[first:len(hits) + run], strict=True)))
+            self.lower.load(bs, list(zip(table[first:], digests[first:len(hits) + run], strict=True)))
             m.publish(temp)
             for e, d in zip(m.published(temp), digests, strict=False):
-                self._entry_digest[e] = (d, self.entries[d].priority if d in self.entries else 0)
+                self._entry_digest[e] = (d, self.lower.entries[d].priority if d in self.lower.entries else 0)
         finally:
             m.free(temp, observe=False)
         return len(table) - first
 
     # ---- moves between tiers ---------------------------------------------------------------
-    def _store(self, bs: int, pairs: list[tuple[int, bytes]], pinned: bool) -> Transfer:
-        """Copy device blocks to new host entries (room made by the caller), one batch."""
-        units = self.mover.units(bs)
-        starts = self.host.allocate([units] * len(pairs))
-        transfer = self.mover.to_host(bs, [b for b, _ in pairs], starts)
-        nbytes = units * self.unit_bytes
-        for (_, d), st in zip(pairs, starts, strict=True):
-            self.entries[d] = LowerEntry(d, bs, nbytes, "host", st, units, last_access=next(self._clock))
-        return transfer
-
-    def _plan_room(self, copies: dict[int, list]) -> dict[int, int]:
-        """Make host room for a swap-out's blocks; what cannot fit goes straight to disk (the overflow tier).
-        Returns, per block size, how many of the batch's last blocks go to disk. Raises before any block moves."""
-        need = sum(self.mover.units(bs) * len(v) for bs, v in copies.items())
-        room = self.host.free_units + sum(e.units for e in self.entries.values() if e.tier == "host"
-                                          and (e.pins == 0 or self.disk is not None))
-        if need <= room and (self.disk is not None or need <= self.host.free_units
-                             or self._host_droppable() >= need - self.host.free_units):
-            try:
-                self._make_host_room(need, protect=set())
-                return {}
-            except TierFull:
-                if self.disk is None:
-                    raise
-        if self.disk is None:
-            raise HostFull(f"the host tier needs {need} units ({need * self.unit_bytes} bytes), has "
-                           f"{self.host.free_units} free and {room - self.host.free_units} it could free (the rest "
-                           f"hold swapped-out sequences; no disk tier)")
-        overflow, units_left = {}, self.host.free_units  # keep the host as it is: the overflow goes to disk
-        disk_need = 0
-        for bs, pairs in copies.items():
-            u = self.mover.units(bs)
-            fit = min(len(pairs), units_left // u)
-            units_left -= fit * u
-            overflow[bs] = len(pairs) - fit
-            disk_need += overflow[bs] * u * self.unit_bytes
-        free = self.disk.capacity_bytes - self.disk.used_bytes
-        if disk_need > free:
-            from workbench.tiers.errors import DiskFull
-
-            raise DiskFull(f"the swap needs {disk_need} bytes on disk beyond the host tier, the disk has {free} free")
-        return overflow
-
-    def _host_droppable(self) -> int:
-        return sum(e.units for e in self.entries.values() if e.tier == "host" and e.pins == 0)
-
-    def _store_disk(self, bs: int, pairs: list[tuple[int, bytes]]) -> Transfer:
-        """Copy device blocks straight to new disk entries (through a pinned buffer), one segment."""
-        units = self.mover.units(bs)
-        nbytes = units * self.unit_bytes
-        buf = torch.empty((len(pairs), nbytes), dtype=torch.uint8, pin_memory=self.host.pinned)
-        transfer = self.mover.to_buffer(bs, [b for b, _ in pairs], buf).synchronize()
-        self.disk.put([d for _, d in pairs], buf)
-        for _, d in pairs:
-            self.entries[d] = LowerEntry(d, bs, nbytes, "disk", None, units, last_access=next(self._clock))
-        self.counters.to_disk += len(pairs)
-        return transfer
-
-    def _load(self, bs: int, pairs: list[tuple[int, bytes]]) -> Transfer:
-        """Fill device blocks from their entries: host ones in one batch, disk ones read then one batch."""
-        host = [(b, d) for b, d in pairs if self.entries[d].tier == "host"]
-        disk = [(b, d) for b, d in pairs if self.entries[d].tier == "disk"]
-        transfer = Transfer("host", "device", 0, 0, self.mover.path, 0)
-        if host:
-            transfer = self.mover.to_device(bs, [self.entries[d].host_start for _, d in host], [b for b, _ in host])
-            self.counters.promoted_host += len(host)
-        if disk:
-            nbytes = self.entries[disk[0][1]].nbytes
-            buf = torch.empty((len(disk), nbytes), dtype=torch.uint8, pin_memory=self.host.pinned)
-            self.disk.get_into([d for _, d in disk], buf)  # CorruptBlock names the block
-            transfer = self.mover.from_buffer(bs, buf, [b for b, _ in disk])
-            self.counters.promoted_disk += len(disk)
-        for _, d in pairs:
-            e = self.entries[d]
-            e.hits += 1
-            e.last_access = next(self._clock)
-        transfer.wait()
-        return transfer
-
     def _on_evict(self, batch: list[tuple[int, int, int]]) -> None:
         """The allocator evicted these cached device blocks: demote the ones not below yet, in one batch per size."""
         todo: dict[int, list[tuple[int, bytes]]] = {}
@@ -509,115 +406,36 @@ class TieredCache:
             d, priorities[bid] = self._entry_digest.pop(entry, (None, 0))
             if d is None:
                 self.counters.dropped += 1  # published outside this TieredCache: no digest to keep it under
-            elif d in self.entries:
-                self.entries[d].last_access = next(self._clock)
+            elif d in self.lower.entries:
+                self.lower.entries[d].last_access = next(self.lower.clock)
                 self.counters.demote_skipped += 1
             else:
                 todo.setdefault(bs, []).append((bid, d))
         for bs, pairs in todo.items():
-            units = self.mover.units(bs) * len(pairs)
+            units = self.lower.mover.units(bs) * len(pairs)
             try:
-                self._make_host_room(units, protect=set())
+                self.lower.make_host_room(units, protect=set())
             except TierFull:
                 self.counters.dropped += len(pairs)  # every entry below is pinned: this prefix is forgotten
                 continue
-            self._store(bs, pairs, pinned=False)
+            self.lower.store(bs, pairs, pinned=False)
             for bid, d in pairs:
-                self.entries[d].priority = priorities[bid]
+                self.lower.entries[d].priority = priorities[bid]
             self.counters.demoted += len(pairs)
-
-    def _make_host_room(self, units: int, protect: set) -> None:
-        """Free host units until ``units`` are free: entries leave by the policy, to disk (batched) if there is one,
-        else dropped (pinned ones only move). Raises :class:`HostFull` with the tier as it was if impossible."""
-        short = units - self.host.free_units
-        if short <= 0:
-            return
-        host = sorted((e for e in self.entries.values() if e.tier == "host" and e.digest not in protect),
-                      key=self.policy.rank)
-        movable = [e for e in host if e.pins == 0] if self.disk is None else host
-        if sum(e.units for e in movable) < short:
-            raise HostFull(f"the host tier needs {units} units ({units * self.unit_bytes} bytes), has "
-                           f"{self.host.free_units} free and {sum(e.units for e in movable)} it could free "
-                           f"(the rest hold swapped-out sequences{'' if self.disk else '; no disk tier'})")
-        victims, freed = [], 0
-        for e in movable:
-            if freed >= short:
-                break
-            victims.append(e)
-            freed += e.units
-        if self.disk is not None:
-            self._to_disk(victims)
-        else:
-            self._drop([e.digest for e in victims])
-
-    def _to_disk(self, victims: list[LowerEntry]) -> None:
-        need = sum(e.nbytes for e in victims)
-        room = self.disk.capacity_bytes - self.disk.used_bytes
-        if room < need:  # drop unpinned disk entries by the policy
-            on_disk = sorted((e for e in self.entries.values() if e.tier == "disk" and e.pins == 0),
-                             key=self.policy.rank)
-            drop, freed = [], 0
-            for e in on_disk:
-                if room + freed >= need:
-                    break
-                drop.append(e.digest)
-                freed += e.nbytes
-            if room + freed < need:
-                pinned = [e for e in victims if e.pins]
-                if pinned:
-                    from workbench.tiers.errors import DiskFull
-
-                    raise DiskFull(f"the disk tier needs {need} bytes for blocks pushed from the host, has {room} "
-                                   f"free and {freed} it could free")
-                self._drop([e.digest for e in victims])  # nothing pinned: forget them instead
-                return
-            self._drop(drop)
-            self.counters.disk_dropped += len(drop)
-        if self.mover.cuda:
-            torch.cuda.synchronize(self.cache.device)  # the host copies the disk write reads must have landed
-        views = [self.host.view(e.host_start, e.units) for e in victims]
-        self.disk.put([e.digest for e in victims], views)
-        self.host.free([e.host_start for e in victims], [e.units for e in victims])
-        for e in victims:
-            e.tier, e.host_start = "disk", None
-        self.counters.to_disk += len(victims)
-
-    def _drop(self, digests: list[bytes]) -> None:
-        host = [self.entries[d] for d in digests if self.entries[d].tier == "host"]
-        disk = [d for d in digests if self.entries[d].tier == "disk"]
-        if host:
-            self.host.free([e.host_start for e in host], [e.units for e in host])
-        if disk:
-            try:
-                self.disk.drop(disk)
-            except NotInTier:
-                pass
-        for d in digests:
-            del self.entries[d]
 
     # ---- reports -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Occupancy per tier, the moves (bytes, blocks, batches, copy calls, seconds per direction) and counters."""
         self.cache.flush_evictions()
-        moves = TransferStats()
-        moves.merge(self.mover.stats.as_dict())
-        if self.disk is not None:
-            ds = self.disk.stats()
-            moves.add("host", "disk", ds["bytes_written"], 0, 0, ds["write_seconds"])
-            moves.add("disk", "host", ds["bytes_read"], 0, 0, ds["read_seconds"])
         pool = self.cache.manager.pool
-        on = lambda t: [e for e in self.entries.values() if e.tier == t]
-        c = self.counters
+        c, low = self.counters, self.lower.counters
         return {
             "device": {"used_slots": pool.used_slots(), "free_slots": pool.free_slots(),
                        "cached_blocks": pool.cached_blocks()},
-            "host": {"blocks": len(on("host")), "used_bytes": self.host.used_units * self.unit_bytes,
-                     "capacity_bytes": self.host.capacity_bytes, "pinned": self.host.pinned},
-            "disk": None if self.disk is None else {"blocks": len(on("disk")), "used_bytes": self.disk.used_bytes,
-                                                    "capacity_bytes": self.disk.capacity_bytes},
-            "moves": moves.as_dict(),
-            "demoted": c.demoted, "demote_skipped": c.demote_skipped, "dropped": c.dropped, "to_disk": c.to_disk,
-            "disk_dropped": c.disk_dropped, "promoted_host": c.promoted_host, "promoted_disk": c.promoted_disk,
+            **self.lower.occupancy(),
+            "moves": self.lower.moves(),
+            "demoted": c.demoted, "demote_skipped": c.demote_skipped, "dropped": c.dropped, "to_disk": low.to_disk,
+            "disk_dropped": low.disk_dropped, "promoted_host": low.promoted_host, "promoted_disk": low.promoted_disk,
             "swapped_out": c.swapped_out, "swapped_in": c.swapped_in, "swapped_now": len(self._swapped),
         }
 
@@ -625,8 +443,8 @@ class TieredCache:
         """Detach from the cache (it forgets evicted blocks again) and close the disk pool."""
         self.cache.on_evict = None
         self.cache.manager.pool.evicted = None
-        if self.disk is not None:
-            self.disk.close()
+        if self.lower.disk is not None:
+            self.lower.disk.close()
 
     # ---- checks ------------------------------------------------------------------------
     @staticmethod
@@ -644,9 +462,8 @@ class TieredCache:
             raise ValueError(f"priority must be an int, got {priority!r}")
 
     def check_invariants(self) -> None:
-        """Host units in use == the host entries' units; pins == the swapped sequences holding each entry."""
-        host = [e for e in self.entries.values() if e.tier == "host"]
-        assert self.host.used_units == sum(e.units for e in host), "host units leaked or double-counted"
+        """The lower tiers' accounting; pins == the swapped sequences holding each entry; the allocator's own."""
+        self.lower.check()
         pins: dict[bytes, int] = {}
         for sw in self._swapped.values():
             for d in sw.digests:
@@ -654,7 +471,4 @@ class TieredCache:
                 pins[d] = pins.get(d, 0) + 1
         for d, e in self.entries.items():
             assert e.pins == pins.get(d, 0), f"entry {d.hex()}: pins {e.pins} != {pins.get(d, 0)}"
-        if self.disk is not None:
-            assert set(self.disk.keys()) == {d for d, e in self.entries.items() if e.tier == "disk"}, \
-                "the disk pool and the entries disagree"
         self.cache.manager.check_invariants()
