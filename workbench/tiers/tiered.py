@@ -11,10 +11,10 @@ What lives where:
   (free, ref count 0) when it needs memory; the cache hands them to :meth:`TieredCache._on_evict` before their
   bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* to the host tier in one batch
   instead of dropped.
-- *host* and *disk* (``workbench.tiers.lower``): a :class:`~workbench.tiers.lower.LowerEntry` per block, keyed by its
-  *digest*, a chained BLAKE2b hash of the
-  tokens of every block up to it (and the sequence's ``extra_key``, salted with the cache's geometry), so a
-  block's identity does not depend on the device allocator's entry ids, which die with the device copy. A host
+- *host* and *disk* (``workbench.tiers.lower``): a :class:`~workbench.tiers.lower.LowerEntry` per block, keyed
+  by its *digest*, a chained BLAKE2b hash of the tokens of every block up to it (and the sequence's
+  ``extra_key``, salted with the cache's geometry), so a block's identity does not depend on the device
+  allocator's entry ids, which die with the device copy. A host
   tier that is full pushes entries to disk by the eviction policy (``workbench.tiers.eviction``: LRU, LFU,
   priority); a full disk drops them. Entries are *inclusive*: a promoted block keeps its lower copy, so evicting
   it again costs no copy.
