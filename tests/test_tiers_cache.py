@@ -374,3 +374,35 @@ def test_random_operations_keep_every_sequence_exact_and_the_tiers_consistent(op
                 assert cache.manager.tokens(seq) == toks
                 got = cache.read(seq)
                 assert torch.equal(got[0], k.float()) and torch.equal(got[1], v.float()), seq
+
+
+def test_host_memory_the_os_refuses_raises_host_full(monkeypatch):
+    real = torch.empty
+
+    def refuse(*a, **kw):
+        if kw.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(HostFull, match="cannot pin"):
+        HostPool(1 << 20, 4096, pin=True)
+
+
+def test_full_disk_refuses_a_swap_before_anything_moves(tmp_path):
+    from workbench.tiers.errors import DiskFull
+
+    cache = _cache(pages=8)
+    unit = block_bytes(cache, 8)
+    tc = TieredCache(cache, host_bytes=1 * unit, disk_path=tmp_path / "d", disk_bytes=2 * unit, fsync=False)
+    tc.add("s", _tokens(30), *_kv(30, 13))  # 4 blocks: 1 fits on the host, 3 would overflow a 2-block disk
+    table = cache.manager.block_table("s")
+    with pytest.raises(DiskFull, match="on disk beyond the host tier"):
+        tc.swap_out(["s"])
+    assert tc.is_resident("s") and cache.manager.block_table("s") == table and not tc.entries
+    assert not list((tmp_path / "d").glob("seg-*"))
+    tc.free("s")  # the cache stays usable: a shorter sequence swaps fine
+    tc.add("t", _tokens(10, 77), *_kv(10, 14))
+    tc.swap_out(["t"])
+    tc.swap_in(["t"])
+    tc.check_invariants()
