@@ -7,10 +7,10 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitiz
 tour:
 	@py=$$(scripts/setup.sh) && $$py -m workbench tour
 
-# The browser test (tests/browser, JupyterLab in Chromium) runs in the same pytest session, in two files (two halves
-# of the notebooks, each with its own JupyterLab) that start first, one on each worker: --no-loadscope-reorder keeps
-# the collection order (xdist's default sends the files with the most tests first, and the browser test, the
-# longest, started minutes late). Three workers, and OMP_NUM_THREADS=1, were measured slower on 2 cores.
+# The browser test (tests/browser, JupyterLab in Chromium), the longest file, runs in the same pytest session on one
+# worker from the start: --no-loadscope-reorder keeps the collection order (xdist's default sends the files with
+# the most tests first, and the browser test started minutes late). Measured slower on 2 cores: three workers,
+# OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
 test:
 	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
 	$$py -m ruff check . && \
