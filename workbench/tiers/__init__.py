@@ -18,11 +18,11 @@ from workbench.tiers.errors import CorruptBlock, DiskFull, HostFull, NotInTier, 
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import PREFETCH
 from workbench.tiers.prefetch import get as get_prefetch
-from workbench.tiers.replay import ReplayResult, compare, replay
+from workbench.tiers.replay import ReplayResult, compare  # replay() itself: workbench.tiers.replay (its module's name)
 from workbench.tiers.tiered import BlockRef, TieredCache
 
 __all__ = [
     "PREFETCH", "AccessTrace", "BlockRef", "CorruptBlock", "DiskFull", "HostFull", "LinkModel", "NotInTier",
     "NotResident", "ReplayResult", "TierError", "TierFull", "TieredCache", "compare", "full_trace", "get_prefetch",
-    "latest_link_model", "replay", "sliding_window_trace", "topk_trace", "trace_from_capture",
+    "latest_link_model", "sliding_window_trace", "topk_trace", "trace_from_capture",
 ]
