@@ -46,8 +46,10 @@ def _shown(c):  # a control's value as the page writes it
     if isinstance(c.value, bool):
         return c.value
     return format(c.value, c.readout_format) if isinstance(c.value, float) else str(c.value)
-print(_json.dumps({p.id: {"figure": _figure_json(p.figure), "status": p.status.value,
-                          "controls": [_shown(c) for c in p.controls.values()]} for p in _Panel.live()}))
+def _wb_side(pid=None):  # one panel (what a comparison polls), or all of them
+    print(_json.dumps({p.id: {"figure": _figure_json(p.figure), "status": p.status.value,
+                              "controls": [_shown(c) for c in p.controls.values()]}
+                       for p in _Panel.live() if pid is None or p.id == pid}))
 """
 
 
@@ -136,17 +138,20 @@ class Notebook:
     def figures(self) -> list[dict]:
         return self.page.evaluate(FIGURES_JS)
 
-    def python_side(self) -> dict[int, dict]:
+    def python_side(self, panel_id: int | None = None) -> dict[int, dict]:
+        """The kernel's view of its live panels (figure, status, control values), or of one of them."""
         if self.console is None:
             self.console = KernelConsole(self.connection)
-        return {int(k): v for k, v in json.loads(self.console.run(PYTHON_SIDE)).items()}
+            self.console.run(PYTHON_SIDE)
+        arg = "" if panel_id is None else int(panel_id)
+        return {int(k): v for k, v in json.loads(self.console.run(f"_wb_side({arg})")).items()}
 
     def compare(self, panel_id: int, changed_from: str | None = None, timeout_s: float = 30) -> dict:
         """Wait until the page shows the kernel's figure for this panel and, when ``changed_from`` is given,
         a figure other than that one (the kernel may not have seen the change yet); return the comparison."""
         deadline = time.monotonic() + timeout_s
         while True:
-            py = self.python_side()[panel_id]
+            py = self.python_side(panel_id)[panel_id]
             result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
             result["status"] = py["status"]
             result["changed"] = changed_from is None or _panel_data(self, panel_id) != changed_from
