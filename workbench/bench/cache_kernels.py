@@ -269,10 +269,11 @@ class Sizes:
     copy_layers: int
     copy_blocks: int
     copy_pairs: tuple[int, ...]
+    variants: int | None = None  # launch variants tried beside the default (None: all of them)
 
 
 FULL = Sizes(64, 512, 8, 128, 16, (64, 128, 256), 8, 8192, (4096, 64))
-SMOKE = Sizes(2, 12, 2, 64, 16, (3,), 2, 16, (4, 2))
+SMOKE = Sizes(2, 12, 2, 64, 16, (3,), 2, 16, (4, 2), variants=2)  # each variant compiles anew in the interpreter
 # write_kv keywords of each variant; the default launch (launch_config) is always measured first
 WRITE_VARIANTS = [
     *(dict(scheme="head", tokens_per_program=bt, num_warps=w) for bt, w in [(8, 2), (16, 4), (16, 8), (32, 8)]),
@@ -325,6 +326,7 @@ def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS, progress: bool = Fals
         bar.update()
 
     s = sizes
+    cap = lambda variants: variants[:s.variants] if s.variants is not None else variants
     tokens = s.num_seqs * s.seq_len
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(tokens, 2, s.heads, s.head_dim, generator=g).to(torch.float16).to(device)
@@ -335,21 +337,21 @@ def run(sizes: Sizes, ctx: Ctx, device, sections=SECTIONS, progress: bool = Fals
     if "prefill" in sections:
         for layout in Layout:  # (a) prefill
             step(f"prefill {layout}", _write_rows, ctx, "prefill", layout, torch.float16, slots, key, value,
-                 num_blocks, s.block_size, WRITE_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+                 num_blocks, s.block_size, cap(WRITE_VARIANTS), graph=True, torch_peer=True, copy_peer=kv)
             step(f"prefill-fp8 {layout}", _write_rows, ctx, "prefill-fp8", layout, torch.float8_e4m3fn, slots, key,
-                 value, num_blocks, s.block_size, FP8_VARIANTS, graph=True, torch_peer=True, copy_peer=kv)
+                 value, num_blocks, s.block_size, cap(FP8_VARIANTS), graph=True, torch_peer=True, copy_peer=kv)
     if "decode" in sections:
         for n in s.decode_tokens:  # (b) decode step: one token per sequence, random slots
             dslots = _slots_decode(n, s.block_size, num_blocks, device, seed=n)
             for layout in Layout:
                 step(f"decode-{n} {layout}", _write_rows, ctx, f"decode-{n}", layout, torch.float16, dslots, key[:n],
-                     value[:n], num_blocks, s.block_size, DECODE_VARIANTS, graph=True, torch_peer=True)
+                     value[:n], num_blocks, s.block_size, cap(DECODE_VARIANTS), graph=True, torch_peer=True)
     if "copy" in sections:
         pool = make_pool(s.copy_layers, s.copy_blocks, "nhd", s.block_size, s.heads, s.head_dim, torch.float16,
                          device, seed=3)
         for pairs in s.copy_pairs:  # (c) block copy
             # graph replay only for the small (copy-on-write sized) copy: the big one is not launch-bound
-            step(f"copy-{pairs}", _copy_rows, ctx, f"copy-{pairs}", pool, s.block_size, pairs, COPY_VARIANTS,
+            step(f"copy-{pairs}", _copy_rows, ctx, f"copy-{pairs}", pool, s.block_size, pairs, cap(COPY_VARIANTS),
                  graph=pairs < 1024, seed=pairs)
     bar.close()
     _peer_fractions(rows)
