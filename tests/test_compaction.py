@@ -291,7 +291,7 @@ def raw_block(cache, bs, b):
     return bits(cache.blocks(bs)[:, :, b])
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # kernels interpreted
 @given(layout=st.sampled_from(list(Layout)), cfg=st.sampled_from(CONFIGS[:2]), ops=WORKLOAD, rehome=st.booleans(),
        pack=st.sampled_from(["dense", "low"]), cached=st.sampled_from(["move", "evict"]), caching=st.booleans())
 def test_compaction_keeps_kv_bit_identical(layout, cfg, ops, rehome, pack, cached, caching):
