@@ -7,14 +7,17 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitiz
 tour:
 	@py=$$(scripts/setup.sh) && $$py -m workbench tour
 
-# The browser test (tests/browser, JupyterLab in Chromium), the longest file, runs in the same pytest session on one
-# worker from the start: --no-loadscope-reorder keeps the collection order (xdist's default sends the files with
-# the most tests first, and the browser test started minutes late). Measured slower on 2 cores: three workers,
+# One pytest session on two workers, whole files each (--dist loadfile), in the order given (--no-loadscope-reorder):
+# the browser test first (tests/browser, JupyterLab in Chromium, the longest file: one worker from the start),
+# then the longest of the rest, the many short files last, so the two workers finish together. xdist's own order
+# (most tests first) started the browser test minutes late. Measured slower on 2 cores: three workers,
 # OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
+LONG_FIRST := tests/browser tests/test_model.py tests/test_decode_plan.py tests/test_quant_kernels.py \
+	tests/test_compaction.py tests/test_write_copy.py notebooks tests
 test:
 	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
 	$$py -m ruff check . && \
-	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) tests notebooks
+	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) $(LONG_FIRST)
 
 lint:
 	@py=$$(scripts/setup.sh) && $$py -m ruff check .

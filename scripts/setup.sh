@@ -67,7 +67,7 @@ else
   log "no GPU: installing $cpu_torch (CPU) with $tool…"
   # shellcheck disable=SC2086
   if [ "$tool" = uv ] && uv_install "$cpu_torch" ${WORKBENCH_TORCH_PIP_ARGS:-} ${links[@]+"${links[@]}"} \
-      && "$py" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)'; then
+      && "$py" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)' 2>/dev/null; then
     :
   else
     "$py" -m pip uninstall -y -q torch >/dev/null 2>&1 || true  # a CUDA build uv may have found elsewhere

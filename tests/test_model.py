@@ -1,6 +1,6 @@
 """SmolLM2-135M through the paged cache against Hugging Face transformers on the same GGUF weights.
 
-Greedy decoding of three prompts (two chat prompts, one code) for 16 new tokens must give the same tokens as (a)
+Greedy decoding of two chat prompts (sharing the system prompt) for 16 new tokens must give the same tokens as (a)
 the same runner on a plain contiguous store and (b) transformers' ``LlamaForCausalLM.from_pretrained(...,
 gguf_file=...)`` (its own GGUF reader and dequantization, fp32), with the logits compared at every step. The
 paged runs use the cache's PyTorch ops (the kernels' references) for all 16 tokens, and the Triton kernels
