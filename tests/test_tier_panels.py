@@ -1,4 +1,4 @@
-"""Notebook 05's data and panels: the loaders of the committed ``bench tiers`` runs (``workbench.tiers.measured``)
+"""Notebook 05's data and panels: the loaders of the committed ``bench tiers`` runs (``workbench.bench.tier_results``)
 checked against the files themselves, then the panels and figures headless (``workbench.ui.tier_panels``,
 ``tier_figures``): they build, every control changes the figure, and what they show is what the package computes.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.tiers import measured
+from workbench.bench import tier_results as measured
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
 OLD, NEW = "tiers-h200-20261201T205629.json", "tiers-h200-20261201T205651.json"
@@ -133,7 +133,7 @@ def test_measured_imports_without_plotly():
             "        if name.split('.')[0] in {'plotly', 'ipywidgets', 'anywidget'}:\n"
             "            raise ImportError('blocked ' + name)\n"
             "sys.meta_path.insert(0, Block())\n"
-            "from workbench.tiers import measured\n"
+            "from workbench.bench import tier_results as measured\n"
             "print(measured.bandwidth_map(measured.latest()).at(32768, 64))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "0.737", out.stderr

@@ -1,4 +1,4 @@
-"""Plotly figures of notebook 05 (tiers and prefetch), built from the plain tables of ``workbench.tiers.measured``,
+"""Plotly figures of notebook 05 (tiers and prefetch), built from the plain tables of ``workbench.bench.tier_results``,
 ``workbench.tiers.replay`` and ``workbench.sim.preemption_cost``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.tiers.measured import DIRECTIONS, PATHS
+from workbench.bench.tier_results import DIRECTIONS, PATHS
 
 PATH_COLORS = {"dma": "#2a9d8f", "dma_per_block": "#e76f51", "sm": "#264653"}
 PATH_SHORT = {"dma": "gathered batch (DMA)", "dma_per_block": "one copy per block", "sm": "SM copy kernel"}
@@ -31,8 +31,8 @@ def bandwidth_overview(grid, curves: Mapping[str, Sequence[tuple[int, float]]], 
     """The measured host link on one page.
 
     Args:
-        grid: a :class:`workbench.tiers.measured.BandwidthMap` (fractions of the pinned bandwidth).
-        curves: :func:`workbench.tiers.measured.batch_curves` at ``block_bytes``, same direction and value.
+        grid: a :class:`workbench.bench.tier_results.BandwidthMap` (fractions of the pinned bandwidth).
+        curves: :func:`workbench.bench.tier_results.batch_curves` at ``block_bytes``, same direction and value.
         block_bytes: the block size framed on the map and drawn on the right.
         timing: words for the value (``"device time, CUDA graph"``).
 

@@ -1,6 +1,6 @@
 """The panels of notebook 05: the measured host link, prefetch strategies on the tiers, swap against recompute.
 
-Like ``workbench.ui.panels``, they hold no logic: ``workbench.tiers.measured``, ``workbench.tiers.replay`` and
+Like ``workbench.ui.panels``, they hold no logic: ``workbench.bench.tier_results``, ``workbench.tiers.replay`` and
 ``workbench.sim.preemption_cost`` compute, ``tier_figures`` draws.
 """
 
@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import ipywidgets as W
 
-from workbench.tiers import access, measured
+from workbench.bench import tier_results as measured
+from workbench.tiers import access
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import get as get_prefetch
 from workbench.tiers.replay import compare, replay
@@ -25,7 +26,7 @@ def bandwidth_panel(runs: Sequence[dict] | None = None, block_bytes: int = 32 <<
     a fraction of the pinned bandwidth of the same run) and every path by batch size at the chosen block size.
 
     Args:
-        runs: loaded ``bench tiers`` runs (default :func:`workbench.tiers.measured.runs`: the committed H200 runs).
+        runs: loaded ``bench tiers`` runs (default :func:`workbench.bench.tier_results.runs`: the committed H200 runs).
         block_bytes: the block size selected first.
     """
     runs = list(measured.runs() if runs is None else runs)
