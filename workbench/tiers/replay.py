@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from workbench.tiers.access import AccessTrace
+from workbench.tiers.access import AccessTrace, _non_negative, _positive
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import PREFETCH, PrefetchContext, PrefetchState, TraceView
 from workbench.tiers.prefetch import get as get_prefetch
@@ -339,12 +339,3 @@ def _victims(state: PrefetchState, label: str, device: dict, count: int, view: T
         order = [b for b in order if b not in keep] + [b for b in order if b in keep]
     return order[:count]
 
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-
-
-def _non_negative(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
