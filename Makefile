@@ -14,8 +14,10 @@ tour:
 # OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
 LONG_FIRST := tests/browser tests/test_model.py tests/test_decode_plan.py tests/test_quant_kernels.py \
 	tests/test_compaction.py tests/test_write_copy.py notebooks tests
+# Chromium's apt install (a fresh machine: ~30-60 s) runs beside the Python setup, not after it.
 test:
-	@py=$$(scripts/setup.sh) && scripts/setup_browser.sh && \
+	@scripts/setup_browser.sh & browser=$$!; \
+	py=$$(scripts/setup.sh) && wait $$browser && \
 	$$py -m ruff check . && \
 	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) $(LONG_FIRST)
 

@@ -4,8 +4,6 @@ SmolLM2-135M itself (skipped, with the install hint, when the model is not insta
 """
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -136,13 +134,6 @@ def test_kv_stats_sources_merge_each_prompts_channels_from_its_npz(tmp_path):
     assert got["a"]["tokens"] == 7
     assert got["a"]["layers"][1]["k"]["absmax"] == absmax[1, 1].astype(np.float32).tolist()
     assert got["a"]["layers"][0]["k"]["ratio"] == [2.0] * H
-
-
-def test_inspect_imports_without_plotly_or_widgets():
-    code = ("import sys; import workbench.model.inspect; "
-            "print(sorted(m for m in ('plotly', 'ipywidgets', 'anywidget') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 # ---- a run of the random-weights model -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from workbench.allocator import BlockManager, BlockPool, policies
+from workbench.compress import policies as sparsity
 from workbench.sim import strategies
 from workbench.tiers import prefetch
 
@@ -17,6 +18,7 @@ REGISTRIES = [
     pytest.param(policies.BLOCK_SIZE_POLICIES, policies.get, id="block-size-policies"),
     pytest.param(strategies.STRATEGIES, strategies.get, id="serving-strategies"),
     pytest.param(prefetch.PREFETCH, prefetch.get, id="prefetch-strategies"),
+    pytest.param(sparsity.POLICIES, sparsity.get, id="sparsification-policies"),
 ]
 
 

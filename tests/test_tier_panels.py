@@ -5,8 +5,6 @@ checked against the files themselves, then the panels and figures headless (``wo
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -124,19 +122,6 @@ def test_check_summary_and_spread(runs):
 def test_bad_arguments_name_the_argument(runs, call, argument):
     with pytest.raises(ValueError, match=argument):
         call(runs[NEW])
-
-
-def test_measured_imports_without_plotly():
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, *a):\n"
-            "        if name.split('.')[0] in {'plotly', 'ipywidgets', 'anywidget'}:\n"
-            "            raise ImportError('blocked ' + name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "from workbench.bench import tier_results as measured\n"
-            "print(measured.bandwidth_map(measured.latest()).at(32768, 64))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "0.737", out.stderr
 
 
 # ---- panels and figures, headless ----------------------------------------------------------------------------------

@@ -73,6 +73,15 @@ class PagedKVCache:
         zero_storage: fill the storage with zeros. By default it is ``torch.empty`` (whatever the
             allocator hands out, NaN included): kernels never read an unwritten slot, but a user who
             exports the raw pool (``blocks()``, ``k_cache()``) sees only written slots as defined.
+        key_bounds: also keep, per block and kv head, the elementwise min and max of the block's keys (Quest page
+            selection, ``workbench.compress.quest``): :meth:`key_bounds` ``[num_blocks, Hkv, 2, head_dim]`` fp16 per
+            layer, rounded outward so they stay true bounds, of the keys as attention reads them (dequantized).
+            Every write recomputes the bounds of the blocks it touched from the stored keys
+            (``workbench.kernels.quest.key_bounds``, one launch per layer after the write kernel), copy-on-write and
+            compaction's block moves copy them with the block. Needs one block size and a scheme whose keys live in
+            the blocks (not KIVI's packed groups); a tier below (``workbench.tiers``) is refused, as its swap-ins
+            write blocks without recomputing them. Costs ``2 * head_dim * 2`` bytes per block, kv head and layer
+            (1/16 of the K+V of 16-token fp16 blocks).
 
     Every method checks its arguments before it changes anything: a bad argument raises
     ``ValueError`` (or an allocator error) naming it, and the cache is exactly as before.
@@ -82,7 +91,8 @@ class PagedKVCache:
                  page_tokens: int = 16, block_sizes: Sequence[int] | None = None, policy=None,
                  layout: Layout | str = "nhd", kv_dtype: str | torch.dtype = "fp16", device=None,
                  prefix_caching: bool = True, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, zero_storage: bool = False, ops: str = "kernels"):
+                 v_scale: torch.Tensor | None = None, zero_storage: bool = False, ops: str = "kernels",
+                 key_bounds: bool = False):
         import workbench
         from workbench.kernels.common import check_kernel_shape
 
@@ -91,6 +101,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if ops not in ("kernels", "torch"):
             raise ValueError(f"ops must be 'kernels' or 'torch', got {ops!r}")
+        if not isinstance(key_bounds, bool):
+            raise ValueError(f"key_bounds must be True or False, got {key_bounds!r}")
         self.ops = ops
         self.layout = Layout.parse(layout)
         self.scheme = quant.resolve(kv_dtype)  # workbench.quant: codes, scales, residual
@@ -104,6 +116,12 @@ class PagedKVCache:
             raise ValueError(f"k_scale and v_scale are needed exactly for static-scale schemes (fp8/int8 per tensor or "
                              f"head), got {self.scheme.name} with k_scale={k_scale is not None}, "
                              f"v_scale={v_scale is not None}")
+        if key_bounds and len(self.pool_sizes) > 1:
+            raise ValueError(f"key_bounds=True needs a cache with one block size (a Quest page is a block), got "
+                             f"block_sizes {self.pool_sizes}")
+        if key_bounds and self.scheme.packed:
+            raise ValueError(f"key_bounds=True is not supported with kv_dtype {self.scheme.name}: its keys are packed "
+                             "in groups and its newest tokens live in an fp16 residual outside the blocks")
         elem = self.dtype.itemsize
         self.code_dim = qblocks.code_dim(self.scheme, head_dim)  # elements a row (packed codes: bytes)
         for bs in self.pool_sizes:  # validates the scheme and layout against the shape early, naming both
@@ -145,6 +163,29 @@ class PagedKVCache:
         self._plane = plane
         self.pool = flat.as_strided((num_layers, 2, num_pages, self.page_elems),
                                     (2 * plane, plane, self.page_elems, 1), self._base)
+        # [num_layers, num_blocks, Hkv, 2, head_dim] fp16 (min, max) of each block's keys; only the write paths
+        # (_write_layer -> _refresh_bounds) and copy_blocks change it. Unwritten blocks hold the empty bound.
+        self.k_bounds: torch.Tensor | None = None
+        if key_bounds:
+            nb = self.manager.pool.num_blocks(self.pool_sizes[0])
+            self.k_bounds = torch.empty((num_layers, nb, num_kv_heads, 2, head_dim), dtype=torch.float16,
+                                        device=self.device)
+            self.k_bounds[:, :, :, 0] = float("inf")
+            self.k_bounds[:, :, :, 1] = float("-inf")
+
+    @property
+    def on_evict(self):
+        """A tier below (``workbench.tiers``): called with the blocks the allocator evicted."""
+        return self._on_evict
+
+    @on_evict.setter
+    def on_evict(self, fn) -> None:
+        if fn is not None and getattr(self, "k_bounds", None) is not None:
+            if self.manager.pool.evicted == []:  # TieredCache set this just before: leave the pool as it was
+                self.manager.pool.evicted = None
+            raise ValueError("a tier below (workbench.tiers) is not supported with key_bounds=True: its swap-ins "
+                             "write blocks without recomputing their key bounds")
+        self._on_evict = fn
 
     # ---- geometry ------------------------------------------------------------------
     @property
@@ -173,6 +214,35 @@ class PagedKVCache:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         return qblocks.scale_views(self.blocks(bs)[layer, "kv".index(kind)], sc)
+
+    def key_bounds(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s key bounds ``[num_blocks, Hkv, 2, head_dim]`` fp16 (``[.., 0, :]`` min, ``[.., 1, :]``
+        max of each block's stored keys, rounded outward), for ``workbench.kernels.quest.quest_page_scores``."""
+        if self.k_bounds is None:
+            raise ValueError("this cache keeps no key bounds: build it with key_bounds=True")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
+        return self.k_bounds[layer]
+
+    @property
+    def key_bounds_bytes(self) -> int:
+        """Bytes of the key bounds (0 without them)."""
+        return 0 if self.k_bounds is None else self.k_bounds.numel() * self.k_bounds.element_size()
+
+    def refresh_key_bounds(self, seq_ids: Sequence | None = None) -> None:
+        """Recompute the key bounds of every block of ``seq_ids`` (default: every live sequence) from the stored
+        keys: for code that writes K into blocks by other means than this cache's methods."""
+        if self.k_bounds is None:
+            raise ValueError("this cache keeps no key bounds: build it with key_bounds=True")
+        ids = list(self.manager.seq_ids) if seq_ids is None else list(seq_ids)
+        fill: dict[int, int] = {}
+        for s in ids:
+            bs, n = self.manager.block_size(s), self.manager.num_tokens(s)
+            for i, b in enumerate(self.manager.block_table(s)):
+                fill[b] = max(fill.get(b, 0), min(bs, n - i * bs))
+        touched = self._touched(self.pool_sizes[0], fill)
+        for layer in range(self.num_layers):
+            self._refresh_bounds(layer, self.pool_sizes[0], touched)
 
     def nonfinite_count(self) -> int:
         """NaN/Inf values the write kernels have seen (a device read)."""
@@ -295,6 +365,8 @@ class PagedKVCache:
             blocks[:, :, dst] = blocks[:, :, src]
         else:
             copy_blocks(self.blocks(block_size), src, dst)
+        if self.k_bounds is not None:  # the bounds travel with their block (copy-on-write, compaction's moves)
+            self.k_bounds[:, dst] = self.k_bounds[:, src]
 
     def flush_evictions(self) -> None:
         """Hand the prefix blocks the allocator just evicted to :attr:`on_evict` (a tier below copies them down),
@@ -519,15 +591,51 @@ class PagedKVCache:
             slots = placement.slots
         if not slots:
             return target, residual
-        self._write_layers(bs, torch.tensor(slots, dtype=torch.int64, device=self.device), src_k, src_v)
+        touched = None
+        if self.k_bounds is not None:
+            fill: dict[int, int] = {}
+            for s in slots:
+                fill[s // bs] = max(fill.get(s // bs, 0), s % bs + 1)
+            touched = self._touched(bs, fill)
+        self._write_layers(bs, torch.tensor(slots, dtype=torch.int64, device=self.device), src_k, src_v, touched)
         return target, residual
 
-    def _write_layers(self, bs: int, slot_t: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor) -> None:
-        for layer in range(self.num_layers):
-            self._write_layer(layer, bs, slot_t, src_k[layer], src_v[layer])
+    def _touched(self, bs: int, slots) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The blocks a write fills and their tokens after it, ``(blocks, counts)`` on the device, for the key
+        bounds: from ``{block: tokens}`` (host) or from a slot tensor with one slot per block (a decode step: every
+        sequence writes its own block; device arithmetic, no sync). None without key bounds."""
+        if self.k_bounds is None:
+            return None
+        if isinstance(slots, torch.Tensor):
+            return slots // bs, slots % bs + 1
+        pairs = torch.tensor(list(slots.items()), dtype=torch.int64).reshape(-1, 2).T.contiguous().to(self.device)
+        return pairs[0], pairs[1]  # one host -> device copy
 
-    def _write_layer(self, layer: int, bs: int, slot_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """K/V ``[T, heads, head_dim]`` of one layer into their slots (checked before: no validation here)."""
+    def _refresh_bounds(self, layer: int, bs: int, touched) -> None:
+        """Recompute layer ``layer``'s key bounds of the ``touched`` blocks from their stored keys."""
+        from workbench.kernels.quest import key_bounds
+        from workbench.kernels.reference import key_bounds_ref
+
+        blocks, counts = touched
+        k_cache = self.k_cache(layer, bs)
+        k_scale = self.k_scale if self.scheme.static else None
+        if self.ops == "torch":
+            self.k_bounds[layer, blocks] = key_bounds_ref(self.scheme, k_cache, self.layout, self.head_dim, blocks,
+                                                          counts, k_scale)
+        else:
+            key_bounds(k_cache, self.layout, self.k_bounds[layer], blocks, counts, quant=self.scheme, k_scale=k_scale)
+
+    def _write_layers(self, bs: int, slot_t: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor,
+                      touched=None) -> None:
+        if touched is None:
+            touched = self._touched(bs, slot_t)  # one slot per block (append_batch)
+        for layer in range(self.num_layers):
+            self._write_layer(layer, bs, slot_t, src_k[layer], src_v[layer], touched)
+
+    def _write_layer(self, layer: int, bs: int, slot_t: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     touched=None) -> None:
+        """K/V ``[T, heads, head_dim]`` of one layer into their slots (checked before: no validation here), then
+        the key bounds of the ``touched`` blocks (:meth:`_touched`; default: one slot per block)."""
         from workbench.backend import is_interpreted
         from workbench.kernels import write_kv
         from workbench.kernels.reference import write_cache_ref
@@ -543,6 +651,8 @@ class PagedKVCache:
             launch = interpreter_launch(k.shape[0], bs, self.layout) if is_interpreted() else {}
             write_kv(k, v, k_cache, v_cache, self.layout, slot_t, k_scale=self.k_scale, v_scale=self.v_scale,
                      validate=False, **launch)
+        if self.k_bounds is not None:
+            self._refresh_bounds(layer, bs, touched if touched is not None else self._touched(bs, slot_t))
 
     def decode_torch(self, q: torch.Tensor, layer: int, block_size: int, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, *, sm_scale: float | None = None,

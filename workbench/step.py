@@ -10,7 +10,9 @@ the sequence including it, then publish.
 
 Used as a context manager, the step commits on success and aborts on an exception, so a failed step (bad
 K/V in layer 17, an interrupted forward pass) leaves the allocator, the tables and the prefix cache exactly as
-before (the reserved slots' bytes are garbage in freed blocks, never read). KIVI schemes keep each sequence's
+before (the reserved slots' bytes are garbage in freed blocks, never read). A cache with ``key_bounds=True``
+recomputes, in each ``write``, the bounds of the block every sequence writes into (one block per sequence: no
+two programs share one). KIVI schemes keep each sequence's
 newest tokens in an fp16 residual outside the blocks, so they have no per-layer step: use
 :meth:`PagedKVCache.append_batch` after attending with :meth:`PagedKVCache.decode`.
 """
@@ -54,6 +56,7 @@ class DecodeStep:
         self.block_table, self.seq_lens = meta.block_table, meta.seq_lens  # lengths include the new tokens
         self.max_seq_len = max(manager.num_tokens(s) for s in seq_ids)
         self.slots = torch.tensor([p.slots[0] for p in self.placements], dtype=torch.int64, device=cache.device)
+        self._touched = cache._touched(bs, self.slots)  # key bounds: each sequence's block, recomputed per write
         self._plans: dict = {}
         self.state = "open"  # -> "committed" | "aborted"
 
@@ -65,7 +68,7 @@ class DecodeStep:
         if not 0 <= layer < c.num_layers:
             raise ValueError(f"layer must be in [0, {c.num_layers}), got {layer}")
         c._check_kv(k[None], v[None], len(self.seq_ids), layers=1)
-        c._write_layer(layer, self.block_size, self.slots, k, v)
+        c._write_layer(layer, self.block_size, self.slots, k, v, self._touched)
 
     def attend(self, q: torch.Tensor, layer: int, *, sm_scale: float | None = None, **launch) -> torch.Tensor:
         """Decode attention of ``q`` ``[B, Hq, head_dim]`` over ``layer`` (the new tokens included, once written)."""

@@ -53,7 +53,8 @@ class LabServer:
         cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
                "--IdentityProvider.token=", "--ServerApp.password=", "--ServerApp.disable_check_xsrf=True",
                f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={root / 'workspaces'}",
-               "--LabServerApp.open_browser=False", f"--ServerApp.root_dir={work}"]
+               "--LabServerApp.open_browser=False", f"--ServerApp.root_dir={work}",
+               "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: one page opens every notebook
         if os.geteuid() == 0:
             cmd.append("--allow-root")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

@@ -8,7 +8,9 @@ exception and leaves tables, counts, queues and the prefix map exactly as they w
 
 Prefix publishing. Full blocks join the prefix cache when they are filled (``publish=True``,
 the default) or later through :meth:`BlockManager.publish`, which a cache calls only once
-their K/V is written: a prompt must never hit a block whose bytes are not there yet.
+their K/V is written: a prompt must never hit a block whose bytes are not there yet. A sequence whose
+tokens were evicted (``workbench.compress.evict``) stops publishing (:meth:`BlockManager.stop_publishing`): its
+kept tokens are no longer a prefix, so no block of it may join the cache under their hash chain.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ class _Seq:
     entries: list[int] = field(default_factory=list)  # prefix-cache entry id of each published full block
     prompt_len: int = 0
     extra_key: object = None
+    publishing: bool = True  # False once tokens were evicted: its blocks never join the prefix cache again
 
     def copy(self) -> _Seq:
         return _Seq(self.block_size, list(self.table), list(self.tokens), list(self.entries), self.prompt_len,
-                    self.extra_key)
+                    self.extra_key, self.publishing)
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,7 @@ class BlockManager:
         ``upto``: only blocks wholly inside the first ``upto`` tokens (those whose K/V is written; a quantized
         cache keeps its newest tokens elsewhere until they are)."""
         s = self._get(seq_id)
-        if not self.prefix_caching:
+        if not self.prefix_caching or not s.publishing:
             return 0
         bs, pool = s.block_size, self.pool
         before = pool.cached_blocks(bs)
@@ -277,6 +280,15 @@ class BlockManager:
         if observe:
             self.policy.observe(len(s.tokens), s.prompt_len)
         del self._seqs[seq_id]
+
+    def stop_publishing(self, seq_id) -> None:
+        """The sequence's blocks never join the prefix cache from now on (its tokens were evicted, so they are no
+        longer the prefix its K/V was computed with); forks inherit this. Blocks published before stay cached."""
+        self._get(seq_id).publishing = False
+
+    def publishes(self, seq_id) -> bool:
+        """False once :meth:`stop_publishing` was called for the sequence (or a sequence it was forked from)."""
+        return self._get(seq_id).publishing
 
     def published(self, seq_id) -> list[int]:
         """Prefix-cache entry ids of the sequence's published full blocks, in order (one per leading full block)."""
@@ -398,7 +410,7 @@ class BlockManager:
 
     def fingerprint(self) -> int:
         """A hash of the pool's state and every sequence's block size, table and length."""
-        seqs = tuple((sid, s.block_size, tuple(s.table), len(s.tokens), tuple(s.entries))
+        seqs = tuple((sid, s.block_size, tuple(s.table), len(s.tokens), tuple(s.entries), s.publishing)
                      for sid, s in self._seqs.items())
         return hash((self.pool.fingerprint(), seqs))
 

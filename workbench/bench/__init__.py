@@ -15,5 +15,11 @@ BENCHMARKS = {
                     "generate; where the step goes (--check: logits vs transformers)",
     "tiers": "GPU: the host link for KV blocks: bandwidth by block size x batch for the copy-engine and SM-copy paths, "
              "the slowdown of a decode beside transfers, prefetch overlap, TieredCache checks",
+    "quest": "GPU: Quest page selection (scores + top-k + compacted table + decode) vs full paged decode at 32k, "
+             "speedup, bytes, recall on real activations (--smoke: tiny CPU check)",
+    "compression_delta": "CPU: delta + zstd coding of real K/V (ratios per layer, keys vs values, pre/post RoPE), "
+                         "codec speed, and the break-even of a compressed swap on the measured links",
+    "compression_model": "CPU: every sparsification policy through a cache that frees real blocks, on SmolLM2-135M "
+                         "(agreement, log-prob drift, perplexity vs memory kept)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
 }

@@ -1,0 +1,342 @@
+"""Scoring the sparsification policies of :mod:`workbench.compress.policies`: memory kept, attention-output error
+against the full cache, the cost of one shared token set against per-head masks, and Quest's recall.
+
+Pure functions returning tidy rows (one dict per prompt, policy, budget, block rule and layer); no plots.
+
+    caps = workbench.model.capture.load()           # 5 prompts of SmolLM2-135M, 6 of its 30 layers
+    rows = score_policies(caps, ["streaming", "h2o", "snapkv", "quest"], [0.1, 0.25, 0.5], held_out=8)
+    table = summarize(rows)                         # mean over prompts, layer "all"
+    recall = quest_recall_rows(caps, page_sizes=(8, 16, 32), page_budgets=(0.1, 0.25, 0.5))
+
+Block rules (:data:`RULES`): ``keep`` and ``compact`` of :func:`~workbench.compress.policies.block_keep`, and to
+compare them at equal memory ``keep-equal`` (the ``keep`` rule with the token budget cut until it holds no more
+blocks than ``compact`` does) and ``blocks`` (the policy scores whole blocks, ``Scored.keep_blocks``).
+
+What the captures allow: only the last 16 prompt queries were saved (``Capture.q_last``), so H2O accumulates the
+attention of those 16 queries, not of the whole prompt as in the paper, and every policy decides from at most 16
+queries. Errors are measured two ways:
+
+- ``held_out=0`` (in sample): the policy sees all ``W`` queries and is scored on the same ``W`` queries (causal:
+  query ``p`` reads keys ``<= p``). This flatters H2O and SnapKV, which chose the tokens those queries attend to.
+- ``held_out=h`` (decode-like): the policy sees the first ``T - h`` tokens and the queries before them; the cache
+  is compressed there, the ``h`` later tokens are appended whole, and the ``h`` later queries, which the policy
+  never saw, are scored.
+
+Quest is query-dependent: each scored query chooses its own pages from what precedes it (a decode step), so its
+rows report the tokens and blocks read per step (means), and ``frees`` is False: every page stays in the cache.
+Memory is counted per layer as the paged cache holds it (``block_size * Hkv * D`` K and V values a block, fp16 by
+default); the per-head masks free nothing in a paged cache, so their column ``bytes_csr`` is what the seed's CSR
+store of the same entries would take (values plus int32 indices).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+import torch
+
+from workbench import formats
+from workbench.compress import policies
+from workbench.compress.csr import CSRStore, csr_nbytes
+from workbench.compress.policies import PARTIAL, BlockKeep, Observation, attention_output, block_keep
+
+THRESHOLDS = (0.001, 0.003, 0.01, 0.03)  # the threshold policy's "budgets": attention probabilities
+# options of each policy in the study (a share of the budget for the recent window: a fixed 32-token window would
+# be the whole budget of a 150-token prompt at 10% and every policy would be streaming)
+STUDY_OPTIONS: dict[str, dict] = {"h2o": {"window": 0.5}, "snapkv": {"window": 0.25}}
+# block rules the study compares: block_keep's two partial-block rules, and two that need a token budget:
+# "keep-equal" (keep, with the budget cut until it holds no more blocks than "compact") and "blocks" (the policy
+# chooses whole blocks, ``keep_blocks``: nothing partly dropped, nothing copied)
+RULES = (*PARTIAL, "keep-equal", "blocks")
+
+
+def synthetic_observation(num_layers: int = 2, num_tokens: int = 96, num_kv_heads: int = 2, head_dim: int = 16,
+                          num_queries: int = 8, group: int = 2, seed: int = 0) -> Observation:
+    """An :class:`Observation` from ``workbench.quant.study``'s synthetic K/V (outlier channels, a sink on token 0)
+    and queries correlated with the keys (peaked attention), post-RoPE; ``sm_scale = 1 / sqrt(head_dim)``."""
+    from workbench.quant.study import apply_rope, synthetic_kv, synthetic_queries
+
+    k_pre, v = synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, seed=seed)
+    k = apply_rope(k_pre)
+    q = synthetic_queries(k, num_queries, group, seed=seed + 1)
+    return Observation(k, v, q, 1.0 / math.sqrt(head_dim))
+
+
+def as_observation(obs_or_capture) -> Observation:
+    """An :class:`Observation` as is, or a ``Capture``'s (``Observation.from_capture``)."""
+    return obs_or_capture if isinstance(obs_or_capture, Observation) else Observation.from_capture(obs_or_capture)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor, dims) -> torch.Tensor:
+    """``||x - ref|| / ||ref||`` over ``dims``, float64."""
+    num = torch.linalg.vector_norm((x - ref).double(), dim=dims)
+    return num / torch.linalg.vector_norm(ref.double(), dim=dims).clamp_min(1e-300)
+
+
+def attention_error(obs_or_capture, keep: torch.Tensor, *, last: int | None = None,
+                    by_layer: bool = False) -> float | list[float]:
+    """Relative L2 error of the observed queries' attention output over the kept keys against the full cache.
+
+    Args:
+        obs_or_capture: an :class:`Observation` or a ``Capture``.
+        keep: bool ``[T]`` (one set) or ``[L, Hkv, T]`` (per head), the keys attention reads.
+        last: score only the last ``last`` queries (default all ``W``).
+        by_layer: one error per layer instead of one over all layers.
+
+    Returns:
+        ``||o_kept - o_full|| / ||o_full||`` over (queries, heads, D) [and layers].
+    """
+    obs = as_observation(obs_or_capture)
+    if last is not None:
+        if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= obs.num_queries:
+            raise ValueError(f"last must be an int in [1, W={obs.num_queries}], got {last!r}")
+        obs = Observation(obs.k, obs.v, obs.q[:, -last:], obs.sm_scale)
+    full, kept = attention_output(obs), attention_output(obs, keep)
+    return _rel(kept, full, (1, 2, 3)).tolist() if by_layer else float(_rel(kept, full, (0, 1, 2, 3)))
+
+
+def _per_query_outputs(policy, obs: Observation, last: int, per_head: bool,
+                       block_size: int) -> tuple[torch.Tensor, float, float]:
+    """A query-dependent policy, one decode step per query: query ``w`` of the last ``last`` chooses from (and
+    reads) the tokens up to its own position. Returns the outputs ``[L, last, Hq, D]``, the mean tokens read (per
+    head when ``per_head``) and the mean blocks of ``block_size`` read (shared set)."""
+    T, W = obs.num_tokens, obs.num_queries
+    outs, read, blocks = [], [], []
+    for i_w in range(W - last, W):
+        p = T - W + i_w  # the query's position
+        seen = Observation(obs.k[:, :p + 1], obs.v[:, :p + 1], obs.q[:, :i_w + 1], obs.sm_scale)
+        m = policy.per_head_keep(seen) if per_head else policy.keep(seen)  # [..., p + 1]
+        read.append(float(m.float().sum(-1).mean()))
+        blocks.append(0 if per_head else block_keep(m, block_size, "keep").blocks)
+        step = Observation(seen.k, seen.v, obs.q[:, i_w:i_w + 1], obs.sm_scale)  # the one query, at position p
+        outs.append(attention_output(step, m))
+    return torch.cat(outs, 1), sum(read) / len(read), sum(blocks) / len(blocks)
+
+
+def _csr_bytes_by_layer(mask: torch.Tensor, head_dim: int, kv_dtype: str) -> list[int]:
+    """Bytes of each layer's CSR store of ``mask`` ``[L, Hkv, T]``."""
+    return [csr_nbytes(int(m.sum()), m.shape[0], head_dim, kv_dtype) for m in mask]
+
+
+def _block_rule(pol, seen: Observation, keep: torch.Tensor, tail: torch.Tensor, block_size: int,
+                rule: str) -> BlockKeep | None:
+    """``keep`` (the policy's set on ``seen``, ``tail`` appended) under a block rule of :data:`RULES`; None where
+    the rule needs a token budget the policy has not (``threshold``, ``full``)."""
+    if rule in PARTIAL:
+        return block_keep(keep, block_size, rule)
+    if not hasattr(pol, "budget"):
+        return None
+    if rule == "blocks":
+        return block_keep(torch.cat([pol.keep_blocks(seen, block_size), tail]), block_size, "keep")
+    target = block_keep(keep, block_size, "compact").blocks  # "keep-equal": compaction's memory
+
+    def held(n: int) -> BlockKeep:
+        return block_keep(torch.cat([replace(pol, budget=n).keep(seen), tail]), block_size, "keep")
+
+    lo, hi = 1, seen.num_tokens  # the largest token budget whose rounded-up blocks fit (blocks grow with n)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if held(mid).blocks <= target else (lo, mid - 1)
+    return held(lo)
+
+
+def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
+                   budgets: Iterable[int | float] = (0.1, 0.25, 0.5), block_size: int = 16,
+                   partial: str | Iterable[str] = RULES, *, held_out: int = 0,
+                   thresholds: Iterable[float] = THRESHOLDS, options: dict[str, dict] | None = None,
+                   kv_dtype: str = "fp16") -> list[dict]:
+    """Every policy at every budget on every capture: tidy rows.
+
+    Args:
+        captures: ``Capture``s or :class:`Observation`s.
+        names: policy names (``policies.NAMES``); ``full`` is scored once (budget 1.0).
+        budgets: token counts or ratios; the ``threshold`` policy uses ``thresholds`` instead.
+        block_size: tokens per block.
+        partial: block rules of :data:`RULES`: ``"keep"``, ``"compact"``
+            (:func:`~workbench.compress.policies.block_keep`), ``"keep-equal"``, ``"blocks"``.
+        held_out: decode steps scored that the policy did not see (0: in sample; see the module docstring).
+        options: per policy name, fields to override (default :data:`STUDY_OPTIONS`).
+        kv_dtype: the cache's storage format (bytes per value).
+
+    Returns:
+        One dict per (prompt, policy, budget, partial, layer) with ``layer`` a model layer or ``"all"``:
+        ``prompt, policy, label, budget, partial, held_out, layer, tokens`` (T), ``tokens_kept`` (attended after
+        block rounding), ``blocks_full, blocks_kept, freed, moved`` (tokens compaction copies), ``frees``,
+        ``bytes_full, bytes_kept, error`` (the shared set), ``tokens_per_head`` (mean per head),
+        ``bytes_csr`` (the per-head entries in CSR), ``error_per_head``.
+    """
+    partials = [partial] if isinstance(partial, str) else list(partial)
+    if not partials or any(p not in RULES for p in partials):
+        raise ValueError(f"partial must be among {RULES}, got {partial!r}")
+    opts = STUDY_OPTIONS if options is None else options
+    value = formats.get(kv_dtype).bytes_per_value
+    rows = []
+    for i_c, cap in enumerate(captures):
+        obs = as_observation(cap)
+        prompt = getattr(cap, "name", "") or f"obs{i_c}"
+        layers = list(getattr(cap, "layers", None) or range(obs.k.shape[0]))
+        L, T, H, D = obs.k.shape
+        last = held_out or obs.num_queries
+        ev = Observation(obs.k, obs.v, obs.q[:, -last:], obs.sm_scale)  # the scored queries
+        full = attention_output(ev)  # [L, last, Hq, D]
+        block_bytes = block_size * H * D * 2 * value  # one layer's K and V of a block
+        blocks_full = -(-T // block_size)
+        for name in names:
+            extra = opts.get(name, {})
+            choices = [None] if name == "full" else thresholds if name == "threshold" else budgets
+            for b in choices:
+                over = {} if b is None else {"threshold" if name == "threshold" else "budget": b}
+                pol = policies.get(name, **extra, **over)
+                if getattr(pol, "query_dependent", False):
+                    out, read, read_blocks = _per_query_outputs(pol, obs, last, False, block_size)
+                    out_h, read_h, _ = _per_query_outputs(pol, obs, last, True, block_size)
+                    shared = {p: (out, read, read_blocks, 0, False) for p in partials if p in PARTIAL}
+                    per_head, ph_tokens, ph_bytes, ph_all = out_h, read_h, None, None
+                else:
+                    seen = obs.prefix(held_out)
+                    tail = torch.ones(held_out, dtype=torch.bool)
+                    keep = torch.cat([pol.keep(seen), tail])  # the new tokens are appended whole
+                    ph = pol.per_head_keep(seen)
+                    ph = torch.cat([ph, tail.expand(*ph.shape[:2], -1)], -1)  # [L, Hkv, T]
+                    shared = {}
+                    for p in partials:
+                        bk = _block_rule(pol, seen, keep, tail, block_size, p)
+                        if bk is not None:
+                            shared[p] = (attention_output(ev, bk.mask), int(bk.mask.sum()), bk.blocks, bk.moved, True)
+                    if name == "threshold":  # the seed's store, scored through its own attention
+                        per_head = CSRStore.from_mask(obs.k, obs.v, ph).attention(ev.q, obs.sm_scale)
+                    else:
+                        per_head = attention_output(ev, ph)
+                    ph_tokens, ph_bytes = float(ph.float().sum(-1).mean()), _csr_bytes_by_layer(ph, D, kv_dtype)
+                    ph_all = csr_nbytes(int(ph.sum()), L * H, D, kv_dtype)
+                err_h = _rel(per_head, full, (1, 2, 3)).tolist()
+                err_h_all = float(_rel(per_head, full, (0, 1, 2, 3)))
+                for p, (out, tokens_kept, blocks, moved, frees) in shared.items():
+                    err = _rel(out, full, (1, 2, 3)).tolist()
+                    kept_b = blocks * block_bytes if frees else blocks_full * block_bytes
+                    base = {"prompt": prompt, "policy": name, "label": pol.label, "budget": 1.0 if b is None else b,
+                            "partial": p, "held_out": held_out, "tokens": T, "tokens_kept": tokens_kept,
+                            "blocks_full": blocks_full, "blocks_kept": blocks, "freed": blocks_full - blocks
+                            if frees else 0, "moved": moved, "frees": frees, "tokens_per_head": ph_tokens}
+                    for i_l in range(L):
+                        rows.append({**base, "layer": layers[i_l], "bytes_full": blocks_full * block_bytes,
+                                     "bytes_kept": kept_b, "error": err[i_l],
+                                     "bytes_csr": None if ph_bytes is None else ph_bytes[i_l],
+                                     "error_per_head": err_h[i_l]})
+                    rows.append({**base, "layer": "all", "bytes_full": L * blocks_full * block_bytes,
+                                 "bytes_kept": L * kept_b, "error": float(_rel(out, full, (0, 1, 2, 3))),
+                                 "bytes_csr": None if ph_bytes is None else ph_all,
+                                 "error_per_head": err_h_all})
+    return rows
+
+
+def summarize(rows: Sequence[dict], by: Sequence[str] = ("policy", "budget", "partial", "held_out"),
+              layer: object = "all") -> list[dict]:
+    """Means over the other keys (prompts) of every numeric column, for rows of ``layer`` (None: all rows), one
+    dict per distinct ``by`` tuple in first-seen order; ``n`` counts the rows averaged."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if layer is None or r["layer"] == layer:
+            groups.setdefault(tuple(r[k] for k in by), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        d = dict(zip(by, key, strict=True))
+        for col, x in rs[0].items():
+            if col not in d and not isinstance(x, bool) and isinstance(x, int | float):
+                vals = [r[col] for r in rs if r[col] is not None]
+                d[col] = sum(vals) / len(vals) if vals else None
+        d["n"] = len(rs)
+        out.append(d)
+    return out
+
+
+def quest_recall_rows(captures: Sequence, page_sizes: Iterable[int] = (8, 16, 32),
+                      page_budgets: Iterable[int | float] = (0.1, 0.25, 0.5), *, reduce: str = "max",
+                      keep_first: int = 1, keep_last: int = 1, top_k: int = 16) -> list[dict]:
+    """Quest's recall on every capture, per (prompt, layer, page size, page budget): the mean over the observed
+    queries (each over the keys up to its position, a decode step) and query heads.
+
+    A page budget is pages (int) or a share of the sequence's pages (float, :func:`~policies.resolve_budget`), at
+    least ``keep_first + keep_last``. Columns from ``workbench.compress.quest.quest_recall`` (the share of a head's
+    attention mass inside the chosen pages): ``recall_per_head`` (each head its own pages, Quest's original),
+    ``recall`` (one page set per query for all heads, ``reduce``: what a paged cache reads) and ``recall_oracle``
+    (the best single set: the true mass summed over heads); and ``recall_topk``, the issue's measure: the share of
+    the true top-``top_k`` keys' attention mass inside the shared set (``quest.select_pages`` on the ``reduce``
+    scores).
+    """
+    from workbench.compress.quest import page_key_bounds, page_upper_bounds, quest_recall, select_pages
+
+    rows = []
+    for i_c, cap in enumerate(captures):
+        obs = as_observation(cap)
+        prompt = getattr(cap, "name", "") or f"obs{i_c}"
+        layers = list(getattr(cap, "layers", None) or range(obs.k.shape[0]))
+        L, T, H, D = obs.k.shape
+        W, G = obs.num_queries, obs.q.shape[2] // H
+        for ps in page_sizes:
+            for pb in page_budgets:
+                acc = torch.zeros(L, 4, dtype=torch.float64)
+                pages = []
+                for i_w in range(W):
+                    p = T - W + i_w
+                    num_pages = -(-(p + 1) // ps)
+                    n = max(policies.resolve_budget(pb, num_pages), keep_first + keep_last)
+                    pages.append(min(n, num_pages))
+                    for i_l in range(L):
+                        q, k = obs.q[i_l, i_w], obs.k[i_l, :p + 1]  # [Hq, D], [p + 1, Hkv, D]
+                        kw = dict(keep_first=keep_first, keep_last=keep_last)
+                        r = quest_recall(q, k, ps, n, reduce=reduce, sm_scale=obs.sm_scale, **kw)
+                        scores = page_upper_bounds(q, page_key_bounds(k, ps), reduce, sm_scale=obs.sm_scale)
+                        table, _ = select_pages(scores[None], torch.tensor([p + 1]), torch.arange(num_pages)[None],
+                                                n, page_size=ps, **kw)
+                        m_page = torch.zeros(num_pages, dtype=torch.bool)
+                        m_page[table[0].long()] = True
+                        m_tok = m_page.repeat_interleave(ps)[:p + 1]  # [p + 1]
+                        attn = (torch.einsum("hd,thd->ht", q.float(), k.float().repeat_interleave(G, 1))
+                                * obs.sm_scale).softmax(-1)  # [Hq, p + 1]
+                        top = attn.topk(min(top_k, p + 1), -1)
+                        topk = (top.values * m_tok[top.indices]).sum(-1) / top.values.sum(-1)  # [Hq]
+                        acc[i_l] += torch.stack([r.per_head.mean(), r.shared.mean(), r.oracle.mean(),
+                                                 topk.mean()]).double()
+                acc /= W
+                for i_l in range(L):
+                    rows.append({"prompt": prompt, "layer": layers[i_l], "page_size": ps, "page_budget": pb,
+                                 "pages": sum(pages) / W, "num_pages": -(-T // ps), "tokens": T,
+                                 "recall_per_head": float(acc[i_l, 0]), "recall": float(acc[i_l, 1]),
+                                 "recall_oracle": float(acc[i_l, 2]), "recall_topk": float(acc[i_l, 3])})
+    return rows
+
+
+def quest_recall_curves(captures: Sequence, page_sizes: Sequence[int] = (8, 16, 32, 64),
+                        shares: Sequence[float] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
+                        reduce: str = "sum") -> list[dict]:
+    """Quest's recall on the captures as ``python -m workbench bench quest`` measures it (``real_recall_rows``):
+    each prompt's 16 saved queries attend to the keys before them (``workbench.compress.quest.quest_recall``), a
+    budget is a share of those keys' pages (at least the sink page and the newest), and everything is averaged over
+    prompts, layers, queries and heads.
+
+    Returns:
+        Rows ``{page_size, share, pages (mean), read (mean share of the keys in the pages read), recall (one page
+        set for all heads, ``reduce``), recall_per_head, recall_oracle, samples ((prompt, layer) pairs)}``.
+    """
+    from workbench.compress.quest import quest_recall
+
+    rows = []
+    for ps in page_sizes:
+        for share in shares:
+            acc = []
+            for c in captures:
+                n = c.k.shape[1] - c.q_last.shape[1]  # keys before the queries (decode-like)
+                P = -(-n // ps)
+                pages = min(P, max(2, policies.resolve_budget(share, P)))
+                read = n if pages >= P else (pages - 1) * ps + n - (P - 1) * ps  # the newest (partial) page is read
+                for i in range(len(c.layers)):
+                    r = quest_recall(c.q_last[i], c.k[i, :n], ps, pages, reduce=reduce, sm_scale=c.sm_scale)
+                    acc.append((float(r.shared.mean()), float(r.per_head.mean()), float(r.oracle.mean()), pages,
+                                read / n))
+            m = [sum(a[j] for a in acc) / len(acc) for j in range(5)]
+            rows.append({"page_size": ps, "share": share, "recall": m[0], "recall_per_head": m[1],
+                         "recall_oracle": m[2], "pages": m[3], "read": m[4], "samples": len(acc)})
+    return rows
