@@ -176,6 +176,12 @@ class Notebook:
         """Wait until the page shows the kernel's figure for this panel and, when ``changed_from`` is given,
         a figure other than that one (the kernel may not have seen the change yet); return the comparison."""
         deadline = time.monotonic() + timeout_s
+        if changed_from is not None:  # first wait in the page (cheap) for the redraw, then compare with the kernel
+            try:
+                self.page.wait_for_function(f"([pid, before]) => ({PANEL_DATA_JS})(pid) !== before",
+                                            arg=[panel_id, changed_from], polling=100, timeout=timeout_s * 1000)
+            except PlaywrightTimeout:
+                pass  # the comparison below reports what the page shows
         while True:
             py = self.python_side(panel_id)[panel_id]
             result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
@@ -212,11 +218,14 @@ CONTROLS_JS = """(pid) => [...document.querySelector(`.wb-panel-${pid}`).firstEl
 })"""
 
 
+# What a panel's figure shows: its data and its layout's text (titles, annotations), as one string.
+PANEL_DATA_JS = """(pid) => { const gd = document.querySelector(`.wb-panel-${pid} .js-plotly-plot`);
+    const text = Object.entries(__wbFlatten(gd.layout)).filter(([k]) => /(^|[.])text$/.test(k));
+    return JSON.stringify([__wbFlatten({d: gd.data}), text]); }"""
+
+
 def _panel_data(nb: Notebook, panel_id: int) -> str:
-    """What the panel's figure shows: its data and its layout's text (titles, annotations), as one string."""
-    return nb.page.evaluate("""(pid) => { const gd = document.querySelector(`.wb-panel-${pid} .js-plotly-plot`);
-        const text = Object.entries(__wbFlatten(gd.layout)).filter(([k]) => /(^|[.])text$/.test(k));
-        return JSON.stringify([__wbFlatten({d: gd.data}), text]); }""", panel_id)
+    return nb.page.evaluate(PANEL_DATA_JS, panel_id)
 
 
 def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | None = None,
