@@ -343,12 +343,7 @@ def quest_page_scores(q: torch.Tensor, bounds: torch.Tensor, block_table: torch.
             raise ValueError(f"{name} must be an int >= 0, got {v!r}")
     W = block_table.shape[1]
     shape = (B, Hq, W) if reduce == "none" else (B, W)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float32, device=q.device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != torch.float32 \
-            or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be an fp32 {shape} tensor on {q.device} with unit last stride, got "
-                         f"{common.describe(out)}")
+    out = _buffer("out", out, shape, torch.float32, q.device)
     if B == 0 or W == 0:
         return out
     grid, ce = _scores_config(B, W, Hq, hkv, D, q.dtype, page_size, reduce, block_p, num_warps, num_stages)
@@ -531,18 +526,21 @@ def _check_select_inputs(block_table, seq_lens, page_budget, page_size, out_tabl
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     k = min(page_budget, W)
-    if out_table is None:
-        out_table = torch.empty((B, k), dtype=torch.int32, device=dev)
-    elif not isinstance(out_table, torch.Tensor) or out_table.shape != (B, k) or out_table.dtype != torch.int32 \
-            or out_table.device != dev or (k and out_table.stride(1) != 1):
-        raise ValueError(f"out_table must be int32 [{B}, {k}] on {dev} with unit last stride, got "
-                         f"{common.describe(out_table)}")
-    if out_lens is None:
-        out_lens = torch.empty((B,), dtype=torch.int32, device=dev)
-    elif not isinstance(out_lens, torch.Tensor) or out_lens.shape != (B,) or out_lens.dtype != torch.int32 \
-            or out_lens.device != dev:
-        raise ValueError(f"out_lens must be int32 [{B}] on {dev}, got {common.describe(out_lens)}")
+    out_table = _buffer("out_table", out_table, (B, k), torch.int32, dev)
+    out_lens = _buffer("out_lens", out_lens, (B,), torch.int32, dev)
     return B, W, k, out_table, out_lens
+
+
+def _buffer(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, dev) -> torch.Tensor:
+    """A caller's output buffer after its checks (shape, dtype, device, unit last stride), or a new one."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != dev \
+            or (len(shape) > 1 and shape[-1] and t.stride(-1) != 1):
+        kind = {torch.float32: "fp32", torch.int32: "int32"}.get(dtype, str(dtype))
+        raise ValueError(f"{name} must be an {kind} {list(shape)} tensor on {dev} with unit last stride, got "
+                         f"{common.describe(t)}")
+    return t
 
 
 def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, page_budget: int, *,
@@ -634,12 +632,7 @@ class QuestPlan:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {v!r}")
         dev = block_table.device
-        if scores is None:
-            scores = torch.empty((B, W), dtype=torch.float32, device=dev)
-        elif not isinstance(scores, torch.Tensor) or scores.shape != (B, W) or scores.dtype != torch.float32 \
-                or scores.device != dev or (W and scores.stride(1) != 1):
-            raise ValueError(f"scores must be an fp32 [{B}, {W}] tensor on {dev} with unit last stride, got "
-                             f"{common.describe(scores)}")
+        scores = _buffer("scores", scores, (B, W), torch.float32, dev)
         D, hkv = head_dim, num_kv_heads
         self.scores, self.block_table_out, self.seq_lens_out = scores, out_table, out_lens
         self.device, self.q_dtype, self._q_shape, self._bounds_row = dev, q_dtype, (B, num_q_heads, D), (hkv, 2, D)

@@ -176,12 +176,6 @@ class Notebook:
         """Wait until the page shows the kernel's figure for this panel and, when ``changed_from`` is given,
         a figure other than that one (the kernel may not have seen the change yet); return the comparison."""
         deadline = time.monotonic() + timeout_s
-        if changed_from is not None:  # first wait in the page (cheap) for the redraw, then compare with the kernel
-            try:
-                self.page.wait_for_function(f"([pid, before]) => ({PANEL_DATA_JS})(pid) !== before",
-                                            arg=[panel_id, changed_from], polling=100, timeout=timeout_s * 1000)
-            except PlaywrightTimeout:
-                pass  # the comparison below reports what the page shows
         while True:
             py = self.python_side(panel_id)[panel_id]
             result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])

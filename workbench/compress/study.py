@@ -142,6 +142,14 @@ def _block_rule(pol, seen: Observation, keep: torch.Tensor, tail: torch.Tensor, 
     return held(lo)
 
 
+def _observations(captures: Sequence):
+    """``(prompt name, layer numbers, Observation)`` of each capture (or Observation)."""
+    for i_c, cap in enumerate(captures):
+        obs = as_observation(cap)
+        yield (getattr(cap, "name", "") or f"obs{i_c}", list(getattr(cap, "layers", None) or range(obs.k.shape[0])),
+               obs)
+
+
 def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                    budgets: Iterable[int | float] = (0.1, 0.25, 0.5), block_size: int = 16,
                    partial: str | Iterable[str] = RULES, *, held_out: int = 0,
@@ -173,10 +181,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
     opts = STUDY_OPTIONS if options is None else options
     value = formats.get(kv_dtype).bytes_per_value
     rows = []
-    for i_c, cap in enumerate(captures):
-        obs = as_observation(cap)
-        prompt = getattr(cap, "name", "") or f"obs{i_c}"
-        layers = list(getattr(cap, "layers", None) or range(obs.k.shape[0]))
+    for prompt, layers, obs in _observations(captures):
         L, T, H, D = obs.k.shape
         last = held_out or obs.num_queries
         ev = Observation(obs.k, obs.v, obs.q[:, -last:], obs.sm_scale)  # the scored queries
@@ -269,10 +274,7 @@ def quest_recall_rows(captures: Sequence, page_sizes: Iterable[int] = (8, 16, 32
     from workbench.compress.quest import page_key_bounds, page_upper_bounds, quest_recall, select_pages
 
     rows = []
-    for i_c, cap in enumerate(captures):
-        obs = as_observation(cap)
-        prompt = getattr(cap, "name", "") or f"obs{i_c}"
-        layers = list(getattr(cap, "layers", None) or range(obs.k.shape[0]))
+    for prompt, layers, obs in _observations(captures):
         L, T, H, D = obs.k.shape
         W, G = obs.num_queries, obs.q.shape[2] // H
         for ps in page_sizes:

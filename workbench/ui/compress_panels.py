@@ -255,6 +255,15 @@ DRIFTS = {"mean_abs_drift": "mean |log-prob drift|", "max_abs_drift": "max |log-
           "mean_kl": "KL(full || evicted), nats"}
 
 
+def _committed(kind: str) -> dict:
+    """The newest committed ``compression-<kind>-*.json`` run, or a ValueError saying how to make one."""
+    run = measured.latest(kind)
+    if run is None:
+        raise ValueError(f"no compression-{kind} run: run `python -m workbench bench compression_{kind} "
+                         "--out data/results`")
+    return run
+
+
 def model_panel(run: dict | None = None, partial: str = "both") -> Panel:
     """Prompt, partial rule and drift measure -> the committed real-model study (``compression-model-*.json``):
     next-token agreement, log-prob drift and perplexity of SmolLM2-135M with its cache evicted, against the memory
@@ -263,10 +272,7 @@ def model_panel(run: dict | None = None, partial: str = "both") -> Panel:
     Args:
         run: a loaded run (default ``compress_results.latest("model")``).
     """
-    run = measured.latest("model") if run is None else run
-    if run is None:
-        raise ValueError("no compression-model run: run `python -m workbench bench compression_model "
-                         "--out data/results`")
+    run = _committed("model") if run is None else run
     prompts = measured.model_prompts(run)
     info = run["info"]
     controls = {
@@ -316,10 +322,7 @@ def delta_panel(run: dict | None = None, layer: int | None = None, chunk: str = 
     Args:
         run: a loaded run (default ``compress_results.latest("delta")``).
     """
-    run = measured.latest("delta") if run is None else run
-    if run is None:
-        raise ValueError("no compression-delta run: run `python -m workbench bench compression_delta "
-                         "--out data/results`")
+    run = _committed("delta") if run is None else run
     layers = measured.delta_layers(run)
     chunks = measured.delta_chunks(run)
     cache: dict[tuple, tuple[list[dict], str]] = {}
