@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from panel_controls import control_values, next_value
 
 from workbench.bench import compress_results as measured
 from workbench.compress import study
@@ -193,18 +194,6 @@ def panels(ui, captures, runs):
             "model": cp.model_panel(runs["model"]), "delta": cp.delta_panel(runs["delta"])}
 
 
-def _values(control):
-    return [o[1] if isinstance(o, tuple) else o for o in control.options] if hasattr(control, "options") else \
-        list(range(control.min, control.max + 1, control.step))
-
-
-def _step(control):
-    """The option next to the current one (the previous at the end), as the browser test moves a slider."""
-    vals = _values(control)
-    i = vals.index(control.value)
-    return vals[i + 1] if i + 1 < len(vals) else vals[i - 1]
-
-
 def _shown(panel, figure_json):
     return json.dumps(figure_json(panel.figure), sort_keys=True)
 
@@ -218,8 +207,8 @@ def test_every_control_changes_the_figure_and_redraws_fast(ui, panels, name):
         if control.disabled:
             continue
         first = control.value
-        value = _step(control) if "Slider" in type(control).__name__ else next(
-            v for v in _values(control) if v != first)
+        value = next_value(control) if "Slider" in type(control).__name__ else next(
+            v for v in control_values(control) if v != first)
         before = _shown(panel, figure_json)
         start = time.perf_counter()
         control.value = value
@@ -238,7 +227,7 @@ def test_sparsification_panel_greys_out_what_does_not_apply_and_it_changes_nothi
     p = panels["sparsification"]
     c = p.controls
     assert list(c) == ["policy", "budget", "window", "sinks", "block_size", "partial", "prompt", "layer"]
-    assert [v for v in _values(c["policy"])] == ["streaming", "h2o", "snapkv", "threshold", "quest"]
+    assert [v for v in control_values(c["policy"])] == ["streaming", "h2o", "snapkv", "threshold", "quest"]
     assert "threshold" in c["budget"].description  # its budget is the threshold: the label says so
     for policy, grey in [("h2o", []), ("snapkv", []), ("threshold", []), ("streaming", ["window"]),
                          ("quest", ["window", "sinks"])]:
@@ -247,7 +236,7 @@ def test_sparsification_panel_greys_out_what_does_not_apply_and_it_changes_nothi
         for key in grey:  # a greyed-out control changes nothing (set from Python all the same)
             before = _shown(p, figure_json)
             old = c[key].value
-            c[key].value = _step(c[key])
+            c[key].value = next_value(c[key])
             assert _shown(p, figure_json) == before, (policy, key)
             c[key].value = old
     c["policy"].value = "h2o"

@@ -205,7 +205,10 @@ def scores_problem(device, seed=0, q_dtype=torch.float16):
                                              ("sum", torch.float32), ("max", torch.bfloat16)])
 def test_page_scores_kernel(device, reduce, q_dtype):
     q, bounds, table, lens = scores_problem(device, q_dtype=q_dtype)
-    got = quest_page_scores(q, bounds, table, lens, page_size=PAGE, reduce=reduce, keep_first=1, keep_last=1)
+    shape = (q.shape[0], q.shape[1], table.shape[1]) if reduce == "none" else tuple(table.shape)
+    out = torch.full(shape, float("nan"), device=device)  # poisoned: every entry must be written
+    got = quest_page_scores(q, bounds, table, lens, page_size=PAGE, reduce=reduce, keep_first=1, keep_last=1, out=out)
+    assert got is out and not got.isnan().any()
     ref = quest_page_scores_ref(q, bounds, table, lens, PAGE, reduce, keep_first=1, keep_last=1)
     assert torch.equal(got.isinf() & (got > 0), ref.isinf() & (ref > 0)) and torch.equal(got == -math.inf,
                                                                                           ref == -math.inf)
@@ -248,7 +251,10 @@ def select_problem(device, B, W, seed, *, lens=None):
 
 
 def assert_same_selection(sc, table, lens, budget, **kw):
-    got_t, got_n = quest_select(sc, table, lens, budget, page_size=PAGE, **kw)
+    k = min(budget, sc.shape[1])  # poisoned buffers: every row's table and length must be written
+    out_t = torch.full((sc.shape[0], k), -7, dtype=torch.int32, device=sc.device)
+    out_n = torch.full((sc.shape[0],), -7, dtype=torch.int32, device=sc.device)
+    got_t, got_n = quest_select(sc, table, lens, budget, page_size=PAGE, out_table=out_t, out_lens=out_n, **kw)
     ref_t, ref_n = select_pages(sc, lens, table, budget, page_size=PAGE, keep_first=0, keep_last=0)
     bad = [b for b in range(sc.shape[0]) if not (torch.equal(got_t[b], ref_t[b]) and got_n[b] == ref_n[b])]
     assert not bad, "\n".join(f"budget {budget} row {b} (len {int(lens[b])}): got {got_t[b].tolist()} len "
@@ -361,7 +367,7 @@ def test_quest_decode_at_full_budget_is_full_decode(ops):
 def test_quest_decode_is_attention_over_the_chosen_pages(ops, kv_dtype, reduce):
     cache, q = decode_cache(ops, kv_dtype)
     qd = QuestDecode(cache, [0, 1, 2], 3, reduce=reduce)
-    got = qd.run(q, 0)
+    got = qd.run(q, 0, out=torch.full_like(q, float("nan")))  # poisoned output
     table, lens = qd.block_table.cpu(), qd.seq_lens.cpu()
     assert lens.tolist() == [2 * PAGE + 75 - 4 * PAGE, 40, 9]  # the long one: 3 pages, its last partial
     assert table[0, 0] == cache.manager.block_table(0)[0] and table[0, 2] == cache.manager.block_table(0)[-1]

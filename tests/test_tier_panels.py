@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from panel_controls import control_values, next_value
 
 from workbench.bench import tier_results as measured
 
@@ -142,17 +143,6 @@ def panels(ui):
     return {"bandwidth": tp.bandwidth_panel(), "prefetch": tp.prefetch_panel(), "preemption": tp.preemption_panel()}
 
 
-def _values(control):
-    return [o[1] if isinstance(o, tuple) else o for o in control.options]
-
-
-def _step(control):
-    """The option next to the current one (the previous at the end), as the browser test moves a slider."""
-    vals = _values(control)
-    i = vals.index(control.value)
-    return vals[i + 1] if i + 1 < len(vals) else vals[i - 1]
-
-
 @pytest.mark.parametrize("name", ["bandwidth", "prefetch", "preemption"])
 def test_every_control_changes_the_figure_and_redraws_fast(ui, panels, name):
     _, _, figure_json = ui
@@ -162,7 +152,7 @@ def test_every_control_changes_the_figure_and_redraws_fast(ui, panels, name):
         if control.disabled:
             continue
         first = control.value
-        for value in [v for v in _values(control) if v != first][:2] + [_step(control)]:
+        for value in [v for v in control_values(control) if v != first][:2] + [next_value(control)]:
             before = json.dumps(figure_json(panel.figure), sort_keys=True)
             start = time.perf_counter()
             control.value = value
