@@ -65,6 +65,51 @@ def paged_decode_ref(
 
 
 
+def cascade_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, layout: Layout | str,
+                       block_table: torch.Tensor, seq_lens: torch.Tensor, segments, suffix_start, block_size: int,
+                       sm_scale: float | None = None, k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared-prefix decode the cascade's way, in float64: each segment ``(start, end, rows)`` attended once for
+    its rows' queries over the blocks of its first row, each row's suffix over its own blocks, the partial states
+    merged by log-sum-exp (:func:`merge_states_ref`). ``(out [B, Hq, D], lse [B, Hq] base 2)``; the output must
+    equal :func:`paged_decode_ref` whatever the segments."""
+    B, Hq, D = q.shape
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    ks = 1.0 if k_scale is None else float(k_scale)
+    vs = 1.0 if v_scale is None else float(v_scale)
+
+    def attend(b_rows, blocks, n):  # queries of b_rows over n tokens of these blocks: (o [R, Hq, D], lse [R, Hq])
+        if n == 0:
+            return (torch.zeros((len(b_rows), Hq, D), dtype=torch.float64),
+                    torch.full((len(b_rows), Hq), float("-inf"), dtype=torch.float64))
+        table = torch.tensor([blocks + [0]], dtype=torch.int32, device=block_table.device)
+        one = seq_lens.new_tensor([n])
+        k = paged_gather_ref(k_cache, layout, "k", table, one).double().cpu() * ks  # [n, Hkv, D]
+        v = paged_gather_ref(v_cache, layout, "v", table, one).double().cpu() * vs
+        g = Hq // k.shape[1]
+        k = k.repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        s = torch.einsum("rhd,hnd->rhn", q[list(b_rows)].double().cpu(), k) * scale
+        return torch.einsum("rhn,hnd->rhd", torch.softmax(s, -1), v), torch.logsumexp(s, -1) / math.log(2)
+
+    states = [[] for _ in range(B)]
+    tables = block_table.cpu().tolist()
+    for start, end, rows in segments:
+        o, lse = attend(rows, tables[rows[0]][start:end], (end - start) * block_size)
+        for i, r in enumerate(rows):
+            states[r].append((o[i], lse[i]))
+    for b, n in enumerate(seq_lens.tolist()):
+        s0 = suffix_start[b]
+        o, lse = attend([b], tables[b][s0:], n - s0 * block_size)
+        states[b].append((o[0], lse[0]))
+    L = max(len(s) for s in states) if B else 1
+    v = torch.zeros((B, L, Hq, D), dtype=torch.float64)
+    lse = torch.full((B, L, Hq), float("-inf"), dtype=torch.float64)
+    for b in range(B):
+        for i, (o, s) in enumerate(states[b]):
+            v[b, i], lse[b, i] = o, s
+    return merge_states_ref(v, lse)
+
+
 def merge_states_ref(
     v: torch.Tensor, s: torch.Tensor, num_valid: torch.Tensor | None = None, base: float = 2.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,12 @@
 """Paged decode attention, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels), ``config``
 (the split heuristic and launch arithmetic), ``plan`` (:class:`DecodePlan`: plan once per step, run per
-layer), ``merge`` (merging attention states), ``checks`` (the arguments' host-side checks), ``api``
+layer), ``merge`` (merging attention states), ``cascade`` (shared-prefix decode: :class:`CascadePlan`), ``checks`` (the arguments' host-side checks), ``api``
 (``paged_decode``, the one-shot entry point). The plain PyTorch references are ``kernels/reference.py``'s."""
 
 from .api import paged_decode
+from .cascade import CascadePlan, cascade_bytes
 from .config import decode_config
 from .merge import merge_state, merge_states
 from .plan import DecodePlan
 
-__all__ = ["DecodePlan", "decode_config", "merge_state", "merge_states", "paged_decode"]
+__all__ = ["CascadePlan", "DecodePlan", "cascade_bytes", "decode_config", "merge_state", "merge_states", "paged_decode"]

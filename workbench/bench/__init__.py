@@ -21,5 +21,8 @@ BENCHMARKS = {
                          "codec speed, and the break-even of a compressed swap on the measured links",
     "compression_model": "CPU: every sparsification policy through a cache that frees real blocks, on SmolLM2-135M "
                          "(agreement, log-prob drift, perplexity vs memory kept)",
+    "shared_prefix": "GPU: shared-prefix decode (cascade) vs plain paged decode vs SDPA, prefix x sharers x suffix x "
+                     "GQA: the crossover map, the tile sweep, fp8, nested prefixes, overlap-aware batching, the fitted "
+                     "selector (--smoke: tiny CPU check)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
 }

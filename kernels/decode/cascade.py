@@ -1,0 +1,302 @@
+"""Shared-prefix decode (cascade attention): a run of blocks held by several sequences is read once for all of them.
+
+FlashInfer's cascade, built from our own pieces. A *segment* is a run of whole blocks ``[start, end)`` (logical
+block indices) that the sequences ``rows`` hold in common: the same physical blocks at the same positions (a
+system prompt, a parallel-sampling fork, a fork of a fork). Every sequence's context is cut into the segments it
+belongs to, in order from block 0, and a private *suffix* (the rest of its table). Then:
+
+1. **Shared pass.** The query heads of all a segment's sharers that read one kv head are stacked into a tile of
+   ``rows_per_tile`` rows (``G = Hq // Hkv`` heads per sharer), so one program of the decode kernel reads each
+   K/V block of the segment once for the whole tile, on the tensor cores. In the kernel's terms each tile is
+   one "sequence" with ``rows_per_tile`` query heads per kv head; a segment of ``S`` sharers needs
+   ``ceil(S * G / rows_per_tile)`` tiles, and that is how often its blocks are read (not ``S`` times).
+2. **Suffix pass.** The ordinary paged decode of every sequence over its own blocks.
+3. **Merge.** Each query head has one partial state per segment it is in plus its suffix's; they are merged by
+   log-sum-exp (base 2, as the decode kernel writes them), reading the states through an index: no copies.
+
+Everything that depends only on the batch (tables, lengths, segments) is done once in :class:`CascadePlan`;
+``run`` launches four kernels (a query gather, the two decode passes, the merge) with no host sync and no
+allocation, so a step's layers can share the plan (and a CUDA graph). Which runs to treat as segments, and whether
+the cascade is worth it at all, is ``workbench.shared_prefix``'s business; the plan takes any valid cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from workbench.layout import Layout
+
+from .. import common
+from . import checks as _checks
+from .plan import DecodePlan, _values_head_dim
+
+_describe = common.describe
+
+
+@triton.jit
+def _merge_indexed_kernel(
+    o_ptr,  # [R, D] partial outputs of every pass (normalized), rows addressed through idx
+    s_ptr,  # [R] fp32 log2-sum-exps (-inf: an empty state, not read)
+    idx_ptr,  # [B, L, Hq] int32 state rows of each (sequence, query head)
+    out_ptr,  # [B, Hq, D]
+    lse_ptr,  # [B, Hq] fp32 (HAS_LSE)
+    s_ob, s_oh,
+    num_states,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    b_m = tl.zeros((), tl.float32) + float("-inf")
+    b_l = tl.zeros((), tl.float32)
+    b_acc = tl.zeros([BLOCK_D], tl.float32)
+    for i_s in range(num_states):
+        row = tl.load(idx_ptr + (i_b * num_states + i_s) * num_heads + i_h).to(tl.int64)
+        b_s = tl.load(s_ptr + row)
+        if b_s > float("-inf"):
+            b_v = tl.load(o_ptr + row * HEAD_DIM + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_m_new = tl.maximum(b_m, b_s)
+            b_alpha = tl.exp2(b_m - b_m_new)
+            b_w = tl.exp2(b_s - b_m_new)
+            b_l = b_l * b_alpha + b_w
+            b_acc = b_acc * b_alpha + b_w * b_v
+            b_m = b_m_new
+    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
+    tl.store(out_ptr + i_b * s_ob + i_h * s_oh + o_d, (b_acc / b_l_safe).to(out_ptr.dtype.element_ty), mask=m_d)
+    if HAS_LSE:
+        tl.store(lse_ptr + i_b * num_heads + i_h, tl.where(b_l > 0, b_m + tl.log2(b_l_safe), float("-inf")))
+
+
+class CascadePlan:
+    """Decode of a batch whose sequences share runs of blocks, planned once and run per layer (module docstring).
+
+    Args:
+        block_table: ``[B, max_blocks]`` int32 (the caches' device), as for :class:`DecodePlan`.
+        seq_lens: ``[B]`` int32 context lengths (read once here: one device sync).
+        segments: ``(start, end, rows)`` triples (host ints): blocks ``[start, end)`` of the sequences ``rows``
+            (distinct batch rows, at least one) hold the same physical blocks; a segment's tokens are whole
+            blocks, all inside every sharer's length.
+        suffix_start: per row, the first block of its private suffix. A row's segments must tile
+            ``[0, suffix_start[row])`` exactly, in order (a row in no segment has ``suffix_start`` 0).
+        layout, k_cache, v_cache, num_q_heads, q_dtype, k_scale, v_scale, sm_scale: as for :class:`DecodePlan`.
+        rows_per_tile: query rows of a shared tile (a power of two >= 16; default 64): the tile's K/V is read
+            once for this many stacked query heads.
+        validate: check the segments against the table on the device (every sharer holds the segment's blocks;
+            one device sync) and the block ids against the caches (the two passes' plans).
+        return_lse: ``run`` also returns the merged log-sum-exps ``[B, Hq]`` (base 2).
+        shared_launch: :func:`~workbench.kernels.decode_config` overrides for the shared pass only.
+        **launch: overrides for both passes (``quant`` included, as for ``paged_decode``).
+
+    ``run(q, k_cache, v_cache, out=None)`` is then as :meth:`DecodePlan.run`.
+    """
+
+    def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, segments: Sequence, suffix_start: Sequence[int],
+                 *, layout: Layout | str, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
+                 q_dtype: torch.dtype, rows_per_tile: int = 64, k_scale=None, v_scale=None, sm_scale: float | None = None,
+                 validate: bool = True, return_lse: bool = False, shared_launch: dict | None = None, **launch) -> None:
+        layout = Layout.parse(layout)
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise ValueError(f"block_table must be a [B, max_blocks] int32 tensor, got {_describe(block_table)}")
+        B, M = block_table.shape
+        if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1:
+            raise ValueError(f"num_q_heads must be an int >= 1, got {num_q_heads!r}")
+        hkv, block_size = _checks._check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, num_q_heads,
+                                               q_dtype, block_table.device)
+        if isinstance(rows_per_tile, bool) or not isinstance(rows_per_tile, int) or rows_per_tile < 16 \
+                or rows_per_tile & (rows_per_tile - 1):
+            raise ValueError(f"rows_per_tile must be a power of two >= 16, got {rows_per_tile!r}")
+        if shared_launch is not None and not isinstance(shared_launch, dict):
+            raise ValueError(f"shared_launch must be a dict of launch options, got {type(shared_launch).__name__}")
+        lens = seq_lens.tolist()  # the one device sync of planning (the segments are checked against the lengths)
+        segs = _check_segments(segments, suffix_start, lens, B, M, block_size)
+        if validate and segs:
+            _check_sharers(block_table, segs)
+        device = block_table.device
+        D = _values_head_dim(k_cache, v_cache, layout, q_dtype, device, launch.get("quant"))
+        G, T = num_q_heads // hkv, rows_per_tile
+        q_idx, state_idx, tables, n_states = _index_maps(segs, list(suffix_start), B, num_q_heads, hkv, G, T)
+        V = len(tables)
+        n_shared = V * hkv * T
+        kw = dict(layout=layout, k_cache=k_cache, v_cache=v_cache, q_dtype=q_dtype, k_scale=k_scale, v_scale=v_scale,
+                  sm_scale=sm_scale, validate=validate, return_lse=True)
+        # the suffixes: each row's table from its suffix_start on, on the device
+        starts = torch.tensor(list(suffix_start), dtype=torch.int64, device=device)
+        width = max(1, max((-(-n // block_size) - s for n, s in zip(lens, suffix_start, strict=True)), default=1))
+        cols = (starts[:, None] + torch.arange(width, device=device)[None, :]).clamp_(max=max(M - 1, 0))
+        sfx_table = block_table.gather(1, cols).to(torch.int32) if M else block_table.new_zeros((B, width))
+        sfx_lens = (seq_lens.to(torch.int64) - starts * block_size).clamp_(min=0).to(torch.int32)
+        sfx_max = max((n - s * block_size for n, s in zip(lens, suffix_start, strict=True)), default=0)
+        suffix_plan = DecodePlan(sfx_table, sfx_lens, num_q_heads=num_q_heads, max_seq_len=sfx_max,
+                                  mean_seq_len=sum(lens) / B - sum(suffix_start) * block_size / B if B else None,
+                                  **kw, **launch)
+        shared_plan = None
+        if V:
+            w = max(e - s for s, e, _ in tables)
+            rows = torch.tensor([r for _, _, r in tables], dtype=torch.int64, device=device)
+            c0 = torch.tensor([s for s, _, _ in tables], dtype=torch.int64, device=device)
+            c = (c0[:, None] + torch.arange(w, device=device)[None, :]).clamp_(max=M - 1)
+            n_blk = torch.tensor([e - s for s, e, _ in tables], dtype=torch.int64, device=device)
+            sh_table = torch.where(torch.arange(w, device=device)[None, :] < n_blk[:, None],
+                                   block_table[rows[:, None], c], 0).to(torch.int32).contiguous()
+            sh_lens = (n_blk * block_size).to(torch.int32)
+            shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size,
+                                      **kw, **{**launch, **(shared_launch or {})})
+        states = torch.empty((n_shared + B * num_q_heads + 1,), dtype=torch.float32, device=device)
+        states[-1] = float("-inf")  # the padding state of rows in fewer segments
+        self.__dict__.update(  # past __setattr__: the one place a plan is written
+            _shared=shared_plan, _suffix=suffix_plan, _s=states,
+            _o=torch.empty((n_shared + B * num_q_heads + 1, D), dtype=q_dtype, device=device),
+            _q_idx=q_idx.to(device), _q_v=torch.empty((n_shared, D), dtype=q_dtype, device=device),
+            _state_idx=state_idx.to(device=device, dtype=torch.int32).contiguous(),
+            layout=layout, batch_size=B, num_q_heads=num_q_heads, num_kv_heads=hkv, head_dim=D, block_size=block_size,
+            q_dtype=q_dtype, device=device, rows_per_tile=T, return_lse=bool(return_lse), num_tiles=V,
+            num_states=n_states, segments=tuple(segs), suffix_start=tuple(int(s) for s in suffix_start),
+            _n_shared=n_shared, _q_shape=(B, num_q_heads, D))
+
+    @property
+    def plans(self) -> tuple[DecodePlan | None, DecodePlan]:
+        """``(shared pass, suffix pass)``: the two decode plans (the shared one is None without segments)."""
+        return self._shared, self._suffix
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
+        """Decode attention of one layer: ``q`` ``[B, Hq, D]`` -> ``out`` (and, ``return_lse``, ``lse`` ``[B, Hq]``)."""
+        if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
+                or q.device != self.device or not q.is_contiguous():
+            raise ValueError(f"q must be a contiguous {self.q_dtype} tensor of shape {self._q_shape} on {self.device}; "
+                             f"got {_describe(q)}")
+        if out is not None and (not isinstance(out, torch.Tensor) or out.shape != self._q_shape
+                                or out.dtype != self.q_dtype or out.device != self.device or out.stride(2) != 1):
+            raise ValueError(f"out must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with "
+                             f"unit last stride; got {_describe(out)}")
+        B, Hq, D = self._q_shape
+        n_sh = self._n_shared
+        # the passes' plans check the caches' geometry (a ValueError naming k_cache / v_cache) before launching;
+        # until the merge only the plan's own buffers are written
+        if out is None:
+            out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
+        lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device) if self.return_lse else None
+        if B == 0:
+            return (out, lse) if self.return_lse else out
+        if self._shared is not None:
+            torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
+            V = self.num_tiles
+            self._shared.run(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, out=self._o[:n_sh].view(V, -1, D),
+                             lse=self._s[:n_sh].view(V, -1))
+        self._suffix.run(q, k_cache, v_cache, out=self._o[n_sh:n_sh + B * Hq].view(B, Hq, D),
+                         lse=self._s[n_sh:n_sh + B * Hq].view(B, Hq))
+        _merge_indexed_kernel[(B, Hq)](
+            self._o, self._s, self._state_idx, out, lse if lse is not None else self._s, out.stride(0), out.stride(1),
+            self.num_states, Hq, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HAS_LSE=lse is not None, num_warps=1,
+        )
+        return (out, lse) if self.return_lse else out
+
+    def __repr__(self) -> str:
+        return (f"CascadePlan(B={self.batch_size}, segments={len(self.segments)}, tiles={self.num_tiles}, "
+                f"rows_per_tile={self.rows_per_tile}, states={self.num_states})")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"CascadePlan is fixed once planned (setting {name!r}): build a new plan")
+
+
+def _check_segments(segments, suffix_start, lens, B, M, block_size) -> list[tuple[int, int, tuple[int, ...]]]:
+    """The segments as ``(start, end, rows)`` int tuples, checked against each other, the table and the lengths."""
+    if isinstance(segments, (str, bytes)) or not isinstance(segments, Sequence):
+        raise ValueError(f"segments must be a list of (start, end, rows), got {type(segments).__name__}")
+    if isinstance(suffix_start, (str, bytes)) or not isinstance(suffix_start, Sequence) or len(suffix_start) != B \
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in suffix_start):
+        raise ValueError(f"suffix_start must be a list of {B} ints >= 0 (one per row), got {suffix_start!r}")
+    out, covered = [], [0] * B
+    for i, seg in enumerate(segments):
+        ok = isinstance(seg, Sequence) and len(seg) == 3
+        start, end, rows = seg if ok else (None, None, None)
+        ints = ok and all(not isinstance(x, bool) and isinstance(x, int) for x in (start, end))
+        if not ints or not 0 <= start < end <= M or isinstance(rows, (str, bytes)) or not isinstance(rows, Sequence) \
+                or not rows:
+            raise ValueError(f"segments[{i}] must be (start, end, rows) with 0 <= start < end <= {M} (the table's "
+                             f"width) and rows a non-empty list of batch rows, got {seg!r}")
+        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < B for r in rows) or len(set(rows)) < len(rows):
+            raise ValueError(f"segments[{i}] rows must be distinct ints in [0, {B}), got {list(rows)}")
+        for r in rows:
+            if covered[r] != start:
+                raise ValueError(f"segments[{i}] starts at block {start} but row {r}'s segments so far end at block "
+                                 f"{covered[r]}: a row's segments must tile its blocks from 0, in order")
+            if end * block_size > lens[r]:
+                raise ValueError(f"segments[{i}] ends at block {end} ({end * block_size} tokens) past row {r}'s length "
+                                 f"{lens[r]}: a segment holds whole blocks inside every sharer")
+            covered[r] = end
+        out.append((start, end, tuple(rows)))
+    for r in range(B):
+        if covered[r] != suffix_start[r]:
+            raise ValueError(f"suffix_start[{r}] = {suffix_start[r]} must be where row {r}'s segments end "
+                             f"(block {covered[r]})")
+    return out
+
+
+def _check_sharers(block_table, segs) -> None:
+    """Every sharer holds the segment's physical blocks (one device sync for all segments)."""
+    first, other, cols = [], [], []
+    for start, end, rows in segs:
+        for r in rows[1:]:
+            first += [rows[0]] * (end - start)
+            other += [r] * (end - start)
+            cols += range(start, end)
+    if not cols:
+        return
+    dev = block_table.device
+    f, o, c = (torch.tensor(x, dtype=torch.int64, device=dev) for x in (first, other, cols))
+    bad = (block_table[f, c] != block_table[o, c]).nonzero()
+    if bad.numel():
+        j = int(bad[0, 0])
+        raise ValueError(f"block_table rows {first[j]} and {other[j]} differ at block {cols[j]}, which a segment says "
+                         f"they share")
+
+
+def _index_maps(segs, suffix_start, B, Hq, hkv, G, T):
+    """The query gather of the shared pass, the merge's state rows, the shared tiles' (start, end, source row)."""
+    q_rows, tables = [], []
+    state = [[] for _ in range(B)]  # per row: state-row offsets of its segments, per query head
+    heads = torch.arange(Hq)
+    for start, end, rows in segs:
+        n = len(rows) * G  # stacked query rows of one kv head
+        for t in range(-(-n // T)):
+            v = len(tables)
+            tables.append((start, end, rows[0]))
+            r = t * T + torch.arange(T)  # tile rows
+            member = torch.tensor(rows)[(r // G).clamp(max=len(rows) - 1)]
+            src = member[None, :] * Hq + torch.arange(hkv)[:, None] * G + (r % G)[None, :]  # [hkv, T]
+            q_rows.append(torch.where((r < n)[None, :], src, 0).flatten())
+        for p, row in enumerate(rows):
+            r = p * G + heads % G  # this row's stacked position, per query head
+            v = len(tables) - (-(-n // T)) + r // T
+            state[row].append(v * hkv * T + (heads // G) * T + r % T)
+    n_sh = len(tables) * hkv * T
+    L = 1 + max((len(s) for s in state), default=0)
+    pad = n_sh + B * Hq  # the -inf state
+    idx = torch.full((B, L, Hq), pad, dtype=torch.int64)
+    for b in range(B):
+        for i, s in enumerate(state[b]):
+            idx[b, i] = s
+        idx[b, len(state[b])] = n_sh + b * Hq + heads
+    q_idx = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.int64)
+    return q_idx, idx, tables, L
+
+
+def cascade_bytes(segments, seq_lens: Sequence[int], suffix_start: Sequence[int], *, block_size: int,
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: float, rows_per_tile: int = 64) -> dict:
+    """K/V bytes a decode step reads, plain and through the cascade (host arithmetic, no tensors):
+    ``{"plain", "shared", "suffix", "cascade"}``. A segment is read once per shared tile."""
+    G = num_q_heads // num_kv_heads
+    per_token = 2 * num_kv_heads * head_dim * elem_bytes
+    plain = sum(seq_lens) * per_token
+    shared = sum(math.ceil(len(rows) * G / rows_per_tile) * (e - s) * block_size for s, e, rows in segments) * per_token
+    suffix = sum(max(0, n - s * block_size) for n, s in zip(seq_lens, suffix_start, strict=True)) * per_token
+    return {"plain": plain, "shared": shared, "suffix": suffix, "cascade": shared + suffix}
