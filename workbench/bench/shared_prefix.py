@@ -189,7 +189,8 @@ def tile_sweep(gqa, rep_ms) -> tuple[list[dict], int]:
     return rows, best
 
 
-def run_gpu(prefixes, sharers, suffixes, gqas, rep_ms, sweep=True) -> tuple[list[dict], dict]:
+def run_gpu(prefixes, sharers, suffixes, gqas, rep_ms, sweep=True, checkpoint=None) -> tuple[list[dict], dict]:
+    """Every section on this GPU; ``checkpoint(rows)`` after each GQA ratio's map (a long run keeps what it did)."""
     copy_gbps = harness.copy_bandwidth_gbps()
     rows, tiles = [], {}
     for gqa in gqas:
@@ -208,6 +209,8 @@ def run_gpu(prefixes, sharers, suffixes, gqas, rep_ms, sweep=True) -> tuple[list
                     p = Point(prefix, n, suffix, *gqa, seed=prefix + n + suffix)
                     rows += measure("map", p, tile, rep_ms, dict(prefix=prefix, sharers=n, suffix=suffix))
                     print(rows[-2] if len(rows) > 1 else rows[-1], flush=True)
+        if checkpoint:
+            checkpoint(rows)
     gqa0, tile0 = gqas[0], tiles[f"{gqas[0][0]}/{gqas[0][1]}"][0]
     for prefix, n, suffix in ((32768, 64, 1024), (8192, 16, 512)):
         p = Point(prefix, n, suffix, *gqa0, kv_dtype=torch.float8_e4m3fn, seed=7)
@@ -338,7 +341,11 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
     if args.smoke:
         rows, extra = run_smoke(), {"mode": "smoke"}
     else:
-        rows, extra = run_gpu(args.prefixes, args.sharers, args.suffixes, args.gqa, args.rep_ms, not args.no_sweep)
+        def checkpoint(rows):
+            harness.write_results("shared-prefix", rows, meta, out, extra={"mode": "partial"})
+
+        rows, extra = run_gpu(args.prefixes, args.sharers, args.suffixes, args.gqa, args.rep_ms, not args.no_sweep,
+                              checkpoint)
         extra["mode"] = "full"
     harness.print_table(rows, COLUMNS)
     path = harness.write_results("shared-prefix", rows, meta, out, extra=extra)
