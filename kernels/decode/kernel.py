@@ -52,19 +52,24 @@ def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.c
                ASM: tl.constexpr):
     """Row offsets of the tile's tokens ``[start, start + BLOCK_N)`` in the K and V caches.
 
-    Tokens past ``hi`` (the end) get a valid page of the sequence, so their rows are in bounds."""
+    Tokens past ``hi`` (the end) get a valid page of the sequence, so their rows are in bounds. The table index is
+    clamped to the last page even for a whole tile past ``hi``: the pipeliner computes the addresses of tiles
+    ahead (K/V multi-buffering) and, the table load being pure inline asm, runs it unpredicated for tiles past the
+    loop's end; unclamped, the last row's read ran past the table (an illegal address when the table ends a page)."""
+    last = tl.maximum(hi - 1, 0)  # the last token of the sequence (0 for an empty one: its row's first entry)
     if PAGE % BLOCK_N == 0:
         # the tile sits inside one page: one table lookup per tile
-        i_pg = _load_page(bt_row + start // PAGE, ASM).to(tl.int64)
+        i_pg = _load_page(bt_row + tl.minimum(start, last) // PAGE, ASM).to(tl.int64)
         o_tok = (start % PAGE) + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     elif BLOCK_N % PAGE == 0:
         # the tile covers BLOCK_N // PAGE whole pages (start is a multiple of PAGE)
         o_n = tl.arange(0, BLOCK_N)
-        i_pg = _load_page(bt_row + start // PAGE + tl.minimum(o_n, hi - 1 - start) // PAGE, ASM).to(tl.int64)
+        first = tl.minimum(start, last // BLOCK_N * BLOCK_N)  # scalar clamps only: per-token ones cost W3 7%
+        i_pg = _load_page(bt_row + first // PAGE + tl.minimum(o_n, last - first) // PAGE, ASM).to(tl.int64)
         o_tok = o_n % PAGE  # [BLOCK_N]
     else:
         o_n = start + tl.arange(0, BLOCK_N)
-        i_pg = _load_page(bt_row + tl.minimum(o_n, hi - 1) // PAGE, ASM).to(tl.int64)
+        i_pg = _load_page(bt_row + tl.minimum(o_n, last) // PAGE, ASM).to(tl.int64)
         o_tok = o_n % PAGE  # [BLOCK_N]
     o_krow = i_pg * s_blk_k + o_tok * s_tok_k  # [BLOCK_N] int64: pages can lie beyond 2**31 elements
     o_vrow = i_pg * s_blk_v + o_tok * s_tok_v  # [BLOCK_N]
@@ -201,10 +206,10 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
         o_p3 = tl.arange(0, NPG)
         o_j3 = tl.arange(0, RUN * KX)  # token j // x of the run, element j % x
         if NPG == 1:
-            i_pg3 = _load_page(bt_row + start // PAGE, ASM).to(tl.int64)
+            i_pg3 = _load_page(bt_row + tl.minimum(start, tl.maximum(hi - 1, 0)) // PAGE, ASM).to(tl.int64)
             o_run = i_pg3 * k_s_blk + (start % PAGE) * KX + tl.zeros([1], dtype=tl.int64)  # [1]
         else:
-            i_pg3 = _load_page(bt_row + tl.minimum(start // PAGE + o_p3, (hi - 1) // PAGE), ASM).to(tl.int64)
+            i_pg3 = _load_page(bt_row + tl.minimum(start // PAGE + o_p3, tl.maximum(hi - 1, 0) // PAGE), ASM).to(tl.int64)
             o_run = i_pg3 * k_s_blk  # [NPG] runs start at a page
         p_k3 = k_base + (o_g3 * k_s_dgrp)[:, None, None] + o_run[None, :, None] + o_j3[None, None, :]
         m_g3 = (o_g3 < HEAD_DIM // KX)[:, None, None]
