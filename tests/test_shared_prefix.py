@@ -309,3 +309,17 @@ def test_group_by_overlap_reads_less_than_arrival_order():
     assert g_bytes["cascade"] < 0.8 * a_bytes["cascade"]
     with pytest.raises(ValueError, match="max_batch"):
         group_by_overlap(tables, lens, 16, max_batch=0)
+
+
+def test_batch_fast_grid_gives_the_same_output(device):
+    """The sequence-fastest program order (the cascade's shared pass) changes the order, never the result."""
+    from test_decode import make_case
+    from workbench.kernels import DecodePlan
+
+    q, k, v, table, lens = make_case("nhd", 16, 2, 4, 32, torch.float16, [37, 0, 100, 1], device, seed=4)
+    outs = []
+    for fast in (False, True):
+        plan = DecodePlan(table, lens, layout="nhd", k_cache=k, v_cache=v, num_q_heads=q.shape[1], q_dtype=q.dtype,
+                          num_splits=2, batch_fast=fast)
+        outs.append(plan.run(q, k, v, poison_like(q)))
+    assert torch.equal(outs[0], outs[1])

@@ -93,7 +93,8 @@ class CascadePlan:
         validate: check the segments against the table on the device (every sharer holds the segment's blocks;
             one device sync) and the block ids against the caches (the two passes' plans).
         return_lse: ``run`` also returns the merged log-sum-exps ``[B, Hq]`` (base 2).
-        shared_launch: :func:`~workbench.kernels.decode_config` overrides for the shared pass only.
+        shared_launch: :func:`~workbench.kernels.decode_config` overrides for the shared pass only (it runs
+            ``batch_fast``: a segment's tiles of one chunk side by side, so all but the first read it from L2).
         **launch: overrides for both passes (``quant`` included, as for ``paged_decode``).
 
     ``run(q, k_cache, v_cache, out=None)`` is then as :meth:`DecodePlan.run`.
@@ -149,7 +150,7 @@ class CascadePlan:
                                    block_table[rows[:, None], c], 0).to(torch.int32).contiguous()
             sh_lens = (n_blk * block_size).to(torch.int32)
             shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size,
-                                      **kw, **{**launch, **(shared_launch or {})})
+                                      **kw, **{**launch, "batch_fast": True, **(shared_launch or {})})
         states = torch.empty((n_shared + B * num_q_heads + 1,), dtype=torch.float32, device=device)
         states[-1] = float("-inf")  # the padding state of rows in fewer segments
         self.__dict__.update(  # past __setattr__: the one place a plan is written

@@ -381,10 +381,15 @@ def _paged_decode_kernel(
     V_TG: tl.constexpr = 1, V_DG: tl.constexpr = 1,
     CODES: tl.constexpr = 0,  # 1 int8 codes, 2 uint8 codes (read centred), 0 float / packed
     FAST_INT: tl.constexpr = False,  # int codes to fp16 four a register by byte permutes (GPU, fp16 queries)
+    BATCH_FAST: tl.constexpr = False,  # grid (B, Hkv, splits): a cascade's tiles of one chunk run side by side (L2)
 ):
-    i_s = tl.program_id(0)
+    if BATCH_FAST:
+        i_b = tl.program_id(0)
+        i_s = tl.program_id(2)
+    else:
+        i_s = tl.program_id(0)
+        i_b = tl.program_id(2)
     i_hk = tl.program_id(1)
-    i_b = tl.program_id(2)
     seq_len = tl.load(lens_ptr + i_b)
     lo = i_s * chunk
     if SPLIT:

@@ -66,7 +66,9 @@ class DecodePlan:
             plans' results merge with :func:`merge_state` (a shared prefix and the rest). The kernel then always
             writes partials (even for one split) and :func:`merge_states`' kernel combines them.
         **launch: :func:`~workbench.kernels.decode.decode_config` overrides (``BLOCK_N``, ``num_warps``,
-            ``num_stages``, ``use_dot``, ``k3d``), as for ``paged_decode``.
+            ``num_stages``, ``use_dot``, ``k3d``), as for ``paged_decode``; ``batch_fast=True`` launches the
+            programs sequence-fastest (grid ``(B, Hkv, splits)``), so sequences reading the same blocks at once share
+            them in L2 (the cascade's tiles of one segment).
 
     The plan keeps references to ``block_table`` and ``seq_lens`` (no copies): their contents may be updated
     in place between runs (a replayed CUDA graph) as long as they stay valid for the caches and the table
@@ -236,15 +238,16 @@ class DecodePlan:
         sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
         ce = geo.constexprs
         split = splits > 1 or f["return_lse"]  # the LSE comes from the partials' merge, even of one split
+        batch_fast = bool(launch.get("batch_fast", False))
         f.update(
-            num_splits=splits, chunk=chunk, _grid=(splits, hkv, B), _split=split,
+            num_splits=splits, chunk=chunk, _grid=(B, hkv, splits) if batch_fast else (splits, hkv, B), _split=split,
             config={"BLOCK_N": ce["BLOCK_N"], "num_splits": splits, "num_warps": ce["num_warps"],
                     "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"]},
             _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
             _qk_scale=sm_scale * _kernel.LOG2E,
             _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
             _qargs=(s_sc_h, *dq.args[1:]),
-            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, **ce, **dq.constexprs),
+            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, BATCH_FAST=batch_fast, **ce, **dq.constexprs),
         )
         if split:  # the splits' scratch, reused by every run of the plan
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,

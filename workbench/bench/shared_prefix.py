@@ -127,7 +127,8 @@ def measure(section, p: Point, rows_per_tile, rep_ms, where: dict, sdpa=True) ->
         t_c, tg_c = _times(lambda: casc.run(p.q, p.k, p.v), rep_ms)
         rows.append(_row(section, p, "cascade", t_c, tg_c, b["cascade"], rel_err=err, speedup=t_p / t_c,
                          speedup_graph=tg_p / tg_c, rows_per_tile=rows_per_tile, shared_bytes=b["shared"],
-                         suffix_bytes=b["suffix"], plain_bytes=b["plain"], plain_us_graph=tg_p, **where))
+                         suffix_bytes=b["suffix"], plain_bytes=b["plain"], plain_us_graph=tg_p, plain_us_eager=t_p,
+                         **where))
     contiguous = b["plain"]  # K and V of every sequence, copied out
     if sdpa and contiguous <= SDPA_LIMIT:
         rows.append(_sdpa_row(section, p, ref, tg_p, rep_ms, where))
@@ -218,16 +219,19 @@ def run_gpu(prefixes, sharers, suffixes, gqas, rep_ms, sweep=True, checkpoint=No
     p = Point(4096, 64, 256, *gqa0, groups=[(64, 8)] * 8, seed=8)  # 4k system prompt, 8 requests x 8 samples
     rows += measure("nested", p, tile0, rep_ms, dict(prefix=4096, sharers=64, suffix=256, levels=2), sdpa=False)
     rows += batching_rows(gqa0, tile0, rep_ms)
-    model = fit([r for r in rows if r["section"] == "map" and r["impl"] == "cascade"
-                 for r in [{**r, "plain_us": r["plain_us_graph"], "cascade_us": r["time_us_graph"]}]])
+    casc = [r for r in rows if r["section"] == "map" and r["impl"] == "cascade"]
+    model = fit([{**r, "plain_us": r["plain_us_graph"], "cascade_us": r["time_us_graph"]} for r in casc])
+    eager = fit([{**r, "plain_us": r["plain_us_eager"], "cascade_us": r["time_us"]} for r in casc])
     for r in rows:
         if r["section"] == "map" and r["impl"] == "cascade":
             b = {"plain": r["plain_bytes"], "shared": r["shared_bytes"], "suffix": r["suffix_bytes"]}
             pick = "shared" if model.plain(b) > model.margin * model.cascade(b) else "plain"
+            pick_e = "shared" if eager.plain(b) > eager.margin * eager.cascade(b) else "plain"
             r.update(auto_path=pick, auto_ok=pick == "plain" or r["speedup_graph"] > 1,
-                     predicted_speedup=model.plain(b) / model.cascade(b))
+                     predicted_speedup=model.plain(b) / model.cascade(b),
+                     auto_path_eager=pick_e, auto_ok_eager=pick_e == "plain" or r["speedup"] > 1)
     return rows, {"copy_gbps": copy_gbps, "rows_per_tile": {k: list(v) for k, v in tiles.items()},
-                  "fitted_model": model.to_dict()}
+                  "fitted_model": model.to_dict(), "fitted_model_eager": eager.to_dict()}
 
 
 def batching_rows(gqa, tile, rep_ms) -> list[dict]:
