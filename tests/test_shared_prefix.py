@@ -323,3 +323,24 @@ def test_batch_fast_grid_gives_the_same_output(device):
                           num_splits=2, batch_fast=fast)
         outs.append(plan.run(q, k, v, poison_like(q)))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_committed_selector_never_picks_a_measured_loss():
+    """On every committed H200 map point, the tuned selector (graph and eager models) takes the cascade only where
+    the same run measured it faster than plain decode."""
+    from workbench.bench import harness
+    from workbench.shared_prefix import cost_model
+
+    runs = harness.load_runs("shared-prefix-h200-*.json", where={"mode": "full"})
+    rows = [r for r in runs[-1]["rows"] if r["section"] == "map" and r["impl"] == "cascade"] if runs else []
+    if not rows:
+        pytest.skip("no committed shared-prefix map in data/results")
+    for mode, key in (("graph", "speedup_graph"), ("eager", "speedup")):
+        model = cost_model("NVIDIA H200", mode)
+        picked = 0
+        for r in rows:
+            b = {"plain": r["plain_bytes"], "shared": r["shared_bytes"], "suffix": r["suffix_bytes"]}
+            if model.plain(b) > model.margin * model.cascade(b):
+                picked += 1
+                assert r[key] > 1, (mode, r["gqa"], r["prefix"], r["sharers"], r["suffix"], r[key])
+        assert picked >= 10, f"the {mode} model should take the cascade somewhere on the map"

@@ -23,13 +23,18 @@ from workbench.shared_prefix.runs import find_shared_runs
 
 
 @functools.cache
-def cost_model(gpu: str | None = None) -> CostModel:
-    """This GPU's fitted cost model (``kernels/tuning/shared_prefix.json``; the file's default GPU if unmeasured)."""
+def cost_model(gpu: str | None = None, mode: str = "graph") -> CostModel:
+    """This GPU's fitted cost model (``kernels/tuning/shared_prefix.json``; the file's default GPU if unmeasured):
+    ``mode="graph"`` fitted on CUDA-graph replays (how serving engines run decode steps), ``"eager"`` on steps
+    launched from Python, where the cascade's extra launches cost far more."""
     from workbench.kernels import common
 
+    if mode not in ("graph", "eager"):
+        raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
     name, entries = common.tuning_table("shared_prefix", gpu)
+    entries = entries.get("eager", entries) if mode == "eager" else entries
     return CostModel(**{k: entries[k] for k in ("plain_us", "plain_gbs", "cascade_us", "shared_gbs", "margin")},
-                     source=f"{name}: {entries.get('source', '')}")
+                     source=f"{name} ({mode})")
 
 
 def rows_per_tile_default(gpu: str | None = None) -> int:
@@ -47,7 +52,8 @@ class SharedPrefixDecode:
         ref_counts: optional holders per physical block (the allocator's), to look only at blocks held twice.
         path: ``"auto"`` (the cost model decides), ``"shared"`` (the cascade whenever anything is shared) or
             ``"plain"``.
-        model: a :class:`CostModel` (default: this GPU's fitted one).
+        model: a :class:`CostModel` (default: this GPU's fitted one for CUDA-graph replay; ``cost_model(mode="eager")``
+            for steps launched one by one).
         rows_per_tile: the cascade's shared tile (default: this GPU's tuned one).
         **kwargs: :class:`~workbench.kernels.DecodePlan`'s (layout, caches, heads, dtype, scales, launch options).
     """

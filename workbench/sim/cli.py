@@ -1,4 +1,4 @@
-"""Command line of the simulator: ``python -m workbench sim {fig2,seed-table,run} ...``.
+"""Command line of the simulator: ``python -m workbench sim {fig2,seed-table,run,forks} ...``.
 
   fig2 [--json] [--trace T] [--seed N] [--requests N] [--allocator A] [--block-size B] [--sensitivity]
       the vLLM paper's Figure 2 for Orca (Max/Pow2/Oracle) and vLLM, against the paper's numbers (ShareGPT
@@ -8,13 +8,19 @@
   run [--strategy S] [--trace T] [--requests N] [--model M] [--kv-gib G | --gpu-gib G] [--preemption P]
       [--max-steps N] [--step-s S] [--max-batch N] [--json]
       one strategy on one trace: throughput, completion rate, batch, memory shares; warns when nothing completes
+  forks [--trace T ...] [--mode M ...] [--n N ...] [--requests N] [--p-top P] [--block-size B] [--step-s S]
+      [--seed N] [--sensitivity] [--json] [--out DIR]
+      parallel sampling and beam search sharing blocks (copy-on-write): the memory saved against the vLLM paper's
+      section 6.3; writes a JSON results file to results/ (git-ignored) unless --out DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
+import time
 
 from workbench.argtypes import positive_float, positive_int
 from workbench.sim import strategies as st
@@ -24,6 +30,7 @@ COMMANDS = {
     "fig2": "the vLLM paper's Figure 2 (memory breakdown of four systems) against the paper's ShareGPT bars",
     "seed-table": "the seed's Table 5.1 (LLaMA-7B, 80 GB) recomputed, with verdicts",
     "run": "one strategy on one trace: throughput, completion rate, batch, memory shares",
+    "forks": "parallel sampling and beam search sharing blocks: memory saved against the vLLM paper's section 6.3",
 }
 
 
@@ -34,6 +41,15 @@ class _Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+def _unit(text: str) -> float:
+    """A number in [0, 1] (argparse type)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--step-s", type=positive_float, default=None, help="seconds per step (timed arrivals)")
     r.add_argument("--max-batch", type=positive_int, default=256)
     r.add_argument("--json", action="store_true", help="print JSON")
+
+    k = sub.add_parser("forks", help=COMMANDS["forks"])
+    k.add_argument("--trace", nargs="+", default=["alpaca", "sharegpt"], help="presets or JSONL paths (default both)")
+    k.add_argument("--mode", nargs="+", choices=("parallel", "beam"), default=["parallel", "beam"])
+    k.add_argument("--n", nargs="+", type=positive_int, default=[2, 4, 6], help="samples / beam widths (default 2 4 6)")
+    k.add_argument("--requests", type=positive_int, default=3000, help="use the first N requests (default 3000)")
+    k.add_argument("--p-top", type=_unit, default=None, help="beam model: P(a slot goes to the best beam) (0.25)")
+    k.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (default 16)")
+    k.add_argument("--step-s", type=positive_float, default=None, help="seconds per step (default: all queued at 0)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the beam draws")
+    k.add_argument("--sensitivity", action="store_true", help="also the beam saving over p_top (~1 min)")
+    k.add_argument("--json", action="store_true", help="print JSON")
+    k.add_argument("--out", default=None, help="results folder (default results/, git-ignored; or data/results)")
     return p
 
 
@@ -79,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
-        return {"fig2": _fig2, "seed-table": _seed_table, "run": _run}[args.command](args)
+        args.argv = argv
+        return {"fig2": _fig2, "seed-table": _seed_table, "run": _run, "forks": _forks}[args.command](args)
     except SystemExit as e:  # --help prints and exits 0
         return int(e.code or 0)
     except ValueError as e:
@@ -154,4 +184,74 @@ def _run(args) -> int:
         else:
             print(f"warning: no request completed in {summary.get('steps')} steps (of {n}); raise --max-steps",
                   file=sys.stderr)
+    return 0
+
+
+def _forks(args) -> int:
+    from workbench.bench import harness
+    from workbench.sim import forks
+
+    if args.seed < 0:
+        raise ValueError(f"argument --seed: must be >= 0, got {args.seed}")
+    p_top = forks.DEFAULT_P_TOP if args.p_top is None else args.p_top
+    try:
+        out = harness.ensure_writable_dir(harness.DEFAULT_OUT if args.out is None else args.out)
+    except ValueError as e:  # before the work, not after
+        raise ValueError(f"argument --out: {e}") from None
+    start = time.perf_counter()
+    rows = forks.table(
+        tuple(args.trace),
+        tuple(args.mode),
+        tuple(args.n),
+        requests=args.requests,
+        p_top=p_top,
+        block_size=args.block_size,
+        step_s=args.step_s,
+        seed=args.seed,
+    )
+    sens = None
+    if args.sensitivity:
+        sens = forks.sensitivity(
+            tuple(args.trace),
+            tuple(args.n),
+            requests=min(args.requests, 1000),
+            block_size=args.block_size,
+            seed=args.seed,
+        )
+    seconds = time.perf_counter() - start
+    meta = harness.machine_meta()
+    meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # a pure-Python simulation: no GPU involved
+    meta["command"] = " ".join(["python -m workbench sim", *args.argv])
+    extra = {
+        "paper": {
+            "source": forks.PAPER_SOURCE,
+            "range_pct": {f"{t}/{m}": list(v) for (t, m), v in forks.PAPER.items()},
+        },
+        "setup": {
+            "requests": args.requests,
+            "block_size": args.block_size,
+            "p_top": p_top,
+            "step_s": args.step_s,
+            "seed": args.seed,
+            "budget": "12 GiB of llama-13b (OPT-13B's KV shape), max 256 sequences, 1% watermark",
+            "preemption": "the group admitted last is swapped out and resumes at the step it left",
+            "arrivals": "all queued at step 0 (saturated)" if args.step_s is None else "trace arrival times",
+            "output_lengths": "every sample / beam generates the request's output length",
+            "beam_model": "child i of the k new beams is a child of the best beam with probability p_top, else "
+            "continues beam i",
+            "saving": "1 - sum(shared) / sum(unshared) over the run's steps",
+        },
+        "sensitivity": sens,
+        "seconds": round(seconds, 2),
+    }
+    path = harness.write_results("sim_forks", rows, meta, out, extra=extra)
+    if args.json:
+        print(json.dumps({"rows": rows, "sensitivity": sens}, indent=1))
+    else:
+        print(forks.format_table(rows))
+        if sens:
+            print()
+            print(forks.format_sensitivity(sens))
+    sys.stdout.flush()
+    print(f"{len(rows)} rows in {seconds:.1f} s; wrote {path}", file=sys.stderr)
     return 0
