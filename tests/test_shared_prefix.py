@@ -14,6 +14,7 @@ from test_decode import rel_err
 from workbench.kernels import CascadePlan
 from workbench.kernels.reference import cascade_decode_ref, paged_decode_ref
 
+import workbench
 from workbench.layout import from_nhd
 from workbench.shared_prefix import (
     CostModel,
@@ -344,3 +345,28 @@ def test_committed_selector_never_picks_a_measured_loss():
                 picked += 1
                 assert r[key] > 1, (mode, r["gqa"], r["prefix"], r["sharers"], r["suffix"], r[key])
         assert picked >= 10, f"the {mode} model should take the cascade somewhere on the map"
+
+
+@pytest.mark.parametrize("layout,kv_dtype", [("nhd", "fp16"), ("vllm", "fp8_e4m3/tensor")])
+def test_decode_step_reads_forked_prefixes_once(layout, kv_dtype):
+    """A cache with a prompt forked three times: the step's shared-prefix path (runs found from the tables and the
+    allocator's reference counts) gives the plain step's output; a bad option is refused before anything runs."""
+    from workbench.cache import PagedKVCache
+
+    dev = workbench.device()
+    kw = dict(k_scale=torch.tensor([0.02]), v_scale=torch.tensor([0.02])) if kv_dtype.startswith("fp8") else {}
+    cache = PagedKVCache(1, 2, 32, 16, layout=layout, kv_dtype=kv_dtype, page_tokens=8, **kw)
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(1, 37, 2, 32, generator=g).to(dev) for _ in range(2))
+    cache.add("a", list(range(37)), k, v)
+    for child in ("b", "c", "d"):
+        cache.fork("a", child)
+    with cache.begin_step(["a", "b", "c", "d"], [1, 2, 3, 4]) as step:
+        step.write(0, *(torch.randn(4, 2, 32, generator=g).to(dev) for _ in range(2)))
+        q = torch.randn(4, 8, 32, generator=g).to(dev).half()
+        plain = step.attend(q, 0)
+        shared = step.attend(q, 0, shared_prefix="shared")
+        assert step._plans[next(k for k in step._plans if k[3] == "shared")].choice.segments  # 4 blocks shared
+        with pytest.raises(ValueError, match="shared_prefix"):
+            step.attend(q, 0, shared_prefix="yes")
+    assert rel_err(shared.cpu(), plain.cpu().double()) < 1e-2

@@ -70,28 +70,52 @@ class DecodeStep:
         c._check_kv(k[None], v[None], len(self.seq_ids), layers=1)
         c._write_layer(layer, self.block_size, self.slots, k, v, self._touched)
 
-    def attend(self, q: torch.Tensor, layer: int, *, sm_scale: float | None = None, **launch) -> torch.Tensor:
-        """Decode attention of ``q`` ``[B, Hq, head_dim]`` over ``layer`` (the new tokens included, once written)."""
+    def attend(self, q: torch.Tensor, layer: int, *, sm_scale: float | None = None, shared_prefix: str = "off",
+               **launch) -> torch.Tensor:
+        """Decode attention of ``q`` ``[B, Hq, head_dim]`` over ``layer`` (the new tokens included, once written).
+
+        ``shared_prefix``: ``"off"`` (plain paged decode), ``"auto"`` (the blocks the batch's sequences share are found
+        from the tables and the allocator's reference counts, and read once per tile of stacked query heads where the
+        fitted selector says that wins: ``workbench.shared_prefix.SharedPrefixDecode``) or ``"shared"`` (the cascade
+        whenever anything is shared). Planned once per step, like the plain plan."""
         from workbench.kernels import DecodePlan
 
         self._check_open()
         c = self.cache
         if not 0 <= layer < c.num_layers:
             raise ValueError(f"layer must be in [0, {c.num_layers}), got {layer}")
+        if shared_prefix not in ("off", "auto", "shared"):
+            raise ValueError(f"shared_prefix must be 'off', 'auto' or 'shared', got {shared_prefix!r}")
         if c.ops == "torch":
             out, _ = c.decode_torch(q, layer, self.block_size, self.block_table, self.seq_lens, sm_scale=sm_scale)
             return out.to(q.dtype)
         k_cache, v_cache = c.k_cache(layer, self.block_size), c.v_cache(layer, self.block_size)
-        key = (tuple(q.shape), q.dtype, sm_scale, tuple(sorted(launch.items())))
+        key = (tuple(q.shape), q.dtype, sm_scale, shared_prefix, tuple(sorted(launch.items())))
         plan = self._plans.get(key)
         if plan is None:
             kw = dict(quant=c.scheme, sm_scale=sm_scale, **launch)
             if c.scheme.static:
                 kw.update(k_scale=c.k_scale, v_scale=c.v_scale)
-            plan = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache, v_cache=v_cache,
-                              num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=self.max_seq_len, **kw)
+            if shared_prefix == "off":
+                plan = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache, v_cache=v_cache,
+                                  num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=self.max_seq_len, **kw)
+            else:
+                from workbench.shared_prefix import SharedPrefixDecode
+
+                plan = SharedPrefixDecode(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache,
+                                          v_cache=v_cache, num_q_heads=q.shape[1], q_dtype=q.dtype,
+                                          ref_counts=self._ref_counts(), path=shared_prefix, **kw)
             self._plans[key] = plan
         return plan.run(q, k_cache, v_cache)
+
+    def _ref_counts(self) -> torch.Tensor:
+        """The allocator's holder count of every block this step's sequences hold (0 for the others)."""
+        manager = self.cache.manager
+        pool, bs = manager.pool, self.block_size
+        refs = torch.zeros(pool.num_blocks(bs), dtype=torch.int64)
+        for b in {b for s in self.seq_ids for b in manager.block_table(s)}:
+            refs[b] = pool.ref_count(bs, b)
+        return refs
 
     # ---- end -----------------------------------------------------------------------
     def commit(self) -> None:
