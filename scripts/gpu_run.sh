@@ -16,7 +16,7 @@ for step in "$@"; do
     tests) python -m pytest -q -x -p no:cacheprovider tests/test_gather.py tests/test_write_copy.py \
              tests/test_decode.py tests/test_cache.py tests/test_compaction.py \
              tests/test_kernel_validation.py tests/test_api_boundary.py tests/test_quant_kernels.py \
-             tests/test_quant_cache.py tests/test_tiers_cache.py tests/test_tiers_disk.py \
+             tests/test_quant_cache.py tests/test_tiers_cache.py tests/test_tiers_disk.py tests/test_shared_prefix.py \
              tests/test_bench_decode.py::test_vllm_probe_script_smoke 2>&1 | tail -5 \
              | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) python -m workbench bench "$step" --out "$OUT" 2>&1 | tee "$OUT/$step.log"

@@ -370,3 +370,12 @@ def test_decode_step_reads_forked_prefixes_once(layout, kv_dtype):
         with pytest.raises(ValueError, match="shared_prefix"):
             step.attend(q, 0, shared_prefix="yes")
     assert rel_err(shared.cpu(), plain.cpu().double()) < 1e-2
+
+
+def test_bench_smoke_runs_the_cascade_against_the_reference(tmp_path):
+    """``bench shared_prefix --smoke``: tiny shapes through the interpreter, written to the folder given."""
+    from workbench.bench import shared_prefix as bench
+
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = __import__("json").loads(next(tmp_path.glob("shared-prefix-*.json")).read_text())["rows"]
+    assert len(rows) == 2 and all(r["rel_err"] < 2e-2 for r in rows)
