@@ -3,6 +3,7 @@ fp16 / bf16 / fp8, batches that share nothing, everything, nested prefixes), the
 overlap-aware batching."""
 
 import itertools
+import json
 import random
 
 import pytest
@@ -377,5 +378,5 @@ def test_bench_smoke_runs_the_cascade_against_the_reference(tmp_path):
     from workbench.bench import shared_prefix as bench
 
     assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
-    rows = __import__("json").loads(next(tmp_path.glob("shared-prefix-*.json")).read_text())["rows"]
+    rows = json.loads(next(tmp_path.glob("shared-prefix-*.json")).read_text())["rows"]
     assert len(rows) == 2 and all(r["rel_err"] < 2e-2 for r in rows)
