@@ -1,10 +1,10 @@
 """Out-of-bounds check of the decode and cascade kernels (run under compute-sanitizer with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so every tensor is its own allocation): small points of each layout."""
 import torch
+from workbench.kernels import DecodePlan
 
 import workbench  # noqa: F401
 from workbench.bench import shared_prefix as sp
-from workbench.kernels import DecodePlan
 from workbench.layout import from_nhd
 
 for prefix, n, suffix, hq, hkv in [(128, 4, 128, 32, 8), (1024, 16, 100, 32, 32), (128, 1, 77, 32, 8)]:

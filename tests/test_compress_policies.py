@@ -284,6 +284,12 @@ def test_score_policies_rows(obs):
     assert a["bytes_kept"] == L * a["blocks_kept"] * 8 * 2 * 16 * 2 * 2
     s = study.summarize(rows)
     assert {(d["policy"], d["partial"]) for d in s} == per and all(d["n"] == 1 for d in s)
+    # without the per-head masks (the panel's rows): the same rows, their per-head columns None
+    shared = study.score_policies([obs], budgets=(0.25,), block_size=8, thresholds=(0.02,), held_out=2, per_head=False)
+    heads = ("tokens_per_head", "bytes_csr", "error_per_head")
+    assert [{k: v for k, v in r.items() if k not in heads} for r in shared] == [
+        {k: v for k, v in r.items() if k not in heads} for r in rows]
+    assert all(r[k] is None for r in shared for k in heads)
     with pytest.raises(ValueError, match="partial"):
         study.score_policies([obs], ["h2o"], partial="drop")
 

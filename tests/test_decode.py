@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import poison_like
+from conftest import dtype_id, poison_like
+from pairwise import pairwise
 from workbench.kernels import decode_config, paged_decode
 from workbench.kernels.reference import paged_decode_ref
 
@@ -50,7 +51,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
-LENS = [37, 0, 100, 1, 150]  # ragged, one empty, none a multiple of the page sizes below (except 1)
+LENS = [37, 0, 1, 150]  # ragged, one empty, one token, none a multiple of the page sizes below (except 1)
 
 CASES = [
     # layout, block_size, heads_kv, group, head_dim, dtype, num_splits, use_dot, pad, BLOCK_N (None: heuristic)
@@ -85,7 +86,7 @@ def test_decode_matches_reference(layout, block_size, hkv, group, head_dim, dtyp
     assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), "an empty sequence must give zeros"
 
 
-VLLM_LENS = [64, 37, 0, 129, 96]  # whole 32-token tiles (no tail) and odd tails; one empty
+VLLM_LENS = [64, 37, 0, 129]  # whole 32-token tiles (no tail) and odd tails; one empty
 
 VLLM_CASES = [
     # block_size, head_dim, dtype, num_splits, pad, BLOCK_N, k3d
@@ -117,20 +118,25 @@ def test_decode_vllm_split_key(block_size, head_dim, dtype, num_splits, pad, blo
     assert torch.equal(got[2].float(), torch.zeros_like(got[2].float())), "an empty sequence must give zeros"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("layout", ["nhd", "vllm"])
-def test_decode_fp8(layout, dtype, device):
-    """fp8 caches with per-tensor scales, as floats and as one-element tensors."""
+# layout x query dtype x scales as floats or one-element tensors: each pair once (tests/pairwise.py), 4 cases not 8
+FP8_CASES = pairwise({"layout": ["nhd", "vllm"], "dtype": [torch.float16, torch.float32],
+                      "scale_as": ["float", "tensor"]})
+
+
+@pytest.mark.parametrize("layout,dtype,scale_as", [pytest.param(*c.values(), id=f"{c['layout']}-{dtype_id(c['dtype'])}-"
+                                                                 f"{c['scale_as']}") for c in FP8_CASES])
+def test_decode_fp8(layout, dtype, scale_as, device):
+    """fp8 caches with per-tensor scales, as floats or as one-element tensors."""
     q, k, v, table, lens = make_case(layout, 16, 2, 4, 64, dtype, [33, 70, 5], device, seed=7,
                                      kv_dtype=torch.float8_e4m3fn)
     ks, vs = 0.37, 2.5
     ref = paged_decode_ref(q, k, v, layout, table, lens, k_scale=ks, v_scale=vs)
-    for k_scale, v_scale in [(ks, vs), (torch.tensor([ks], device=device), torch.tensor([vs], device=device))]:
-        got = paged_decode(q, k, v, layout, table, lens, k_scale=k_scale, v_scale=v_scale, num_splits=2,
-                           out=poison_like(q))
-        err = rel_err(got, ref)
-        print(f"fp8 {layout} q={dtype} scale as {type(k_scale).__name__}: rel_err {err:.2e}")
-        assert err < 1e-2
+    k_scale, v_scale = (ks, vs) if scale_as == "float" else (torch.tensor([ks], device=device),
+                                                              torch.tensor([vs], device=device))
+    got = paged_decode(q, k, v, layout, table, lens, k_scale=k_scale, v_scale=v_scale, num_splits=2, out=poison_like(q))
+    err = rel_err(got, ref)
+    print(f"fp8 {layout} q={dtype} scale as {type(k_scale).__name__}: rel_err {err:.2e}")
+    assert err < 1e-2
 
 
 def test_decode_no_sync_path_and_sm_scale(device):

@@ -6,7 +6,8 @@ import random
 
 import pytest
 import torch
-from conftest import poison_like
+from conftest import dtype_id, poison_like
+from pairwise import pairwise
 from workbench.kernels import gather as gather_mod
 from workbench.kernels import paged_decode, paged_gather
 from workbench.kernels import validate as validate_mod
@@ -235,9 +236,15 @@ DTYPES = [  # cache dtype, query dtype(s) for decode
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-@pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("kv_dtype,q_dtype", DTYPES)
-def test_nan_pool_never_reaches_outputs(layout, kv_dtype, q_dtype, device):
+# every layout with every dtype; the two decode launches (one split, or two splits with the other tile code: plain
+# loads instead of tensor cores, 2-D key tiles in the vLLM layout) each meet every layout and dtype (tests/pairwise.py)
+NAN_CASES = pairwise({"layout": list(Layout), "dtypes": DTYPES, "launch": ["split1", "split2-other-tiles"]})
+
+
+@pytest.mark.parametrize("layout,kv_dtype,q_dtype,launch", [
+    pytest.param(c["layout"], *c["dtypes"], c["launch"], id=f"{c['layout'].value}-{dtype_id(c['dtypes'][0])}-"
+                 f"{dtype_id(c['dtypes'][1])}-{c['launch']}") for c in NAN_CASES])
+def test_nan_pool_never_reaches_outputs(layout, kv_dtype, q_dtype, launch, device):
     """A fresh pool is torch.empty: fill all of it with NaN (padding included), write K/V only into the slots the
     sequences use (write_kv_ref: indexing, fast under the interpreter; write_kv's own tests cover it), and check
     both kernels against their references: finite and equal."""
@@ -265,13 +272,13 @@ def test_nan_pool_never_reaches_outputs(layout, kv_dtype, q_dtype, device):
     q = torch.randn(len(LENS), hkv * group, head_dim, generator=g).to(q_dtype).to(device)
     kw = dict(k_scale=0.25, v_scale=0.25) if scale is not None else {}
     ref = paged_decode_ref(q, k, v, layout, table, lens, **kw)
-    launches = [dict(num_splits=1), dict(num_splits=2, **({"k3d": False} if layout == "vllm" else {"use_dot": False}))]
-    for launch in launches:
-        got = paged_decode(q, k, v, layout, table, lens, out=poison_like(q), **kw, **launch)
-        assert torch.isfinite(got.float()).all(), launch
-        err = float((got.double() - ref).norm() / ref.norm())
-        assert err < TOL[q_dtype], (launch, err)
-        assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), "an empty sequence gives zeros"
+    other = {"k3d": False} if layout == "vllm" else {"use_dot": False}
+    cfg = dict(num_splits=1) if launch == "split1" else dict(num_splits=2, **other)
+    got = paged_decode(q, k, v, layout, table, lens, out=poison_like(q), **kw, **cfg)
+    assert torch.isfinite(got.float()).all(), cfg
+    err = float((got.double() - ref).norm() / ref.norm())
+    assert err < TOL[q_dtype], (cfg, err)
+    assert torch.equal(got[1].float(), torch.zeros_like(got[1].float())), "an empty sequence gives zeros"
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -50,6 +50,23 @@ def test_unpermute_undoes_llama_cpps_rope_permutation():
     assert torch.equal(unpermute(permuted, n_head), w)
 
 
+def test_a_prefill_made_before_gives_the_same_generation(model):
+    """generate(prefilled=...): a prefill made once (quality.prefill_all) stored in another scheme's cache gives
+    that scheme's run bit for bit (prefill attends over fresh K/V); None prefills that prompt; a prefill of other
+    tokens is refused."""
+    from workbench.model import quality
+
+    pre = quality.prefill_all(model, PROMPTS[:2])
+    for scheme in ("fp16", "int4/token"):
+        want = Runner(model, PagedKV(paged(scheme, prefix_caching=False))).generate(PROMPTS[:2], 4, keep_logits=True)
+        got = Runner(model, PagedKV(paged(scheme, prefix_caching=False))).generate(
+            PROMPTS[:2], 4, keep_logits=True, prefilled=[pre[0], None])
+        assert got.tokens == want.tokens and got.logprobs == want.logprobs, scheme
+        assert all(torch.equal(a, b) for s in want.logits for a, b in zip(got.logits[s], want.logits[s], strict=True))
+    with pytest.raises(ValueError, match="prefilled"):
+        Runner(model, PagedKV(paged())).generate(PROMPTS[:2], 2, prefilled=[pre[1], None])
+
+
 @pytest.mark.parametrize("ops", ["torch", "kernels"])
 def test_paged_fp32_equals_contiguous_with_prefix_reuse(model, baseline, ops):
     cache = paged(ops=ops)

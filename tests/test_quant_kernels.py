@@ -6,7 +6,13 @@ import pytest
 import torch
 from conftest import rel_err
 from workbench.kernels import paged_decode, write_kv
-from workbench.kernels.reference import dequantize_cache_ref, paged_decode_ref, quant_code_distance, write_kv_ref
+from workbench.kernels.reference import (
+    dequantize_cache_ref,
+    paged_decode_ref,
+    quant_code_distance,
+    write_cache_ref,
+    write_kv_ref,
+)
 
 from workbench import quant
 from workbench.layout import to_nhd
@@ -69,18 +75,24 @@ def test_write_kv_codes_and_scales_match_scheme(name, layout, block_size, device
             assert torch.equal(got_z.reshape(want.zero.shape), want.zero), f"{kind} zero points differ"
 
 
-def written_pair(scheme, layout, block_size, H, D, nb, g, device, scale=1.0):
-    """K/V caches with every slot written through write_kv (static scales calibrated); returns them and scales."""
+def written_pair(scheme, layout, block_size, H, D, nb, g, device, scale=1.0, kernel=False):
+    """K/V caches with every slot written (static scales calibrated); returns them and scales. The writes go through
+    the references (``kernel=True``: write_kv, for schemes with scales computed on write): the write kernels are
+    checked against them above (codes and scales) and in test_write_copy, and under the interpreter they took half
+    of each decode case's time."""
     T = nb * block_size
     k = (torch.randn(T, H, D, generator=g) * scale).to(device)
     v = torch.randn(T, H, D, generator=g).to(device)
     caches = [qblocks.empty_cache(scheme, layout, kind, nb, block_size, H, D, device, fill=POISON) for kind in "kv"]
     slots = torch.arange(T, device=device)
-    if scheme.static:  # the static write kernel is tested in test_write_copy (and slow in the interpreter)
+    if scheme.static:
         kw = dict(k_scale=scheme.calibrate(k).reshape(-1), v_scale=scheme.calibrate(v).reshape(-1))
         write_kv_ref(k.half(), v.half(), caches[0], caches[1], layout, slots, **kw)
         return caches, kw["k_scale"], kw["v_scale"]
-    write_kv(k.half(), v.half(), caches[0], caches[1], layout, slots, quant=scheme)
+    if kernel:
+        write_kv(k.half(), v.half(), caches[0], caches[1], layout, slots, quant=scheme)
+    else:
+        write_cache_ref(scheme, k.half(), v.half(), caches[0], caches[1], layout, slots)
     return caches, None, None
 
 
@@ -100,7 +112,7 @@ def test_paged_decode_reads_every_scheme(name, layout, device):
     block_size = 16 if layout != "hnd" else 32
     scheme = scheme_for(name, block_size)
     g = torch.Generator().manual_seed(7)
-    H, G, D, nb = 2, 4, 64, 9
+    H, G, D, nb = 2, 4, 64, 5  # 5 blocks, 4 of them in each sequence's table
     (kc, vc), ks, vs = written_pair(scheme, layout, block_size, H, D, nb, g, device, scale=2.0)
     lens = torch.tensor([1, 40, block_size * 3, 0], dtype=torch.int32)
     table = torch.stack([torch.randperm(nb, generator=g)[:4] for _ in lens]).int()
@@ -122,7 +134,7 @@ def test_paged_decode_reads_every_scheme(name, layout, device):
 def test_decode_with_splits_and_bf16_queries(device):
     scheme = quant.get("int8_asym/token")
     g = torch.Generator().manual_seed(3)
-    (kc, vc), _, _ = written_pair(scheme, "nhd", 16, 2, 64, 8, g, device)
+    (kc, vc), _, _ = written_pair(scheme, "nhd", 16, 2, 64, 8, g, device, kernel=True)  # write kernel -> decode
     lens = torch.tensor([100, 37], dtype=torch.int32, device=device)
     table = torch.stack([torch.randperm(8, generator=g)[:7] for _ in range(2)]).int().to(device)
     kd, vd = (dequantize_cache_ref(scheme, c, "nhd", kind, 64) for c, kind in ((kc, "k"), (vc, "v")))

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from conftest import assert_close_report, dtype_id, kw_id
+from pairwise import cover
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels import write as write_mod
 from workbench.kernels.copy import _word_view
@@ -98,7 +99,19 @@ VARIANTS = [
      dict(scheme="rows", tokens_per_program=16, heads_per_program=1, num_warps=4)),
     (4, 2, 64, torch.bfloat16, torch.bfloat16, None, "prefill", dict(scheme="rows", heads_per_program=1, num_warps=4)),
 ]
-CASES = [(layout, *case) for layout in Layout for case in BASE + VARIANTS]
+CONFIGS = BASE + VARIANTS
+
+
+def _features(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, kw) -> dict:
+    return {"layout": layout, "block_size": block_size, "heads": heads, "head_dim": head_dim, "src_dtype": src_dtype,
+            "kv_dtype": kv_dtype, "scale_kind": scale_kind, "mode": mode, **{f"kw.{k}": v for k, v in kw.items()}}
+
+
+# Not every configuration in every layout (45 cases): every configuration in at least one layout, and every pair of
+# values among all of them (each layout with each block size, head count, head_dim, source and cache dtype, scale kind,
+# mode and launch option, as well as the pairs inside the configurations) in some case (tests/pairwise.py): 27 cases.
+CASES = [(r["layout"], *CONFIGS[r["config"]]) for r in cover(
+    [{**_features(layout, *c), "config": i} for layout in Layout for i, c in enumerate(CONFIGS)], each=["config"])]
 
 
 def write_case_id(layout, block_size, heads, head_dim, src_dtype, kv_dtype, scale_kind, mode, kw):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -76,7 +77,9 @@ def lab(tmp_path_factory):
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-            yield server, browser, LabPage(server, browser)
+            lab_page = LabPage(server, browser)
+            yield server, browser, lab_page
+            lab_page.finish_shutdowns()
             browser.close()
     finally:
         server.stop()
@@ -94,6 +97,8 @@ class LabPage:
         self.errors: list[str] = []
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.add_init_script(FLATTEN_JS)
+        self.server = server
+        self.shutdowns: list[tuple[threading.Thread, list]] = []
         self.page.goto(f"{server.url}/lab/workspaces/browser-test?reset")
         self.page.wait_for_function("() => window.jupyterapp !== undefined", timeout=90_000)
         self.page.evaluate("() => window.jupyterapp.started")
@@ -102,6 +107,29 @@ class LabPage:
         self.errors.clear()
         self.page.set_viewport_size({"width": WIDTHS[0], "height": 900})
         self.page.evaluate("(path) => window.jupyterapp.commands.execute('docmanager:open', {path})", name)
+
+    def shut_down(self, session_id: str) -> None:
+        """End a notebook's session (the server stops its kernel: a second or more, the kernel's own exit) in the
+        background, while the next notebook opens."""
+        errors: list = []
+
+        def delete():
+            try:
+                req = urllib.request.Request(f"{self.server.url}/api/sessions/{session_id}", method="DELETE")
+                urllib.request.urlopen(req).close()
+            except Exception as e:  # noqa: BLE001  (raised by finish_shutdowns)
+                errors.append(e)
+
+        t = threading.Thread(target=delete, daemon=True)
+        t.start()
+        self.shutdowns.append((t, errors))
+
+    def finish_shutdowns(self, timeout_s: float = 60) -> None:
+        for t, errors in self.shutdowns:
+            t.join(timeout_s)
+            if errors:
+                raise errors[0]
+        self.shutdowns.clear()
 
     def close_all(self) -> None:
         # run cells leave the notebook unsaved: mark it clean so closing asks nothing (the test never saves)
@@ -172,10 +200,20 @@ class Notebook:
         arg = "" if panel_id is None else int(panel_id)
         return {int(k): v for k, v in json.loads(self.console.run(f"_wb_side({arg})")).items()}
 
-    def compare(self, panel_id: int, changed_from: str | None = None, timeout_s: float = 30) -> dict:
+    def compare(self, panel_id: int, changed_from: str | None = None, timeout_s: float = 30,
+                redraw_from: str | None = None) -> dict:
         """Wait until the page shows the kernel's figure for this panel and, when ``changed_from`` is given,
-        a figure other than that one (the kernel may not have seen the change yet); return the comparison."""
+        a figure other than that one (the kernel may not have seen the change yet); return the comparison.
+        ``redraw_from``: what the page showed before a change that redraws it, waited for like ``changed_from``
+        (a few seconds at most) but not checked."""
         deadline = time.monotonic() + timeout_s
+        before = changed_from if changed_from is not None else redraw_from
+        if before is not None:  # first the page's own redraw (cheap to poll), then the full comparison: one that
+            try:  # starts before the redraw fails and is redone (a kernel round trip and a plot each time)
+                wait_s = timeout_s if changed_from is not None else min(timeout_s, 5)
+                self.page.wait_for_function(CHANGED_JS, arg=[panel_id, before], polling=100, timeout=wait_s * 1000)
+            except PlaywrightTimeout:
+                pass  # the loop below says what the page shows
         while True:
             py = self.python_side(panel_id)[panel_id]
             result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
@@ -193,8 +231,7 @@ class Notebook:
         if self.console is not None:
             self.console.close()
         self.lab_page.close_all()  # before its kernel goes: a notebook whose kernel died would ask what to do
-        req = urllib.request.Request(f"{self.server.url}/api/sessions/{self.session_id}", method="DELETE")
-        urllib.request.urlopen(req).close()
+        self.lab_page.shut_down(self.session_id)
 
 
 # Each control's value as the page shows it, in the panel's order (its first child holds the controls).
@@ -218,13 +255,19 @@ PANEL_DATA_JS = """(pid) => { const gd = document.querySelector(`.wb-panel-${pid
     return JSON.stringify([__wbFlatten({d: gd.data}), text]); }"""
 
 
+CHANGED_JS = f"([pid, before]) => ({PANEL_DATA_JS})(pid) !== before"
+
+# Every figure on the page drawn (an svg) at its output area's width: what the checks after Run All read.
+FIGURES_DRAWN_JS = f"() => ({FIGURES_JS})().every(f => f.svg > 0 && Math.abs(f.width - f.output_width) <= 2)"
+
+
 def _panel_data(nb: Notebook, panel_id: int) -> str:
     return nb.page.evaluate(PANEL_DATA_JS, panel_id)
 
 
 def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | None = None,
-                  timeout_s: float = 30) -> None:
-    r = nb.compare(panel_id, changed_from, timeout_s)
+                  timeout_s: float = 30, redraw_from: str | None = None) -> None:
+    r = nb.compare(panel_id, changed_from, timeout_s, redraw_from)
     assert not r["status"], f"panel {panel_id} after {what}: {r['status']}"
     assert not r["stale"], f"panel {panel_id} after {what}: stale layout keys on the page: {r['stale']}"
     assert not r["missing"], f"panel {panel_id} after {what}: layout keys missing on the page: {r['missing']}"
@@ -267,13 +310,15 @@ def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: b
         options = select.locator("option").all_inner_texts()
         first = select.input_value()
         current = select.evaluate("s => s.selectedOptions[0].text")
+        shown = None  # the page after the last option tried: going back to the first redraws it
         for label in [o for o in options if o != current][:options_per_dropdown]:
             before = _panel_data(nb, panel_id)
             select.select_option(label=label)
             _assert_clean(nb, panel_id, f"dropdown {i} -> {label}", changed_from=before)
             moved.append(f"dropdown {i} -> {label}")
+            shown = _panel_data(nb, panel_id)
         select.select_option(value=first)
-        _assert_clean(nb, panel_id, f"dropdown {i} back")
+        _assert_clean(nb, panel_id, f"dropdown {i} back", redraw_from=shown)
 
     # a greyed-out slider (it does not apply to the other settings) is left alone
     for i, handle in enumerate(panel.locator(".noUi-target:not([disabled]) .noUi-handle").all()[controls]):
@@ -337,8 +382,13 @@ def check_notebook(lab, path: Path) -> None:
         assert len(panels) == len(nb.python_side()), "a live panel has no figure on the page"
 
         for width in WIDTHS if path.stem in WIDE else WIDTHS[:1]:
-            nb.page.set_viewport_size({"width": width, "height": 900})
-            nb.page.wait_for_timeout(700)  # the ResizeObserver redraws at the new width
+            if width != WIDTHS[0]:  # the page has been at the first width since the notebook opened
+                nb.page.set_viewport_size({"width": width, "height": 900})
+                nb.page.wait_for_timeout(700)  # the ResizeObserver redraws at the new width
+            try:
+                nb.page.wait_for_function(FIGURES_DRAWN_JS, polling=100, timeout=10_000)
+            except PlaywrightTimeout:
+                pass  # the checks below say which figure
             for f in nb.figures():
                 assert f["svg"] > 0, f"cell {f['cell']}: a figure did not render"
                 fits = abs(f["width"] - f["output_width"]) <= 2

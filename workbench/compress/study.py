@@ -154,7 +154,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                    budgets: Iterable[int | float] = (0.1, 0.25, 0.5), block_size: int = 16,
                    partial: str | Iterable[str] = RULES, *, held_out: int = 0,
                    thresholds: Iterable[float] = THRESHOLDS, options: dict[str, dict] | None = None,
-                   kv_dtype: str = "fp16") -> list[dict]:
+                   kv_dtype: str = "fp16", per_head: bool = True) -> list[dict]:
     """Every policy at every budget on every capture: tidy rows.
 
     Args:
@@ -167,6 +167,8 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
         held_out: decode steps scored that the policy did not see (0: in sample; see the module docstring).
         options: per policy name, fields to override (default :data:`STUDY_OPTIONS`).
         kv_dtype: the cache's storage format (bytes per value).
+        per_head: also score the per-head masks (False: their columns are None, for about half the work; what a
+            chart of the shared sets needs, such as notebook 07's sparsification panel).
 
     Returns:
         One dict per (prompt, policy, budget, partial, layer) with ``layer`` a model layer or ``"all"``:
@@ -196,28 +198,31 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                 pol = policies.get(name, **extra, **over)
                 if getattr(pol, "query_dependent", False):
                     out, read, read_blocks = _per_query_outputs(pol, obs, last, False, block_size)
-                    out_h, read_h, _ = _per_query_outputs(pol, obs, last, True, block_size)
                     shared = {p: (out, read, read_blocks, 0, False) for p in partials if p in PARTIAL}
-                    per_head, ph_tokens, ph_bytes, ph_all = out_h, read_h, None, None
+                    heads, ph_tokens, ph_bytes, ph_all = None, None, None, None
+                    if per_head:
+                        heads, ph_tokens, _ = _per_query_outputs(pol, obs, last, True, block_size)
                 else:
                     seen = obs.prefix(held_out)
                     tail = torch.ones(held_out, dtype=torch.bool)
                     keep = torch.cat([pol.keep(seen), tail])  # the new tokens are appended whole
-                    ph = pol.per_head_keep(seen)
-                    ph = torch.cat([ph, tail.expand(*ph.shape[:2], -1)], -1)  # [L, Hkv, T]
                     shared = {}
                     for p in partials:
                         bk = _block_rule(pol, seen, keep, tail, block_size, p)
                         if bk is not None:
                             shared[p] = (attention_output(ev, bk.mask), int(bk.mask.sum()), bk.blocks, bk.moved, True)
-                    if name == "threshold":  # the seed's store, scored through its own attention
-                        per_head = CSRStore.from_mask(obs.k, obs.v, ph).attention(ev.q, obs.sm_scale)
-                    else:
-                        per_head = attention_output(ev, ph)
-                    ph_tokens, ph_bytes = float(ph.float().sum(-1).mean()), _csr_bytes_by_layer(ph, D, kv_dtype)
-                    ph_all = csr_nbytes(int(ph.sum()), L * H, D, kv_dtype)
-                err_h = _rel(per_head, full, (1, 2, 3)).tolist()
-                err_h_all = float(_rel(per_head, full, (0, 1, 2, 3)))
+                    heads, ph_tokens, ph_bytes, ph_all = None, None, None, None
+                    if per_head:
+                        ph = pol.per_head_keep(seen)
+                        ph = torch.cat([ph, tail.expand(*ph.shape[:2], -1)], -1)  # [L, Hkv, T]
+                        if name == "threshold":  # the seed's store, scored through its own attention
+                            heads = CSRStore.from_mask(obs.k, obs.v, ph).attention(ev.q, obs.sm_scale)
+                        else:
+                            heads = attention_output(ev, ph)
+                        ph_tokens, ph_bytes = float(ph.float().sum(-1).mean()), _csr_bytes_by_layer(ph, D, kv_dtype)
+                        ph_all = csr_nbytes(int(ph.sum()), L * H, D, kv_dtype)
+                err_h = [None] * L if heads is None else _rel(heads, full, (1, 2, 3)).tolist()
+                err_h_all = None if heads is None else float(_rel(heads, full, (0, 1, 2, 3)))
                 for p, (out, tokens_kept, blocks, moved, frees) in shared.items():
                     err = _rel(out, full, (1, 2, 3)).tolist()
                     kept_b = blocks * block_bytes if frees else blocks_full * block_bytes

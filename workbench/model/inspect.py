@@ -212,6 +212,7 @@ class Recorded:
     params: dict = field(default_factory=dict)  # max_new_tokens, n, temperature, seed
     quantized_tokens: dict = field(default_factory=dict)  # seq_id -> tokens stored as codes at the end (KIVI: the
     # newest ones stay in an fp16 residual; other schemes: all of them)
+    prefilled: list | None = None  # per prompt, the workbench.model.quality.Prefilled the run started from (if given)
 
     def generated(self, snap: Snapshot) -> dict:
         """Sequence id -> the generated tokens already in the cache at ``snap`` (the newest chosen token is fed,
@@ -226,7 +227,8 @@ def pages_needed(prompts: Sequence[Sequence[int]], max_new_tokens: int, n: int, 
 
 def record(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: int = 1, temperature: float = 0.0,
            seed: int = 0, kv_dtype: str = "fp16", page_tokens: int = 16, ops: str | None = None,
-           k_scale=None, v_scale=None, on_snapshot: Callable[[Snapshot], None] | None = None) -> Recorded:
+           k_scale=None, v_scale=None, on_snapshot: Callable[[Snapshot], None] | None = None,
+           prefilled: Sequence | None = None) -> Recorded:
     """Generate through a fresh :class:`~workbench.cache.PagedKVCache` sized for the run, recording its tables.
 
     Args:
@@ -237,6 +239,8 @@ def record(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: i
             ``page_tokens`` a multiple of 32).
         ops: ``"kernels"`` (Triton) or ``"torch"`` (the references); default kernels on a GPU, torch elsewhere.
         on_snapshot: called with each :class:`Snapshot` as it is taken (a notebook draws the run live).
+        prefilled: per prompt, its prefill made before (``workbench.model.quality.prefill_all``) or None, as
+            :meth:`Runner.generate` takes it: the same run without computing those prefills again.
     """
     from workbench.cache import PagedKVCache
 
@@ -249,13 +253,15 @@ def record(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: i
     rec = Recorder(cache.manager, on_snapshot)
     runner = Runner(model, RecordingKV(cache, rec), observe=rec)
     t0 = time.perf_counter()
-    g = runner.generate(prompts, max_new_tokens, n=n, temperature=temperature, seed=seed, free=False)
+    g = runner.generate(prompts, max_new_tokens, n=n, temperature=temperature, seed=seed, free=False,
+                        prefilled=prefilled)
     seconds = time.perf_counter() - t0
     quantized = {s: cache.quantized_tokens(s) for s in cache.manager.seq_ids}
     for s in list(cache.manager.seq_ids):
         cache.free(s)
     return Recorded(g, rec.snapshots, prompts, cache.scheme.name, page_tokens, ops, seconds,
-                    {"max_new_tokens": max_new_tokens, "n": n, "temperature": temperature, "seed": seed}, quantized)
+                    {"max_new_tokens": max_new_tokens, "n": n, "temperature": temperature, "seed": seed}, quantized,
+                    None if prefilled is None else list(prefilled))
 
 
 def chat_prompts(tok, text: str, system: str | None = None) -> list[list[int]]:

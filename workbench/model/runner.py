@@ -80,6 +80,15 @@ class Runner:
             self.observe("prefill", self, [seq_id])
         return m.logits(x[-1:])[0], hit
 
+    def add_prefilled(self, seq_id, prefilled) -> torch.Tensor:
+        """Store a prefill made before (``workbench.model.quality.Prefilled``: its tokens, K/V and next-token
+        logits) as :meth:`prefill` would have made it: prefill attends over fresh K/V, so it is the same whatever the
+        store (a quantized cache stores the same K/V in its own format). Returns the logits."""
+        self.kv.add(seq_id, prefilled.tokens, prefilled.k, prefilled.v)
+        if self.observe:
+            self.observe("prefill", self, [seq_id])
+        return prefilled.logits
+
     @torch.no_grad()
     def step(self, seq_ids: Sequence, tokens: Sequence[int]) -> torch.Tensor:
         """Feed one token to each sequence: returns next-token logits ``[B, vocab]`` fp32."""
@@ -107,10 +116,12 @@ class Runner:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: int = 1,
                  temperature: float = 0.0, seed: int = 0, stop_at_eos: bool = False, keep_logits: bool = False,
-                 free: bool = True, progress: bool = False) -> Generation:
+                 free: bool = True, progress: bool = False, prefilled: Sequence | None = None) -> Generation:
         """Greedy (``temperature=0``) or sampled generation of ``max_new_tokens`` per sequence; ``n`` samples
         per prompt (forked after the prefill). Sequence ids are ``(prompt index, sample index)``; ``free=False``
-        keeps them in the store (to look at its blocks afterwards)."""
+        keeps them in the store (to look at its blocks afterwards). ``prefilled``: per prompt, its prefill made
+        before (``workbench.model.quality.prefill_all``; stored with :meth:`add_prefilled`, no prefix reuse), or
+        None to prefill it here."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -120,11 +131,17 @@ class Runner:
         prompts = [[int(t) for t in p] for p in prompts]
         if not prompts:
             raise ValueError("prompts must hold at least one prompt")
+        if prefilled is not None and (len(prefilled) != len(prompts) or any(
+                pre is not None and list(pre.tokens) != p for pre, p in zip(prefilled, prompts, strict=False))):
+            raise ValueError("prefilled must hold, for each prompt, None or a prefill of exactly its tokens")
         g = torch.Generator(device="cpu").manual_seed(seed)
         out = Generation(prompts)
         nxt, live = {}, []
         for i, p in enumerate(prompts):
-            logits, hit = self.prefill((i, 0), p)
+            if prefilled is not None and prefilled[i] is not None:
+                logits, hit = self.add_prefilled((i, 0), prefilled[i]), 0
+            else:
+                logits, hit = self.prefill((i, 0), p)
             out.prefix_hit_tokens[i] = hit
             for j in range(1, n):
                 self.kv.fork((i, 0), (i, j))

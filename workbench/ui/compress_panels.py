@@ -47,10 +47,12 @@ def policy_options(name: str, block_size: int, sinks: int, window: int) -> dict:
 def score_rows(capture, name: str, budgets: Sequence[float], block_size: int, partial: str, sinks: int,
                window: int, held_out: int = HELD_OUT) -> list[dict]:
     """``study.score_policies`` of one policy on one capture, at the slider's ``budgets`` (the threshold policy at
-    :func:`threshold_of` them): rows of every layer and ``"all"``, each with ``slider_budget``."""
+    :func:`threshold_of` them), without the per-head masks: rows of every layer and ``"all"``, each with
+    ``slider_budget``."""
     rows = study.score_policies([capture], [name], budgets, block_size, ["keep" if name == "quest" else partial],
                                 held_out=held_out, thresholds=[threshold_of(b) for b in budgets],
-                                options={name: policy_options(name, block_size, sinks, window)})
+                                options={name: policy_options(name, block_size, sinks, window)},
+                                per_head=False)  # the panel draws the shared sets only: half the work
     per = len(rows) // len(budgets)  # score_policies' order: budget by budget, then its layers and "all"
     for i, r in enumerate(rows):
         r["slider_budget"] = budgets[i // per]

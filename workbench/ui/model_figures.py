@@ -79,14 +79,16 @@ def block_tables(grid, timeline: list[dict], step: int, colour: str = "block", s
     fig.add_heatmap(z=z, x=xs, y=grid.rows, text=text, texttemplate="%{text}", hovertext=hover, hoverinfo="text",
                     xgap=3, ygap=3, textfont=dict(size=12, color="#111"), name="blocks", showlegend=False,
                     **heat, row=1, col=1)
+    frames = []  # the frames on the left plot's axes, set in one go (add_shape validates the whole list each time)
     for r, (rr, nr) in enumerate(zip(grid.refs, grid.new, strict=True)):
         for c, (refs, new) in enumerate(zip(rr, nr, strict=True)):
             if refs is not None and refs > 1:
-                fig.add_shape(type="rect", x0=c - 0.46, x1=c + 0.46, y0=r - 0.44, y1=r + 0.44, line=SHARED_LINE,
-                              row=1, col=1)
+                frames.append(dict(type="rect", x0=c - 0.46, x1=c + 0.46, y0=r - 0.44, y1=r + 0.44, line=SHARED_LINE,
+                                   xref="x", yref="y"))
             if new:
-                fig.add_shape(type="rect", x0=c - 0.38, x1=c + 0.38, y0=r - 0.36, y1=r + 0.36, line=NEW_LINE,
-                              row=1, col=1)
+                frames.append(dict(type="rect", x0=c - 0.38, x1=c + 0.38, y0=r - 0.36, y1=r + 0.36, line=NEW_LINE,
+                                   xref="x", yref="y"))
+    fig.layout.shapes = frames
     # legend entries for the two frames (shapes have none)
     for name, line in (("shared (ref \u2265 2)", SHARED_LINE), ("new block (allocated or copied)", NEW_LINE)):
         fig.add_scatter(x=[None], y=[None], mode="markers", name=name,

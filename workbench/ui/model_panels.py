@@ -215,9 +215,16 @@ def calibration_sample(model, tok):
 
 
 def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str | None = None,
-           calibration=None) -> inspect.Recorded:
+           calibration=None, prefilled=None) -> inspect.Recorded:
     """A greedy run of one prompt through a cache of ``scheme``; a static scheme's scales (one pair for all
-    layers) come from ``calibration`` (:func:`calibration_sample`)."""
+    layers) come from ``calibration`` (:func:`calibration_sample`). ``prefilled``: the prompt's prefill
+    (``workbench.model.quality.prefill_all``), made here when None; the run keeps it (``Recorded.prefilled``), so
+    another scheme's run of the same prompt starts from it: prefill attends over fresh K/V, the same under every
+    cache, and on a CPU it is most of a short run's time."""
+    from workbench.model import quality
+
+    tokens = [int(t) for t in tokens]
+    pre = prefilled if prefilled is not None else quality.prefill_all(model, [tokens])[0]
     k_scale = v_scale = None
     if quant.get(scheme).static:
         from workbench.model import quality
@@ -227,7 +234,7 @@ def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str 
                              f"(calibration_sample(model, tok))")
         k_scale, v_scale = quality.static_scales(scheme, calibration)
     return inspect.record(model, [tokens], new_tokens, kv_dtype=scheme, page_tokens=inspect.page_tokens_for(scheme),
-                          ops=ops, k_scale=k_scale, v_scale=v_scale)
+                          ops=ops, k_scale=k_scale, v_scale=v_scale, prefilled=[pre])
 
 
 def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme: str, ref=None,
@@ -239,7 +246,9 @@ def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme:
     s = quant.get(scheme)
     if s.static and calibration is None:
         calibration = calibration_sample(model, tok)
-    run = greedy(model, tokens, new_tokens, scheme, ops, calibration)
+    pre = (ref.prefilled or [None])[0]  # the reference's prefill, when it is of these tokens
+    run = greedy(model, tokens, new_tokens, scheme, ops, calibration,
+                 pre if pre is not None and list(pre.tokens) == [int(t) for t in tokens] else None)
     a, b = ref.generation, run.generation
     cmp = inspect.compare_greedy(a.tokens[(0, 0)], a.logprobs[(0, 0)], b.tokens[(0, 0)], b.logprobs[(0, 0)])
     cfg = model.config
