@@ -11,11 +11,11 @@ compare against on random data.
 import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)
 
 from .copy import copy_blocks
-from .decode import CascadePlan, DecodePlan, cascade_bytes, decode_config, merge_state, merge_states, paged_decode
+from .decode import CascadePlan, DecodePlan, decode_config, merge_state, merge_states, paged_decode
 from .gather import paged_gather
 from .quest import key_bounds, quest_page_scores, quest_select
 from .swap import move_blocks
 from .write import check_write_kv, write_kv
 
-__all__ = ["CascadePlan", "DecodePlan", "cascade_bytes", "check_write_kv", "copy_blocks", "decode_config", "key_bounds", "merge_state", "merge_states",
+__all__ = ["CascadePlan", "DecodePlan", "check_write_kv", "copy_blocks", "decode_config", "key_bounds", "merge_state", "merge_states",
            "move_blocks", "paged_decode", "paged_gather", "quest_page_scores", "quest_select", "write_kv"]

@@ -27,3 +27,14 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated integers, each >= 1 (``--budgets 2048,4096``)."""
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals

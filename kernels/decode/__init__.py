@@ -4,9 +4,9 @@ layer), ``merge`` (merging attention states), ``cascade`` (shared-prefix decode:
 (``paged_decode``, the one-shot entry point). The plain PyTorch references are ``kernels/reference.py``'s."""
 
 from .api import paged_decode
-from .cascade import CascadePlan, cascade_bytes
+from .cascade import CascadePlan
 from .config import decode_config
 from .merge import merge_state, merge_states
 from .plan import DecodePlan
 
-__all__ = ["CascadePlan", "DecodePlan", "cascade_bytes", "decode_config", "merge_state", "merge_states", "paged_decode"]
+__all__ = ["CascadePlan", "DecodePlan", "decode_config", "merge_state", "merge_states", "paged_decode"]

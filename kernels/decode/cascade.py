@@ -22,7 +22,6 @@ the cascade is worth it at all, is ``workbench.shared_prefix``'s business; the p
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -290,14 +289,3 @@ def _index_maps(segs, suffix_start, B, Hq, hkv, G, T):
     q_idx = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.int64)
     return q_idx, idx, tables, L
 
-
-def cascade_bytes(segments, seq_lens: Sequence[int], suffix_start: Sequence[int], *, block_size: int,
-                  num_q_heads: int, num_kv_heads: int, head_dim: int, elem_bytes: float, rows_per_tile: int = 64) -> dict:
-    """K/V bytes a decode step reads, plain and through the cascade (host arithmetic, no tensors):
-    ``{"plain", "shared", "suffix", "cascade"}``. A segment is read once per shared tile."""
-    G = num_q_heads // num_kv_heads
-    per_token = 2 * num_kv_heads * head_dim * elem_bytes
-    plain = sum(seq_lens) * per_token
-    shared = sum(math.ceil(len(rows) * G / rows_per_tile) * (e - s) * block_size for s, e, rows in segments) * per_token
-    suffix = sum(max(0, n - s * block_size) for n, s in zip(seq_lens, suffix_start, strict=True)) * per_token
-    return {"plain": plain, "shared": shared, "suffix": suffix, "cascade": shared + suffix}

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 import workbench  # noqa: F401  (backend first)
+from workbench.argtypes import positive_int_list
 from workbench.bench import harness
 from workbench.bench.workloads import PagedKV, Workload, build_paged
 from workbench.compress.quest import quest_recall, select_pages
@@ -359,23 +360,13 @@ def print_row(row: dict) -> None:
                    if row.get(k) is not None), flush=True)
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return vals
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m workbench bench quest", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter)")
     ap.add_argument("--context", type=harness.positive_int, default=32768, help="tokens per sequence")
-    ap.add_argument("--batches", type=_ints, default=[8, 1], help="batch sizes, comma-separated")
-    ap.add_argument("--budgets", type=_ints, default=[2048, 4096, 1024, 8192], help="token budgets, comma-separated")
-    ap.add_argument("--page-sizes", type=_ints, default=[16, 32], help="tokens per page, comma-separated")
+    ap.add_argument("--batches", type=positive_int_list, default=[8, 1], help="batch sizes, comma-separated")
+    ap.add_argument("--budgets", type=positive_int_list, default=[2048, 4096, 1024, 8192], help="token budgets")
+    ap.add_argument("--page-sizes", type=positive_int_list, default=[16, 32], help="tokens per page, comma-separated")
     ap.add_argument("--reduce", choices=("max", "sum"), default="sum", help="aggregate of the heads' bounds")
     ap.add_argument("--rep-ms", type=harness.positive_float, default=100.0, help="do_bench repetition time")
     ap.add_argument("--no-real", action="store_true", help="skip the recall on real activations")

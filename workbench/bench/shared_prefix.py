@@ -34,6 +34,7 @@ under it (``auto_path``, and whether the pick was right: ``auto_ok``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -41,10 +42,20 @@ from pathlib import Path
 import torch
 
 import workbench  # noqa: F401  (backend first)
+from workbench.argtypes import positive_int_list
 from workbench.bench import harness
 from workbench.kernels import CascadePlan, DecodePlan
 from workbench.kernels.reference import paged_decode_ref
-from workbench.shared_prefix import Geometry, choose, cut, find_shared_runs, fit, group_by_overlap, step_bytes
+from workbench.shared_prefix import (
+    Geometry,
+    choose,
+    cost_model,
+    cut,
+    find_shared_runs,
+    fit,
+    group_by_overlap,
+    step_bytes,
+)
 from workbench.shared_prefix.batching import step_bytes_of_batches
 
 COLUMNS = ["section", "gqa", "prefix", "sharers", "suffix", "impl", "launch", "time_us", "time_us_graph", "gbps",
@@ -99,8 +110,7 @@ class Point:
                            rows_per_tile=rows_per_tile, shared_launch=shared_launch or None, **self.scales)
 
     def bytes(self, rows_per_tile) -> dict:
-        geo = Geometry(*(getattr(self.geo, f) for f in ("num_q_heads", "num_kv_heads", "head_dim", "block_size")),
-                       self.geo.elem_bytes, rows_per_tile)
+        geo = dataclasses.replace(self.geo, rows_per_tile=rows_per_tile)
         return step_bytes(self.segments, self.lens, self.suffix_start, geo)
 
 
@@ -265,7 +275,7 @@ def batching_rows(gqa, tile, rep_ms) -> list[dict]:
             ln = torch.tensor([lens[i] for i in rows_b], dtype=torch.int32, device=q.device)
             runs = find_shared_runs(t, ln, BLOCK)
             segs, sfx = cut(runs, range(len(runs)), len(rows_b))
-            pick = choose(runs, [lens[i] for i in rows_b], geo, _measured_or_default())
+            pick = choose(runs, [lens[i] for i in rows_b], geo, cost_model())
             plan = (CascadePlan(t, ln, segs, sfx, layout="nhd", k_cache=p.k, v_cache=p.v, num_q_heads=hq,
                                 q_dtype=q.dtype, rows_per_tile=tile) if pick.path == "shared" else
                     DecodePlan(t, ln, layout="nhd", k_cache=p.k, v_cache=p.v, num_q_heads=hq, q_dtype=q.dtype))
@@ -283,12 +293,6 @@ def batching_rows(gqa, tile, rep_ms) -> list[dict]:
     return rows
 
 
-def _measured_or_default():
-    from workbench.shared_prefix import cost_model
-
-    return cost_model()
-
-
 def run_smoke() -> list[dict]:
     """Tiny shapes through the interpreter: the cascade against the float64 reference (no times)."""
     dev = workbench.device()
@@ -300,16 +304,6 @@ def run_smoke() -> list[dict]:
         rows.append({"section": "smoke", "gqa": f"{hq}/{hkv}", "prefix": prefix, "sharers": n, "suffix": suffix,
                      "impl": "cascade", "rel_err": harness.rel_err(out.cpu(), ref.cpu())})
     return rows
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}") from None
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return vals
 
 
 def _gqas(text: str) -> list[tuple[int, int]]:
@@ -325,9 +319,9 @@ def _gqas(text: str) -> list[tuple[int, int]]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m workbench bench shared_prefix", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter)")
-    ap.add_argument("--prefixes", type=_ints, default=[128, 1024, 8192, 32768], help="shared prefix tokens")
-    ap.add_argument("--sharers", type=_ints, default=[1, 4, 16, 64, 256], help="sequences holding the prefix")
-    ap.add_argument("--suffixes", type=_ints, default=[128, 1024], help="private tokens per sequence")
+    ap.add_argument("--prefixes", type=positive_int_list, default=[128, 1024, 8192, 32768], help="shared prefix tokens")
+    ap.add_argument("--sharers", type=positive_int_list, default=[1, 4, 16, 64, 256], help="sequences sharing it")
+    ap.add_argument("--suffixes", type=positive_int_list, default=[128, 1024], help="private tokens per sequence")
     ap.add_argument("--gqa", type=_gqas, default=[(32, 8), (32, 32)], help="query/kv heads, comma-separated")
     ap.add_argument("--rep-ms", type=harness.positive_float, default=50.0, help="do_bench repetition time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the rows_per_tile sweep (64 rows, 4 warps)")
