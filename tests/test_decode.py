@@ -3,7 +3,7 @@
 import pytest
 import torch
 from conftest import dtype_id, poison_like
-from pairwise import pairwise
+from workbench.pairwise import pairwise
 from workbench.kernels import decode_config, paged_decode
 from workbench.kernels.reference import paged_decode_ref
 

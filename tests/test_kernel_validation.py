@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from conftest import dtype_id, poison_like
-from pairwise import pairwise
+from workbench.pairwise import pairwise
 from workbench.kernels import gather as gather_mod
 from workbench.kernels import paged_decode, paged_gather
 from workbench.kernels import validate as validate_mod

@@ -5,7 +5,7 @@ from itertools import combinations, product
 
 import pytest
 import torch
-from pairwise import cover, pairwise
+from workbench.pairwise import cover, pairwise
 
 from workbench.layout import Layout
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from conftest import assert_close_report, dtype_id, kw_id
-from pairwise import cover
+from workbench.pairwise import cover
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels import write as write_mod
 from workbench.kernels.copy import _word_view

@@ -9,6 +9,8 @@ Commands:
   sim NAME      run a simulator command of workbench.sim (its own --help)
   generate      generate text with SmolLM2-135M through the paged cache (its own --help)
   capture       store real per-layer K/V and attention of fixed prompts in data/activations (its own --help)
+  check IMPL    run the conformance suite on a registered kernel, export its cases, judge outside outputs
+                (its own --help)
 
 ``main(argv)`` returns the exit status (2 for bad input, with a message and no traceback).
 """
@@ -104,7 +106,9 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return cli.main([args.name, *args.rest]) or 0
 
 
-MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model.capture"}
+# commands whose own parsers take every option after the name
+MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model.capture",
+                  "check": "workbench.conformance.cli"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -167,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
     p.set_defaults(func=cmd_sim)
     for name, text in (("generate", "generate with SmolLM2-135M through the paged cache (generate --help)"),
-                       ("capture", "store real K/V and attention of fixed prompts (capture --help)")):
+                       ("capture", "store real K/V and attention of fixed prompts (capture --help)"),
+                       ("check", "check a kernel on the conformance suite (check --help)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
         p.set_defaults(func=cmd_model)

@@ -1,0 +1,166 @@
+"""Any registered decode implementation beside ours and the installed peers, on W1-W5 and a layout x page sweep.
+
+``python -m workbench bench decode --impl mine [--impl starter] [--load mykernels.py] [--smoke] [--out DIR]``
+
+Per workload (fp16, 16-token pages, NHD, fragmented pool; ``docs/workloads.md``) one row per implementation:
+
+- ``ours`` (the heuristic's launch, timed as ``DecodePlan.run``, the plan built outside the timed call);
+- every ``--impl`` (a registered name; ``--load`` imports a file or module that registers it), called with the
+  inputs its signature names, bound once outside the timed call;
+- every registered peer (FlashInfer, vLLM's Triton attention: those importable here) and the torch peers of
+  ``bench decode`` (SDPA on a contiguous copy, gather-then-SDPA, FlexAttention paged);
+- the peers that are not importable, as rows with ``status: "absent"`` and the import error.
+
+Each is first checked on the workload against the float32 reference (``rel_err`` at most 2e-2): one that fails is a
+``check_failed`` row, not timed. Timed rows carry ``time_us`` (lower of two medians), ``time_us_graph`` (CUDA-graph
+replay), ``gbps`` and ``frac_copy_bw`` against the copy bandwidth measured in the same run. Then W1 at pages
+8/16/32/64/128 in every layout each implementation claims (``sweep: "layout"``). Rows go to
+``byok-decode-<gpu>-<date>.json``. ``--smoke``: tiny workloads through the interpreter, correctness only.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from tqdm import tqdm
+
+import workbench
+from workbench.bench import harness
+from workbench.bench.decode import _config, _free, _time, ours_fn, peer_fns, print_row, ref_fp32
+from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
+from workbench.conformance import builtin
+from workbench.conformance.registry import Impl, available, get
+
+TOL = 2e-2  # rel_err a row must reach against the float32 reference before it is timed
+
+
+def op_inputs(p: PagedKV, out: torch.Tensor) -> dict:
+    """The decode op's inputs (``workbench.conformance.registry.OPS``) for a benchmark cache (fp16, default scale)."""
+    dev = p.q.device
+    indptr = [0]
+    for n in p.blocks_per_seq:
+        indptr.append(indptr[-1] + n)
+    indices = torch.cat([p.block_table[b, :n] for b, n in enumerate(p.blocks_per_seq)])
+    last = [(n - 1) % p.block_size + 1 if n else 0 for n in p.lens]
+    return {"q": p.q, "k_cache": p.k_cache, "v_cache": p.v_cache, "layout": p.layout.value,
+            "block_size": p.block_size, "block_table": p.block_table, "seq_lens": p.seq_lens,
+            "kv_indptr": torch.tensor(indptr, dtype=torch.int32, device=dev), "kv_indices": indices.to(torch.int32),
+            "kv_last_page_len": torch.tensor(last, dtype=torch.int32, device=dev), "max_seq_len": p.max_seq_len,
+            "sm_scale": p.q.shape[-1] ** -0.5, "k_scale": None, "v_scale": None, "quant": None, "kv_format": "fp16",
+            "ref_counts": None, "out": out}
+
+
+def bind(impl: Impl, inputs: dict):
+    """A zero-argument call of ``impl`` on ``inputs`` (the argument selection done once, not per timed call)."""
+    kw = dict(inputs) if impl.takes_all else {k: v for k, v in inputs.items() if k in impl.takes}
+    fn = impl.fn
+    return lambda: fn(**kw)
+
+
+def _row(w, p, impl, origin, status, nbytes, copy_gbps, t=None, tg=None, err=None, extra=None) -> dict:
+    row = {"workload": w.key, "workload_name": w.name, "impl": impl, "origin": origin, "status": status,
+           "layout": p.layout.value, "block_size": p.block_size, "kv_dtype": "fp16", "time_us": t,
+           "time_us_graph": tg, "bytes": nbytes, "copy_gbps": copy_gbps, "rel_err": err}
+    if t:
+        row["gbps"] = nbytes / (t * 1e-6) / 1e9
+        row["frac_copy_bw"] = row["gbps"] / copy_gbps if copy_gbps else None
+    if tg:
+        row["frac_copy_bw_graph"] = nbytes / (tg * 1e-6) / 1e9 / copy_gbps if copy_gbps else None
+    row.update(extra or {})
+    return row
+
+
+def _measure(w, p, name, origin, fn, out, ref, nbytes, copy_gbps, rep_ms, timed, extra=None) -> dict:
+    try:
+        out.fill_(float("nan"))
+        got = fn()
+        got = out if got is None else got
+        err = harness.rel_err(got.reshape(ref.shape), ref)
+        if not err <= TOL:
+            return _row(w, p, name, origin, "check_failed", nbytes, copy_gbps, err=err, extra=extra)
+        if not timed:
+            return _row(w, p, name, origin, "ok", nbytes, copy_gbps, err=err, extra=extra)
+        t, tg, gerr = _time(fn, rep_ms, graph=True)
+        return _row(w, p, name, origin, "ok", nbytes, copy_gbps, t, tg, err, {**(extra or {}),
+                                                                          **({"error": gerr} if gerr else {})})
+    except Exception as e:  # noqa: BLE001  (a failing implementation is a row, not a crash)
+        return _row(w, p, name, origin, "error", nbytes, copy_gbps,
+                    extra={**(extra or {}), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+
+
+def run_workload(w, impls: list[Impl], copy_gbps: float, rep_ms: float, *, timed: bool, device,
+                 layout: str = "nhd", block_size: int = 16, torch_peers: bool = True, sweep: str = "") -> list[dict]:
+    """Ours, ``impls`` and (``torch_peers``) the torch peers on one workload; absent peers as rows."""
+    p = build_paged(w, layout=layout, block_size=block_size, kv_dtype=torch.float16, device=device)
+    k, v = contiguous_kv(p)
+    ref = ref_fp32(p.q, k, v, p.lens)
+    nbytes = bytes_moved(w, 2, 2)
+    out = torch.empty_like(p.q)
+    extra = {"sweep": sweep} if sweep else None
+    rows = []
+    cfg = _config(p, torch.float16) if timed else {}
+    rows.append(_measure(w, p, "ours", "ours", ours_fn(p, cfg, out), out, ref, nbytes, copy_gbps, rep_ms, timed, extra))
+    inputs = op_inputs(p, out)
+    for impl in impls:
+        if not impl.supports(layout, "fp16", block_size, p.q.shape[-1]):
+            continue
+        rows.append(_measure(w, p, impl.name, impl.origin, bind(impl, inputs), out, ref, nbytes, copy_gbps, rep_ms,
+                             timed, extra))
+    if torch_peers:
+        for name, fn in peer_fns(p, k, v).items():
+            if name == "flex_paged" and not timed:
+                continue  # torch.compile of flex needs a GPU
+            if isinstance(fn, Exception):
+                rows.append(_row(w, p, name, "peer", "error", nbytes, copy_gbps,
+                                 extra={"error": f"{type(fn).__name__}: {str(fn)[:200]}"}))
+                continue
+            rows.append(_measure(w, p, name, "peer", lambda fn=fn: fn().squeeze(2), out, ref, nbytes, copy_gbps,
+                                 rep_ms, timed))
+            _free() if timed else None
+        for name, why in sorted(builtin.ABSENT.items()):
+            rows.append(_row(w, p, name, "peer", "absent", nbytes, copy_gbps, extra={"error": why}))
+    for r in rows:
+        print_row(r)
+    del p, k, v, ref, out, inputs
+    if timed:
+        _free()
+    return rows
+
+
+def implementations(names: list[str]) -> list[Impl]:
+    """The named implementations (``ours`` is always timed first; a name twice counts once), then every peer."""
+    impls = [get(n, "decode") for n in dict.fromkeys(names) if n != "ours"]
+    peers = [i for i in available("decode", origin="peer") if i.name not in {x.name for x in impls}]
+    return impls + peers
+
+
+def run(names: list[str], smoke: bool, out_dir) -> tuple[list[dict], dict]:
+    impls = implementations(names)
+    dev = workbench.device()
+    rows: list[dict] = []
+    if smoke:
+        for w in tqdm(WORKLOADS.values(), desc="byok smoke", unit="workload", file=sys.stderr):
+            rows += run_workload(w.smoke(), impls, 0.0, 0.0, timed=False, device=dev)
+        return rows, {"mode": "smoke", "impls": [i.name for i in impls], "absent": dict(builtin.ABSENT)}
+    copy_gbps = harness.copy_bandwidth_gbps()
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
+    for w in WORKLOADS.values():
+        rows += run_workload(w, impls, copy_gbps, 100, timed=True, device=dev)
+    for layout in ("nhd", "hnd", "vllm"):
+        for bs in (8, 16, 32, 64, 128):
+            rows += run_workload(WORKLOADS["W1"], impls, copy_gbps, 50, timed=True, device=dev, layout=layout,
+                                 block_size=bs, torch_peers=False, sweep="layout")
+    return rows, {"mode": "full", "copy_gbps": copy_gbps, "impls": [i.name for i in impls],
+                  "absent": dict(builtin.ABSENT)}
+
+
+def summary(rows: list[dict]) -> None:
+    """Per workload: each implementation's fraction of the copy bandwidth (or why it has none)."""
+    main_rows = [r for r in rows if not r.get("sweep")]
+    for key in dict.fromkeys(r["workload"] for r in main_rows):
+        parts = []
+        for r in (r for r in main_rows if r["workload"] == key):
+            val = f"{r['frac_copy_bw']:.3f}" if r.get("frac_copy_bw") else r["status"]
+            parts.append(f"{r['impl']} {val}")
+        print(f"{key}: " + "  ".join(parts))

@@ -1,0 +1,18 @@
+"""Bring your own kernel: a registry of implementations per op, a conformance suite that checks any of them on the
+cases our kernels pass, problems exported to files for kernels outside Python, and the starter kernel to edit.
+
+    from workbench import conformance
+    conformance.register("decode", "mine", my_fn, layouts=("nhd",), formats=("fp16",))
+    report = conformance.check("mine")          # pairwise cases; level="smoke" / "full"
+    print(report.summary())
+
+``python -m workbench check <impl>`` runs the same from a shell (``--help``); docs/byo_kernel.md is the guide.
+"""
+
+from .cases import LEVELS, cases_for
+from .problems import Case
+from .registry import OPS, Impl, available, get, names, register, unregister
+from .suite import CaseResult, Report, check, replay, run_case
+
+__all__ = ["LEVELS", "OPS", "Case", "CaseResult", "Impl", "Report", "available", "cases_for", "check", "get", "names",
+           "register", "replay", "run_case", "unregister"]

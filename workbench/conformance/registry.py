@@ -1,0 +1,238 @@
+"""Implementations of the cache's ops, by name: ours, our references, the installed peers, and yours.
+
+An op is a contract: the arguments an implementation may ask for (by parameter name: it is handed only the ones
+its signature names, so a CSR kernel asks for ``kv_indptr`` and never sees the block table) and what it must give
+back. An implementation is any callable plus what it claims to support (layouts, formats, block sizes, head dims);
+the conformance suite (:mod:`workbench.conformance.suite`) runs it on every case it claims and nothing else.
+
+    @register("decode", "mine", layouts=("nhd",), formats=("fp16", "bf16"))
+    def mine(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out):
+        ...  # write out [B, Hq, D] (or return it)
+
+Registering a name again replaces a user's implementation (a notebook cell run twice) but never ours, a
+reference's or a peer's unless ``replace=True``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from workbench.layout import Layout
+
+ORIGINS = ("ours", "reference", "peer", "example", "user")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op's contract: ``arguments`` an implementation may take (by name), ``required`` the ones it must."""
+
+    name: str
+    arguments: dict[str, str]  # name -> what it is
+    required: tuple[str, ...]
+    returns: str
+
+
+_DECODE_ARGS = {
+    "q": "[B, Hq, D] queries, one token per sequence (fp16 / bf16 / fp32)",
+    "k_cache": "one layer's K cache in `layout`: [blocks, ...] (padded block strides possible)",
+    "v_cache": "one layer's V cache, same layout and blocks",
+    "layout": "'nhd', 'hnd' or 'vllm' (workbench.layout)",
+    "block_size": "tokens per block",
+    "block_table": "[B, max_blocks] int32 physical block ids; entries past a sequence's blocks are padding",
+    "seq_lens": "[B] int32 context lengths (0 allowed)",
+    "kv_indptr": "[B + 1] int32, FlashInfer's CSR: sequence b's blocks are kv_indices[kv_indptr[b]:kv_indptr[b+1]]",
+    "kv_indices": "[nnz] int32 block ids of all sequences, in order",
+    "kv_last_page_len": "[B] int32 tokens in each sequence's last block (0 for an empty sequence)",
+    "max_seq_len": "max(seq_lens) as a Python int",
+    "sm_scale": "softmax scale (the suite passes a value that is not 1/sqrt(D))",
+    "k_scale": "None, or an fp32 tensor of 1 or Hkv values: read = stored * scale (fp8 / int8 caches)",
+    "v_scale": "like k_scale",
+    "quant": "None, or the workbench.quant scheme name of a cache whose scales live in its blocks",
+    "kv_format": "the format name of the case ('fp16', 'fp8_e4m3', 'int8_asym/token', ...)",
+    "out": "[B, Hq, D] output buffer in q's dtype, pre-filled with NaN",
+}
+
+OPS: dict[str, Op] = {
+    "decode": Op("decode", _DECODE_ARGS, ("sm_scale",), "out [B, Hq, D] in q's dtype (written into out, or returned)"),
+    "shared_prefix": Op("shared_prefix", {**_DECODE_ARGS, "ref_counts": "[blocks] int32 holders of each block"},
+                        ("sm_scale",), "as decode; the batch's block tables share leading blocks"),
+    "write": Op("write", {
+        "key": "[T, Hkv, D] new keys (fp16 / bf16 / fp32)", "value": "[T, Hkv, D] new values",
+        "k_cache": "one layer's K cache in `layout` (written in place)", "v_cache": "the V cache",
+        "layout": "'nhd', 'hnd' or 'vllm'", "block_size": "tokens per block",
+        "slot_mapping": "[T] int64 slots: block * block_size + offset", "k_scale": "None or fp32 [1] / [Hkv]",
+        "v_scale": "like k_scale", "kv_format": "the format name of the case"},
+        ("slot_mapping",), "nothing: the caches hold the tokens, every other byte untouched"),
+    "copy": Op("copy", {
+        "pool": "[layers, 2, blocks, block_stride] every layer's K and V blocks (any dtype)",
+        "src": "[n] int32 source blocks (may repeat: a fork)", "dst": "[n] int32 destinations, distinct, not sources"},
+        ("pool", "src", "dst"), "nothing: pool[:, :, dst] equals the old pool[:, :, src], every other byte untouched"),
+}
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A registered implementation and what it claims (None: any)."""
+
+    op: str
+    name: str
+    fn: Callable
+    origin: str = "user"
+    layouts: tuple[str, ...] = ("nhd", "hnd", "vllm")
+    formats: tuple[str, ...] = ("fp16", "bf16", "fp32")
+    block_sizes: tuple[int, ...] | None = None
+    head_dims: tuple[int, ...] | None = None
+    description: str = ""
+    takes: frozenset = field(default=frozenset(), compare=False)  # the op's arguments its signature names
+    takes_all: bool = field(default=False, compare=False)  # it has **kwargs
+
+    def supports(self, layout: str, kv_format: str, block_size: int, head_dim: int) -> bool:
+        return (layout in self.layouts and kv_format in self.formats
+                and (self.block_sizes is None or block_size in self.block_sizes)
+                and (self.head_dims is None or head_dim in self.head_dims))
+
+    def __call__(self, inputs: dict):
+        """Call the implementation with the inputs its signature asks for."""
+        return self.fn(**(inputs if self.takes_all else {k: v for k, v in inputs.items() if k in self.takes}))
+
+    def claims(self) -> str:
+        sizes = "any" if self.block_sizes is None else ",".join(map(str, self.block_sizes))
+        dims = "any" if self.head_dims is None else ",".join(map(str, self.head_dims))
+        return (f"layouts {','.join(self.layouts)}; formats {','.join(self.formats)}; block sizes {sizes}; "
+                f"head dims {dims}")
+
+
+_REGISTRY: dict[tuple[str, str], Impl] = {}
+
+
+def _signature(op: Op, fn: Callable, name: str) -> tuple[frozenset, bool]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        raise ValueError(f"implementation {name!r}: fn must be a Python callable with a signature, "
+                         f"got {fn!r}") from None
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                     and p.default is p.empty and p.name not in op.arguments)
+    if unknown:
+        raise ValueError(f"implementation {name!r} of op {op.name!r} requires arguments {unknown} the op does not "
+                         f"provide; it provides {sorted(op.arguments)}")
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or any(
+            p.kind is p.POSITIONAL_ONLY for p in params):
+        raise ValueError(f"implementation {name!r}: arguments are passed by name; drop positional-only and *args")
+    missing = [a for a in op.required if a not in named and not takes_all]
+    if missing:
+        raise ValueError(f"implementation {name!r} of op {op.name!r} must accept {missing} "
+                         f"({'; '.join(op.arguments[a] for a in missing)})")
+    return frozenset(named & set(op.arguments)), takes_all
+
+
+def _names(kind: str, values, check) -> tuple:
+    if isinstance(values, str | int):
+        values = (values,)
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise ValueError(f"{kind} must be a list, got {values!r}") from None
+    if not values:
+        raise ValueError(f"{kind} must name at least one value")
+    for v in values:
+        check(v)
+    return values
+
+
+def _check_format(f) -> None:
+    from workbench.conformance.formats import SUITE_FORMATS
+
+    if f not in SUITE_FORMATS:
+        raise ValueError(f"formats: {f!r} is not one of the suite's formats {list(SUITE_FORMATS)}")
+
+
+def _check_size(kind: str):
+    def check(v) -> None:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{kind} must be positive ints, got {v!r}")
+    return check
+
+
+def make_impl(op: str, name: str, fn: Callable, *, origin: str = "user",
+              layouts: Iterable[str] = ("nhd", "hnd", "vllm"), formats: Iterable[str] = ("fp16", "bf16", "fp32"),
+              block_sizes: Iterable[int] | None = None, head_dims: Iterable[int] | None = None, description: str = "") -> Impl:
+    """A checked :class:`Impl` (not registered): ValueError naming the argument that is wrong."""
+    if op not in OPS:
+        raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
+    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"name must be a non-empty identifier-like string (letters, digits, _ and -), got {name!r}")
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
+    if not callable(fn):
+        raise ValueError(f"fn must be callable, got {type(fn).__name__}")
+    takes, takes_all = _signature(OPS[op], fn, name)
+    lay = _names("layouts", layouts, lambda v: Layout.parse(v))
+    fmts = _names("formats", formats, _check_format) if op != "copy" else ("any",)
+    sizes = None if block_sizes is None else _names("block_sizes", block_sizes, _check_size("block_sizes"))
+    dims = None if head_dims is None else _names("head_dims", head_dims, _check_size("head_dims"))
+    return Impl(op, name, fn, origin, tuple(Layout.parse(v).value for v in lay), fmts, sizes, dims,
+                description or (inspect.getdoc(fn) or "").split("\n")[0], takes, takes_all)
+
+
+def register(op: str, name: str | None = None, fn: Callable | None = None, *, replace: bool = False, **claims):
+    """Register ``fn`` as implementation ``name`` of ``op``: ``register("decode", "mine", fn, ...)``, or as a
+    decorator (``@register("decode", "mine", layouts=("nhd",))``; the name defaults to the function's).
+
+    ``claims``: ``layouts``, ``formats``, ``block_sizes``, ``head_dims`` (None: any), ``origin``, ``description``.
+    Returns the :class:`Impl` (the decorator returns ``fn`` unchanged).
+    """
+    def add(f: Callable):
+        impl = make_impl(op, name or getattr(f, "__name__", ""), f, **claims)
+        old = _REGISTRY.get((op, impl.name))
+        if old is not None and old.origin != "user" and not replace:
+            raise ValueError(f"name {impl.name!r} is taken by the {old.origin} implementation of {op!r}; "
+                             f"pick another name or pass replace=True")
+        _REGISTRY[(op, impl.name)] = impl
+        return impl
+
+    if fn is not None:
+        return add(fn)
+    return lambda f: (add(f), f)[1]
+
+
+def unregister(op: str, name: str) -> None:
+    if (op, name) not in _REGISTRY:
+        raise ValueError(f"no implementation {name!r} of op {op!r}; registered: {names(op)}")
+    del _REGISTRY[(op, name)]
+
+
+def get(name: str | Impl, op: str = "decode") -> Impl:
+    """The implementation ``name`` of ``op`` (an :class:`Impl` passes through)."""
+    from workbench.conformance import builtin
+
+    builtin.load()
+    if isinstance(name, Impl):
+        return name
+    if op not in OPS:
+        raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
+    if (op, name) not in _REGISTRY:
+        raise ValueError(f"no implementation {name!r} of op {op!r}; registered: {names(op)}"
+                         + (f"; absent peers: {sorted(builtin.ABSENT)}" if name in builtin.ABSENT else ""))
+    return _REGISTRY[(op, name)]
+
+
+def names(op: str | None = None) -> list[str]:
+    from workbench.conformance import builtin
+
+    builtin.load()
+    return sorted(n for o, n in _REGISTRY if op is None or o == op)
+
+
+def available(op: str | None = None, origin: str | None = None) -> list[Impl]:
+    """Registered implementations (of ``op``, of ``origin``), ours first."""
+    from workbench.conformance import builtin
+
+    builtin.load()
+    rank = {o: i for i, o in enumerate(ORIGINS)}
+    return sorted((i for (o, _), i in _REGISTRY.items() if (op is None or o == op)
+                   and (origin is None or i.origin == origin)), key=lambda i: (i.op, rank[i.origin], i.name))
