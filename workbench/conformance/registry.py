@@ -160,7 +160,8 @@ def _check_size(kind: str):
 
 def make_impl(op: str, name: str, fn: Callable, *, origin: str = "user",
               layouts: Iterable[str] = ("nhd", "hnd", "vllm"), formats: Iterable[str] = ("fp16", "bf16", "fp32"),
-              block_sizes: Iterable[int] | None = None, head_dims: Iterable[int] | None = None, description: str = "") -> Impl:
+              block_sizes: Iterable[int] | None = None, head_dims: Iterable[int] | None = None,
+              description: str = "") -> Impl:
     """A checked :class:`Impl` (not registered): ValueError naming the argument that is wrong."""
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
