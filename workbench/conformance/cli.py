@@ -116,7 +116,12 @@ def main(argv: list[str] | None = None) -> int:
                 paths = exchange.export_problems(cases, args.export)
                 print(f"wrote {len(paths)} problems and manifest.json to {args.export}")
                 return 0
-            report = check(impl, cases=cases, progress=not args.quiet, stop_after=args.stop_after)
+            save = None
+            if args.json is not None:  # every 10 cases and at the end: a run cut short keeps what it checked
+                def save(rep):
+                    if len(rep.results) % 10 == 0:
+                        _write_json(args.json, rep)
+            report = check(impl, cases=cases, progress=not args.quiet, stop_after=args.stop_after, each=save)
     except ValueError as e:
         print(f"check: {e}", file=sys.stderr)
         return 2

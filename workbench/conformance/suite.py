@@ -213,10 +213,11 @@ def run_case(impl: Impl, case: Case, device=None) -> CaseResult:
 
 
 def check(impl: str | Impl, *, op: str = "decode", level: str = "pairwise", cases: Iterable[Case] | None = None,
-          device=None, progress: bool = False, stop_after: int | None = None) -> Report:
+          device=None, progress: bool = False, stop_after: int | None = None, each=None) -> Report:
     """Run ``impl`` (a registered name of ``op`` or an :class:`Impl`) on its cases (``level``'s, or ``cases``).
 
-    ``stop_after``: stop after that many failures (None: run every case). ``progress``: a tqdm bar.
+    ``stop_after``: stop after that many failures (None: run every case). ``progress``: a tqdm bar. ``each``: called
+    with the report so far after every case (the CLI saves partial JSON with it: a run cut short keeps its cases).
     """
     import workbench
 
@@ -235,6 +236,9 @@ def check(impl: str | Impl, *, op: str = "decode", level: str = "pairwise", case
         it = tqdm(todo, desc=f"check {impl.name}", unit="case")
     for c in it:
         report.results.append(run_case(impl, c, device))
+        report.seconds = time.perf_counter() - t0
+        if each is not None:
+            each(report)
         if stop_after is not None and len(report.failures) >= stop_after:
             break
     report.seconds = time.perf_counter() - t0
