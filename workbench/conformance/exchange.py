@@ -8,7 +8,8 @@ framework), and the judging of their outputs by the same rules as :mod:`workbenc
 A problem file is safetensors (readable from C++, Rust, Python without torch): every input tensor of the op under
 its argument name, caches as their raw ``[num_blocks, block_stride]`` planes (padding and in-block scales
 included), the reference answer under ``ref`` (decode: float32 ``[B, Hq, D]``; write: ``ref.k_cache`` /
-``ref.v_cache`` planes; copy: ``ref.pool``), and string metadata: the case id and fields, scalars (``sm_scale``,
+``ref.v_cache`` planes, and the planes before the write as ``before.k_cache`` / ``before.v_cache``; copy:
+``ref.pool``), and string metadata: the case id and fields, scalars (``sm_scale``,
 ``block_size``, ``max_seq_len``), each cache's layout view (shape and strides in elements over its plane) and
 what the output file must hold (``outputs``).
 """
@@ -62,7 +63,9 @@ def problem_tensors(case: Case, device="cpu") -> tuple[dict[str, torch.Tensor], 
         elif v is not None:
             scalars[k] = v
     if case.op == "write":
-        tensors["ref.k_cache"], tensors["ref.v_cache"] = (qblocks.plane_of(r).contiguous().cpu() for r in ref)
+        kr, vr, kb, vb = ref
+        tensors["ref.k_cache"], tensors["ref.v_cache"] = (qblocks.plane_of(r).contiguous().cpu() for r in (kr, vr))
+        tensors["before.k_cache"], tensors["before.v_cache"] = kb.contiguous().cpu(), vb.contiguous().cpu()
     elif case.op == "copy":
         tensors["ref.pool"] = ref.contiguous().cpu()
     else:
@@ -105,11 +108,11 @@ def load_problem(path: Path | str, device="cpu") -> tuple[Case, dict, object]:
     for k in ("k_scale", "v_scale", "quant"):
         inputs.setdefault(k, None)
     for k, t in tensors.items():
-        if k != "ref" and not k.startswith("ref."):
+        if k != "ref" and not k.startswith(("ref.", "before.")):
             inputs[k] = _view_of(t, views[k]["shape"], views[k]["stride"]) if k in views else t
     if case.op == "write":
-        ref = tuple(_view_of(tensors[f"ref.{k}"], views[k]["shape"], views[k]["stride"])
-                    for k in ("k_cache", "v_cache"))
+        ref = (*(_view_of(tensors[f"ref.{k}"], views[k]["shape"], views[k]["stride"]) for k in ("k_cache", "v_cache")),
+               tensors["before.k_cache"], tensors["before.v_cache"])
     elif case.op == "copy":
         ref = tensors["ref.pool"]
     else:

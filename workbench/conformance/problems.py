@@ -68,26 +68,38 @@ class Case:
     @classmethod
     def parse(cls, case_id: str) -> Case:
         """The case of an :attr:`id` (ValueError naming the part it cannot read)."""
+        from workbench.conformance.registry import OPS
+        from workbench.layout import Layout
+
+        if not isinstance(case_id, str):
+            raise ValueError(f"case id must be a string, got {type(case_id).__name__}")
         parts = case_id.strip().split("/")
-        if not parts or not parts[0]:
-            raise ValueError(f"case id must start with the op, got {case_id!r}")
-        kw: dict = {"op": parts[0]}
-        rest = parts[1:]
-        if len(rest) < 2:
-            raise ValueError(f"case id {case_id!r} needs at least the layout and the format")
-        kw["layout"] = rest[0]
+        if parts[0] not in OPS:
+            raise ValueError(f"case id {case_id!r} must start with an op of {list(OPS)}")
+        if len(parts) < 3:
+            raise ValueError(f"case id {case_id!r} needs at least the op, the layout and the format")
+        Layout.parse(parts[1])
+        kw: dict = {"op": parts[0], "layout": parts[1]}
         by_prefix = sorted(((p, n) for n, p in cls._SHORT.items() if p), key=lambda t: -len(t[0]))
-        for part in rest[1:]:
+        for part in parts[2:]:
             for prefix, name in by_prefix:
                 if part.startswith(prefix) and (name == "lens" or part[len(prefix):].lstrip("-").isdigit()):
                     val = part[len(prefix):]
                     try:
-                        kw[name] = tuple(int(x) for x in val.split(",") if x) if name == "lens" else int(val)
+                        value = tuple(int(x) for x in val.split(",") if x) if name == "lens" else int(val)
                     except ValueError:
                         raise ValueError(f"case id part {part!r}: {name} must be integers") from None
                     break
             else:
-                kw["kv_format"] = part.replace(":", "/")
+                name, value = "kv_format", part.replace(":", "/")
+                if value not in SUITE_FORMATS:
+                    raise ValueError(f"case id part {part!r} is neither a field (bs16, d64, hkv2, g4, lens=..., "
+                                     f"pad0, seed1, shared1, L1, pairs1) nor a format of {list(SUITE_FORMATS)}")
+            if name in kw:
+                raise ValueError(f"case id {case_id!r} gives {name} twice")
+            kw[name] = value
+        if "kv_format" not in kw:
+            raise ValueError(f"case id {case_id!r} names no format")
         return cls(**kw)
 
     def replay(self) -> str:
@@ -205,7 +217,7 @@ def build_decode(case: Case, device) -> dict:
 
 def build_write(case: Case, device) -> dict:
     """``lens[0]`` new tokens to random distinct slots of a pool filled with random bytes; ``ref``: the caches after
-    the reference write."""
+    the reference write, then both planes before it."""
     from workbench.kernels.reference import write_kv_ref
 
     scheme = _scheme(case)
@@ -231,12 +243,13 @@ def build_write(case: Case, device) -> dict:
         k_scale = scheme.calibrate(key if T else torch.ones(1, H, D)).reshape(-1).to(device)
         v_scale = scheme.calibrate(value if T else torch.ones(1, H, D)).reshape(-1).to(device)
     ref_planes = [qblocks.plane_of(c).clone() for c in caches]
+    before = [p.clone() for p in ref_planes]
     kr, vr = (block_view(p, case.layout, kind, bs, H, qblocks.code_dim(scheme, D))
               for p, kind in zip(ref_planes, "kv", strict=True))
     write_kv_ref(key, value, kr, vr, case.layout, slots.to(device), k_scale, v_scale)
     return {"key": key, "value": value, "k_cache": caches[0], "v_cache": caches[1], "layout": case.layout,
             "block_size": bs, "slot_mapping": slots.to(device), "k_scale": k_scale, "v_scale": v_scale,
-            "kv_format": case.kv_format, "ref": (kr, vr)}
+            "kv_format": case.kv_format, "ref": (kr, vr, *before)}
 
 
 def build_copy(case: Case, device) -> dict:

@@ -95,7 +95,8 @@ class Impl:
 
     def __call__(self, inputs: dict):
         """Call the implementation with the inputs its signature asks for."""
-        return self.fn(**(inputs if self.takes_all else {k: v for k, v in inputs.items() if k in self.takes}))
+        args = OPS[self.op].arguments if self.takes_all else self.takes
+        return self.fn(**{k: v for k, v in inputs.items() if k in args})
 
     def claims(self) -> str:
         sizes = "any" if self.block_sizes is None else ",".join(map(str, self.block_sizes))
@@ -187,8 +188,12 @@ def register(op: str, name: str | None = None, fn: Callable | None = None, *, re
     ``claims``: ``layouts``, ``formats``, ``block_sizes``, ``head_dims`` (None: any), ``origin``, ``description``.
     Returns the :class:`Impl` (the decorator returns ``fn`` unchanged).
     """
+    from workbench.conformance import builtin
+
+    builtin.load()  # first: a user's "ours" must meet ours, not be replaced by it on the first lookup
+
     def add(f: Callable):
-        impl = make_impl(op, name or getattr(f, "__name__", ""), f, **claims)
+        impl = make_impl(op, getattr(f, "__name__", "") if name is None else name, f, **claims)
         old = _REGISTRY.get((op, impl.name))
         if old is not None and old.origin != "user" and not replace:
             raise ValueError(f"name {impl.name!r} is taken by the {old.origin} implementation of {op!r}; "
@@ -201,9 +206,13 @@ def register(op: str, name: str | None = None, fn: Callable | None = None, *, re
     return lambda f: (add(f), f)[1]
 
 
-def unregister(op: str, name: str) -> None:
+def unregister(op: str, name: str, *, force: bool = False) -> None:
+    """Remove a user's implementation (ours, the references and the peers only with ``force=True``)."""
     if (op, name) not in _REGISTRY:
         raise ValueError(f"no implementation {name!r} of op {op!r}; registered: {names(op)}")
+    if _REGISTRY[(op, name)].origin != "user" and not force:
+        raise ValueError(f"{name!r} is the {_REGISTRY[(op, name)].origin} implementation of {op!r}; "
+                         f"pass force=True to remove it")
     del _REGISTRY[(op, name)]
 
 
