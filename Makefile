@@ -13,7 +13,7 @@ tour:
 # (most tests first) started the browser test minutes late. Measured slower on 2 cores: three workers,
 # OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
 LONG_FIRST := tests/browser tests/test_model.py tests/test_decode_plan.py tests/test_quant_kernels.py \
-	tests/test_compaction.py tests/test_write_copy.py notebooks tests
+	tests/test_compaction.py tests/test_write_copy.py tests/test_conformance.py notebooks tests
 # Chromium's apt install (a fresh machine: ~30-60 s) runs beside the Python setup, not after it.
 test:
 	@scripts/setup_browser.sh & browser=$$!; \
