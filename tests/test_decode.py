@@ -3,11 +3,11 @@
 import pytest
 import torch
 from conftest import dtype_id, poison_like
-from workbench.pairwise import pairwise
 from workbench.kernels import decode_config, paged_decode
 from workbench.kernels.reference import paged_decode_ref
 
 from workbench.layout import from_nhd
+from workbench.pairwise import pairwise
 
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 

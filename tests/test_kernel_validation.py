@@ -7,7 +7,6 @@ import random
 import pytest
 import torch
 from conftest import dtype_id, poison_like
-from workbench.pairwise import pairwise
 from workbench.kernels import gather as gather_mod
 from workbench.kernels import paged_decode, paged_gather
 from workbench.kernels import validate as validate_mod
@@ -16,6 +15,7 @@ from workbench.kernels.reference import paged_decode_ref, paged_gather_ref, writ
 from workbench.kernels.validate import check_block_table
 
 from workbench.layout import Layout, block_shape, block_view
+from workbench.pairwise import pairwise
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0xFF}  # bit patterns that decode as NaN

@@ -5,9 +5,9 @@ from itertools import combinations, product
 
 import pytest
 import torch
-from workbench.pairwise import cover, pairwise
 
 from workbench.layout import Layout
+from workbench.pairwise import cover, pairwise
 
 
 def pairs_met(cases, axes) -> bool:

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 from conftest import assert_close_report, dtype_id, kw_id
-from workbench.pairwise import cover
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels import write as write_mod
 from workbench.kernels.copy import _word_view
@@ -24,6 +23,7 @@ from workbench.kernels.write import WriteConfig, default_launch, launch_config, 
 
 from workbench.bench.cache_kernels import block_stride, layer_views, make_pool
 from workbench.layout import Layout, block_shape, to_nhd
+from workbench.pairwise import cover
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2

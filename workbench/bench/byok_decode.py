@@ -20,7 +20,9 @@ replay), ``gbps`` and ``frac_copy_bw`` against the copy bandwidth measured in th
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,8 +31,7 @@ import workbench
 from workbench.bench import harness
 from workbench.bench.decode import _config, _free, _time, ours_fn, peer_fns, print_row, ref_fp32
 from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
-from workbench.conformance import builtin
-from workbench.conformance.registry import Impl, available, get
+from workbench.conformance.registry import ABSENT, Impl, available, get
 
 TOL = 2e-2  # rel_err a row must reach against the float32 reference before it is timed
 
@@ -118,7 +119,7 @@ def run_workload(w, impls: list[Impl], copy_gbps: float, rep_ms: float, *, timed
             rows.append(_measure(w, p, name, "peer", lambda fn=fn: fn().squeeze(2), out, ref, nbytes, copy_gbps,
                                  rep_ms, timed))
             _free() if timed else None
-        for name, why in sorted(builtin.ABSENT.items()):
+        for name, why in sorted(ABSENT.items()):
             rows.append(_row(w, p, name, "peer", "absent", nbytes, copy_gbps, extra={"error": why}))
     for r in rows:
         print_row(r)
@@ -135,14 +136,14 @@ def implementations(names: list[str]) -> list[Impl]:
     return impls + peers
 
 
-def run(names: list[str], smoke: bool, out_dir) -> tuple[list[dict], dict]:
+def run(names: list[str], smoke: bool) -> tuple[list[dict], dict]:
     impls = implementations(names)
     dev = workbench.device()
     rows: list[dict] = []
     if smoke:
         for w in tqdm(WORKLOADS.values(), desc="byok smoke", unit="workload", file=sys.stderr):
             rows += run_workload(w.smoke(), impls, 0.0, 0.0, timed=False, device=dev)
-        return rows, {"mode": "smoke", "impls": [i.name for i in impls], "absent": dict(builtin.ABSENT)}
+        return rows, {"mode": "smoke", "impls": [i.name for i in impls], "absent": dict(ABSENT)}
     copy_gbps = harness.copy_bandwidth_gbps()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     for w in WORKLOADS.values():
@@ -152,7 +153,7 @@ def run(names: list[str], smoke: bool, out_dir) -> tuple[list[dict], dict]:
             rows += run_workload(WORKLOADS["W1"], impls, copy_gbps, 50, timed=True, device=dev, layout=layout,
                                  block_size=bs, torch_peers=False, sweep="layout")
     return rows, {"mode": "full", "copy_gbps": copy_gbps, "impls": [i.name for i in impls],
-                  "absent": dict(builtin.ABSENT)}
+                  "absent": dict(ABSENT)}
 
 
 def summary(rows: list[dict]) -> None:
@@ -164,3 +165,31 @@ def summary(rows: list[dict]) -> None:
             val = f"{r['frac_copy_bw']:.3f}" if r.get("frac_copy_bw") else r["status"]
             parts.append(f"{r['impl']} {val}")
         print(f"{key}: " + "  ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench bench decode", description=__doc__.splitlines()[0])
+    ap.add_argument("--impl", action="append", default=[], metavar="NAME",
+                    help="a registered decode implementation to time beside ours and the installed peers (repeatable)")
+    ap.add_argument("--load", action="append", default=[], metavar="MODULE",
+                    help="import a .py file or module first (its conformance.register calls run)")
+    ap.add_argument("--smoke", action="store_true", help="tiny workloads, correctness only (CPU interpreter)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
+    args = ap.parse_args(argv)
+    if not args.smoke and not harness.require_gpu("decode"):
+        return 2
+    out = harness.output_dir(ap, args.out)
+    meta = harness.machine_meta()
+    from workbench.conformance.cli import load_module
+
+    try:
+        for m in args.load:
+            load_module(m)
+        rows, extra = run(args.impl or ["ours"], args.smoke)
+    except ValueError as e:
+        ap.error(str(e))
+    summary(rows)
+    path = harness.write_results("byok-decode", rows, meta, out, extra=extra)
+    print(f"wrote {path}")
+    return 1 if any(r["status"] == "check_failed" and r["origin"] == "ours" for r in rows) else 0

@@ -2,7 +2,8 @@
 
 ``python -m workbench bench decode [--smoke] [--quick] [--out DIR] [--impl NAME ...]``
 
-(``--impl``: any registered implementation beside ours and the peers, ``workbench/bench/byok_decode.py``.)
+(``--impl NAME``: any registered implementation beside ours and the peers; ``python -m workbench`` hands that run
+to ``workbench/bench/byok_decode.py``.)
 
 Per workload W1-W5 (fp16, 16-token pages, NHD, fragmented pool): a few launch variants of
 ``paged_decode`` (the heuristic's pick first; timed as ``DecodePlan.run``, the per-layer path, with the plan
@@ -356,18 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="time more launch variants per workload")
     ap.add_argument("--out", type=Path, default=None,
                     help="result folder (default results/, git-ignored; data/results holds the committed ones)")
-    ap.add_argument("--impl", action="append", default=[], metavar="NAME",
-                    help="time this registered decode implementation beside ours and the installed peers "
-                         "(repeatable; workbench/bench/byok_decode.py)")
-    ap.add_argument("--load", action="append", default=[], metavar="MODULE",
-                    help="import a .py file or module first (its conformance.register calls run)")
     args = ap.parse_args(argv)
     if not args.smoke and not harness.require_gpu("decode"):
         return 2
     out = harness.output_dir(ap, args.out)  # checked before the run, not after
     meta = harness.machine_meta()
-    if args.impl or args.load:
-        return _run_impls(ap, args, out, meta)
     if args.smoke:
         rows, extra = run_smoke(progress=True), {"mode": "smoke"}
     else:
@@ -381,18 +375,3 @@ def main(argv: list[str] | None = None) -> int:
            and not r.get("error")]
     return 1 if bad else 0
 
-
-def _run_impls(ap, args, out, meta) -> int:
-    from workbench.bench import byok_decode
-    from workbench.conformance.cli import load_module
-
-    try:
-        for m in args.load:
-            load_module(m)
-        rows, extra = byok_decode.run(args.impl or ["ours"], args.smoke, out)
-    except ValueError as e:
-        ap.error(str(e))
-    byok_decode.summary(rows)
-    path = harness.write_results("byok-decode", rows, meta, out, extra=extra)
-    print(f"wrote {path}")
-    return 1 if any(r["status"] == "check_failed" and r["origin"] == "ours" for r in rows) else 0

@@ -9,10 +9,13 @@ cases our kernels pass, problems exported to files for kernels outside Python, a
 ``python -m workbench check <impl>`` runs the same from a shell (``--help``); docs/byo_kernel.md is the guide.
 """
 
+from . import builtin, registry
 from .cases import LEVELS, cases_for
 from .problems import Case
 from .registry import OPS, Impl, available, get, names, register, unregister
 from .suite import CaseResult, Report, check, replay, run_case
+
+registry.add_loader(builtin.load)
 
 __all__ = ["LEVELS", "OPS", "Case", "CaseResult", "Impl", "Report", "available", "cases_for", "check", "get", "names",
            "register", "replay", "run_case", "unregister"]

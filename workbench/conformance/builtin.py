@@ -2,15 +2,17 @@
 kernel, and the peers that are importable on this machine (FlashInfer, vLLM's Triton attention). A peer that cannot
 be imported is listed in :data:`ABSENT` with the reason, never registered as a stand-in.
 
-Loaded on the registry's first lookup (:func:`load`), so importing the registry costs nothing.
+Loaded on the registry's first lookup (:func:`load`, handed to the registry by the package's ``__init__``), so
+importing the package costs nothing.
 """
 
 from __future__ import annotations
 
 from workbench.conformance import formats as fmts
+from workbench.conformance import registry
 from workbench.conformance.registry import register
 
-ABSENT: dict[str, str] = {}  # peer name -> why it is not registered here
+ABSENT = registry.ABSENT  # peer name -> why it is not registered here
 ALL_LAYOUTS = ("nhd", "hnd", "vllm")
 DECODE_FORMATS = tuple(fmts.SUITE_FORMATS)
 

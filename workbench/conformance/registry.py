@@ -106,6 +106,20 @@ class Impl:
 
 
 _REGISTRY: dict[tuple[str, str], Impl] = {}
+ABSENT: dict[str, str] = {}  # peer name -> why it is not registered here (filled by the built-ins' loader)
+_LOADERS: list = []  # run before every lookup and registration (each guards itself to run once)
+
+
+def add_loader(fn) -> None:
+    """Have ``fn()`` run before the first lookup: how the built-ins (``builtin.load``) register lazily without this
+    module importing them."""
+    if fn not in _LOADERS:
+        _LOADERS.append(fn)
+
+
+def _load() -> None:
+    for fn in _LOADERS:
+        fn()
 
 
 def _signature(op: Op, fn: Callable, name: str) -> tuple[frozenset, bool]:
@@ -188,9 +202,7 @@ def register(op: str, name: str | None = None, fn: Callable | None = None, *, re
     ``claims``: ``layouts``, ``formats``, ``block_sizes``, ``head_dims`` (None: any), ``origin``, ``description``.
     Returns the :class:`Impl` (the decorator returns ``fn`` unchanged).
     """
-    from workbench.conformance import builtin
-
-    builtin.load()  # first: a user's "ours" must meet ours, not be replaced by it on the first lookup
+    _load()  # first: a user's "ours" must meet ours, not be replaced by it on the first lookup
 
     def add(f: Callable):
         impl = make_impl(op, getattr(f, "__name__", "") if name is None else name, f, **claims)
@@ -218,31 +230,25 @@ def unregister(op: str, name: str, *, force: bool = False) -> None:
 
 def get(name: str | Impl, op: str = "decode") -> Impl:
     """The implementation ``name`` of ``op`` (an :class:`Impl` passes through)."""
-    from workbench.conformance import builtin
-
-    builtin.load()
+    _load()
     if isinstance(name, Impl):
         return name
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
     if (op, name) not in _REGISTRY:
         raise ValueError(f"no implementation {name!r} of op {op!r}; registered: {names(op)}"
-                         + (f"; absent peers: {sorted(builtin.ABSENT)}" if name in builtin.ABSENT else ""))
+                         + (f"; absent peers: {sorted(ABSENT)}" if name in ABSENT else ""))
     return _REGISTRY[(op, name)]
 
 
 def names(op: str | None = None) -> list[str]:
-    from workbench.conformance import builtin
-
-    builtin.load()
+    _load()
     return sorted(n for o, n in _REGISTRY if op is None or o == op)
 
 
 def available(op: str | None = None, origin: str | None = None) -> list[Impl]:
     """Registered implementations (of ``op``, of ``origin``), ours first."""
-    from workbench.conformance import builtin
-
-    builtin.load()
+    _load()
     rank = {o: i for i, o in enumerate(ORIGINS)}
     return sorted((i for (o, _), i in _REGISTRY.items() if (op is None or o == op)
                    and (origin is None or i.origin == origin)), key=lambda i: (i.op, rank[i.origin], i.name))
