@@ -104,3 +104,24 @@ def test_bench_decode_impl_smoke(tmp_path, capsys):
         for peer in ("flashinfer", "vllm_triton"):
             if peer not in C.names("decode"):
                 assert by[(w, peer)]["status"] == "absent" and "No module" in by[(w, peer)]["error"]
+
+
+def test_isolate_turns_a_crash_into_a_failed_case(capsys):
+    """A kernel that kills its process (as a read outside its tensors can, under the interpreter) fails its case and
+    the suite goes on; --isolate from the shell does the same."""
+    import os
+    import signal
+
+    def crashes(q, sm_scale, out, seq_lens):
+        if int(seq_lens.numel()) > 1:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return out.zero_()
+
+    cases = [C.Case.parse(CASE), C.Case.parse("decode/nhd/bs16/d64/hkv2/g1/fp16/lens=0/pad0/seed1")]
+    try:
+        C.register("decode", "t_crashes", crashes, layouts=("nhd",))
+        report = C.check("t_crashes", cases=cases, isolate=True)
+        assert [r.passed for r in report.results] == [False, True]
+        assert "crashed the process (signal SIGSEGV)" in report.results[0].reason
+    finally:
+        C.unregister("decode", "t_crashes")

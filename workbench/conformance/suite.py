@@ -221,11 +221,14 @@ def run_case(impl: Impl, case: Case, device=None) -> CaseResult:
 
 
 def check(impl: str | Impl, *, op: str = "decode", level: str = "pairwise", cases: Iterable[Case] | None = None,
-          device=None, progress: bool = False, stop_after: int | None = None, each=None) -> Report:
+          device=None, progress: bool = False, stop_after: int | None = None, each=None,
+          isolate: bool = False) -> Report:
     """Run ``impl`` (a registered name of ``op`` or an :class:`Impl`) on its cases (``level``'s, or ``cases``).
 
     ``stop_after``: stop after that many failures (None: run every case). ``progress``: a tqdm bar. ``each``: called
     with the report so far after every case (the CLI saves partial JSON with it: a run cut short keeps its cases).
+    ``isolate``: run each case in a forked child process (CPU only), so a kernel that crashes the interpreter (a read
+    outside its tensors: the interpreter has no memory protection) fails its case instead of killing this process.
     """
     import workbench
 
@@ -242,8 +245,10 @@ def check(impl: str | Impl, *, op: str = "decode", level: str = "pairwise", case
         from tqdm.auto import tqdm
 
         it = tqdm(todo, desc=f"check {impl.name}", unit="case")
+    if isolate and torch.cuda.is_initialized():
+        raise ValueError("isolate=True forks a child per case, which CUDA does not survive: use it on a CPU")
     for c in it:
-        report.results.append(run_case(impl, c, device))
+        report.results.append(run_isolated(impl, c, device) if isolate else run_case(impl, c, device))
         report.seconds = time.perf_counter() - t0
         if each is not None:
             each(report)
@@ -251,6 +256,44 @@ def check(impl: str | Impl, *, op: str = "decode", level: str = "pairwise", case
             break
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def run_isolated(impl: Impl, case: Case, device=None, timeout_s: float = 600.0) -> CaseResult:
+    """:func:`run_case` in a forked child: a crash or a hang (past ``timeout_s``) is a failed case, not a dead
+    process. The child inherits the registry, so an implementation defined in a notebook cell works too."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child, args=(send, impl, case, device), daemon=True)
+    t0 = time.perf_counter()
+    child.start()
+    send.close()
+    got = None
+    if recv.poll(timeout_s):  # a result, or the end of the pipe when the child died
+        try:
+            got = recv.recv()
+        except EOFError:
+            got = None
+    child.join(5)
+    tol = SUITE_FORMATS[case.kv_format].tol if case.op in ("decode", "shared_prefix") else 0.0
+    if got is not None:
+        return got
+    if child.is_alive():
+        child.kill()
+        return CaseResult(case, False, None, tol, f"timed out after {timeout_s:.0f} s", time.perf_counter() - t0)
+    code = child.exitcode
+    how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+    return CaseResult(case, False, None, tol, f"crashed the process ({how}): a read or write outside its tensors?",
+                      time.perf_counter() - t0)
+
+
+def _child(send, impl, case, device) -> None:
+    try:
+        send.send(run_case(impl, case, device))
+    finally:
+        send.close()
 
 
 def replay(impl: str | Impl, case: Case | str, op: str | None = None, device=None) -> CaseResult:
