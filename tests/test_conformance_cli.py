@@ -125,3 +125,14 @@ def test_isolate_turns_a_crash_into_a_failed_case(capsys):
         assert "crashed the process (signal SIGSEGV)" in report.results[0].reason
     finally:
         C.unregister("decode", "t_crashes")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lens": (-1,)}, "lens must be ints >= 0"), ({"block_size": 0}, "block_size must be an int >= 1"),
+    ({"group": True}, "group must be an int >= 1"), ({"pad": -3}, "pad must be an int >= 0"),
+    ({"kv_format": "fp4"}, "kv_format must be one of"), ({"layout": "xyz"}, "layout must be one of"),
+    ({"lens": ()}, "at least one sequence"),
+])
+def test_case_build_names_the_bad_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        C.Case("decode", **fields).build("cpu")

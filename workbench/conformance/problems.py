@@ -114,8 +114,28 @@ class Case:
     def num_q_heads(self) -> int:
         return self.num_kv_heads * self.group
 
+    def check(self) -> None:
+        """ValueError naming the first field a problem cannot be built from."""
+        from workbench.layout import Layout
+
+        for name in ("block_size", "head_dim", "num_kv_heads", "group", "layers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"case {name} must be an int >= 1, got {v!r}")
+        for name in ("pad", "seed", "shared", "pairs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"case {name} must be an int >= 0, got {v!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in self.lens):
+            raise ValueError(f"case lens must be ints >= 0, got {self.lens!r}")
+        if self.op != "copy" and not self.lens:
+            raise ValueError("case lens must name at least one sequence (decode) or a token count (write)")
+        Layout.parse(self.layout)
+        _scheme(self)
+
     def build(self, device) -> dict:
         """The problem: the op's inputs by name (as the registry hands them out) plus ``"ref"`` (see the module)."""
+        self.check()
         if self.op in ("decode", "shared_prefix"):
             return build_decode(self, device)
         if self.op == "write":
