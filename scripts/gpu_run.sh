@@ -17,6 +17,7 @@ for step in "$@"; do
              tests/test_decode.py tests/test_cache.py tests/test_compaction.py \
              tests/test_kernel_validation.py tests/test_api_boundary.py tests/test_quant_kernels.py \
              tests/test_quant_cache.py tests/test_tiers_cache.py tests/test_tiers_disk.py tests/test_shared_prefix.py \
+             tests/test_conformance_pytest.py \
              tests/test_bench_decode.py::test_vllm_probe_script_smoke 2>&1 | tail -5 \
              | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
     *) python -m workbench bench "$step" --out "$OUT" 2>&1 | tee "$OUT/$step.log"
