@@ -106,8 +106,8 @@ def test_bench_decode_impl_smoke(tmp_path, capsys):
                 assert by[(w, peer)]["status"] == "absent" and "No module" in by[(w, peer)]["error"]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="isolate forks a child per case: a CPU tool (CUDA does not survive "
-                    "a fork)")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="isolate forks a child per case: a CPU tool (CUDA does not survive a fork)")
 def test_isolate_turns_a_crash_into_a_failed_case(capsys):
     """A kernel that kills its process (as a read outside its tensors can, under the interpreter) fails its case and
     the suite goes on; --isolate from the shell does the same."""
