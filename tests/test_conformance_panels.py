@@ -150,6 +150,64 @@ def test_check_reports_read_the_files_the_cli_writes(tmp_path):
     r = got[("broken_gqa", "")]
     assert (r["op"], r["level"], r["cases"], r["failed"], r["passed"]) == ("decode", "pairwise", 2, 1, False)
     assert got[("ours", "warm")]["passed"]
+    assert r["commit"] == "" and byok.provenance(r) == "FAKE-GPU (compiled), 2000-01-01"
+    assert byok.provenance({**r, "commit": "abc1234"}) == "FAKE-GPU (compiled), commit abc1234, 2000-01-01"
+
+
+def _report(impl, op="decode", level="pairwise", tag="", rows=(), name=None):
+    rows = list(rows)
+    return {"path": Path(name or f"byok-check-{impl}-{op}-{level}{'-' + tag if tag else ''}-fake-20000101.json"),
+            "impl": impl, "op": op, "level": level, "tag": tag, "backend": "compiled (FAKE-GPU)", "seconds": 1.25,
+            "cases": len(rows), "failed": sum(not r["passed"] for r in rows),
+            "passed": all(r["passed"] for r in rows), "gpu": "NVIDIA FAKE", "commit": "abc1234",
+            "date": "2000-01-01T00:00:00Z", "rows": rows}
+
+
+EXACT = [_row(i, error=0.0, tol=0.0, case=f"write/nhd/bs16/d64/hkv1/g1/fp16/lens=0/pad0/seed{i}") for i in (1, 2)]
+COMMITTED = [_report("ours", "write", "full", rows=EXACT), _report("ours", rows=ROWS[:2], tag="cold"),
+             _report("broken_gqa", rows=ROWS), _report("ours", rows=ROWS[:2], tag="warm"),
+             _report("starter", rows=ROWS[:2]), _report("empty", rows=[])]
+
+
+def test_report_choices_list_decode_first_starter_broken_then_ours():
+    choices = byok.report_choices(COMMITTED)
+    # decode first (the starter, its broken versions, ours warm then cold), then the write op; none without rows
+    assert [v for _, v in choices] == [COMMITTED[i]["path"].name for i in (4, 2, 3, 1, 0)]
+    assert choices[1][0] == "FAKE: broken_gqa decode, pairwise: 6 cases, 3 failed"
+    assert choices[2][0] == "FAKE: ours decode, pairwise (warm): 2 cases, all passed"
+    assert [v for _, v in byok.report_choices(COMMITTED, ops=("write",))] == [COMMITTED[0]["path"].name]
+    assert byok.find_report(COMMITTED, choices[1][1])["impl"] == "broken_gqa"
+    with pytest.raises(KeyError, match="no committed report"):
+        byok.find_report(COMMITTED, "byok-check-nothing.json")
+
+
+def test_committed_title_and_replay_say_where_it_was_measured():
+    from workbench.ui import conformance_figures as cf
+
+    r = COMMITTED[2]
+    where = byok.provenance(r)
+    title = cf.committed_title(r, where)
+    assert "broken_gqa decode, pairwise cases on the GPU: 3 of 6 cases failed" in title
+    assert "NVIDIA FAKE (compiled), commit abc1234, 2000-01-01" in title and "report's" in title
+    lines = cf.replay_lines("broken_gqa", cf.first_failure(r["rows"]), where)
+    assert lines[0] == f"first failure  {ROWS[2]['case']}"
+    assert any(ln.startswith("measured on    NVIDIA FAKE") and "commit abc1234" in ln and "replay it on this machine"
+               in ln for ln in lines)
+    assert not any("measured" in ln for ln in cf.replay_lines("broken_gqa", ROWS[2]))
+    write = cf.replay_lines("ours", EXACT[0])
+    assert any("check ours --op write --case" in ln for ln in write)  # the shell's default op is decode
+
+
+def test_an_exact_report_draws_its_tolerance_on_the_floor():
+    from workbench.ui import conformance_figures as cf
+
+    fig = cf.conformance_figure(EXACT, "block_size", "t")
+    by_name = {t.name: t for t in fig.data}
+    floor = min(by_name["passed"].y)
+    assert list(by_name["tolerance"].y) == [floor, floor] and floor > 0
+    assert all(h == "tolerance 0 (exact)" for h in by_name["tolerance"].hovertext)
+    assert list(fig.layout.yaxis.ticktext) == ["0 (exact)"] and "exact" in fig.layout.yaxis.title.text
+    assert any("all 2 cases passed" in a.text for a in fig.layout.annotations)
 
 
 def test_bandwidth_figure_never_draws_an_absent_peer(run):
@@ -197,18 +255,20 @@ def test_conformance_panel_caches_reports_and_every_control_changes_the_figure(i
     from workbench.ui import conformance_panels as cpanels
 
     seeded = conformance.check(impls[1], level="smoke")
-    panel = cpanels.conformance_panel(impls, reports={impls[1]: seeded}, impl=impls[1])
+    panel = cpanels.conformance_panel(impls, reports={impls[1]: seeded}, impl=impls[1], committed=COMMITTED)
     assert panel.cache.runs == 0  # the seeded report is shown as it is
     assert "failed" in panel.figure.layout.title.text and seeded.first_failure.case.id in panel.replay.value
     for name, control in panel.controls.items():
+        if name == "source":
+            continue  # test_conformance_panel_shows_committed_reports_as_measured
         before = panel.figure.to_json()
         control.value = next_value(control)
         assert panel.status.value == "", (name, panel.status.value)
         assert panel.figure.to_json() != before, name
     runs = panel.cache.runs
     assert runs == 2  # the other implementation at smoke, then at pairwise
-    for control in panel.controls.values():  # back through every value: all from the cache
-        for value in control_values(control):
+    for name, control in panel.controls.items():  # back through every value: all from the cache
+        for value in control_values(control) if name != "source" else []:
             control.value = value
     assert panel.cache.runs == runs + 1  # the seeded one at pairwise was new
     panel.controls["impl"].value, panel.controls["level"].value = impls[0], "smoke"
@@ -216,6 +276,52 @@ def test_conformance_panel_caches_reports_and_every_control_changes_the_figure(i
     conformance.register("decode", impls[0], _fast, layouts=("nhd",))  # registered again (an edited kernel)
     panel.controls["color_by"].value = "layout"
     assert panel.cache.runs == runs + 2 and "hnd" not in " ".join(panel.figure.layout.xaxis.ticktext)
+
+
+def test_conformance_panel_shows_committed_reports_as_measured(impls):
+    from workbench.ui import conformance_panels as cpanels
+
+    panel = cpanels.conformance_panel(impls, impl=impls[0], committed=COMMITTED)
+    local = panel.figure.to_json()
+    source = panel.controls["source"]
+    assert control_values(source)[0] == cpanels.HERE and len(control_values(source)) == 1 + 5
+    assert source.options[0][0].startswith("this machine (")
+    assert not panel.controls["impl"].disabled and not panel.controls["level"].disabled
+    runs = panel.cache.runs
+    shown = set()
+    for _, name in source.options[1:]:  # every committed report: drawn at once, nothing runs
+        source.value = name
+        assert panel.status.value == "", (name, panel.status.value)
+        assert panel.controls["impl"].disabled and panel.controls["level"].disabled  # the report's own
+        assert "committed report: NVIDIA FAKE (compiled), commit abc1234" in panel.figure.layout.title.text
+        shown.add(panel.figure.to_json())
+    assert panel.cache.runs == runs and len(shown) == 5 and local not in shown
+    source.value = COMMITTED[2]["path"].name  # broken_gqa: its failures, and where they were measured
+    assert "3 of 6 cases failed" in panel.figure.layout.title.text
+    assert ROWS[2]["case"] in panel.replay.value and "measured on    NVIDIA FAKE" in panel.replay.value
+    assert "conformance.replay(&#x27;broken_gqa&#x27;" in panel.replay.value
+    before = panel.figure.to_json()
+    panel.controls["color_by"].value = next_value(panel.controls["color_by"])  # grouping still applies
+    assert panel.figure.to_json() != before and panel.cache.runs == runs
+    source.value = COMMITTED[0]["path"].name  # the write op, exact: passes, nothing to replay
+    assert "all 2 cases passed on NVIDIA FAKE" in panel.replay.value
+    source.value = cpanels.HERE  # back: this machine's report, from the cache, controls live again
+    assert not panel.controls["impl"].disabled and panel.cache.runs == runs
+    assert impls[0] in panel.figure.layout.title.text and "committed" not in panel.figure.layout.title.text
+
+
+def test_conformance_panel_draws_every_committed_report():
+    """The GPU session's reports in data/results: each one a choice, drawn without running anything."""
+    from workbench.ui import conformance_panels as cpanels
+
+    committed = byok.check_reports()
+    panel = cpanels.conformance_panel(["reference"], committed=committed)
+    names = control_values(panel.controls["source"])[1:]
+    assert len(names) == sum(bool(r["rows"]) for r in committed)
+    for name in names:
+        panel.controls["source"].value = name
+        assert panel.status.value == "", (name, panel.status.value)
+    assert panel.cache.runs == 1  # the reference, once, when the panel was made
 
 
 def test_decode_choices_put_yours_first(impls):

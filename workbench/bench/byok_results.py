@@ -155,8 +155,9 @@ _CHECK_NAME = re.compile(r"byok-check-(?P<impl>.+)-(?P<op>decode|shared_prefix|w
 
 def check_reports(results_dir: Path | str | None = None) -> list[dict]:
     """The committed conformance reports, oldest first: each ``{"path", "impl", "op", "level", "tag", "backend",
-    "seconds", "cases", "failed", "passed", "gpu", "date", "rows"}`` (``rows``: the report's case rows, as
-    ``Report.rows()`` gives them; ``tag``: ``cold`` / ``warm`` for a run with / without first compiles)."""
+    "seconds", "cases", "failed", "passed", "gpu", "commit", "date", "rows"}`` (``rows``: the report's case rows, as
+    ``Report.rows()`` gives them; ``tag``: ``cold`` / ``warm`` for a run with / without first compiles,
+    ``partial`` for a subset of a level)."""
     out = []
     for path in sorted(Path(results_dir or harness.RESULTS).glob(CHECK_PATTERN)):
         m = _CHECK_NAME.match(path.name)
@@ -168,6 +169,51 @@ def check_reports(results_dir: Path | str | None = None) -> list[dict]:
                     "level": m["level"], "tag": m["tag"] or "", "backend": doc.get("backend", ""),
                     "seconds": doc.get("seconds"), "cases": len(rows), "failed": sum(not r["passed"] for r in rows),
                     "passed": bool(doc.get("passed")) and all(r["passed"] for r in rows),
-                    "gpu": doc.get("meta", {}).get("gpu", m["gpu"]), "date": doc.get("meta", {}).get("date", ""),
+                    "gpu": doc.get("meta", {}).get("gpu", m["gpu"]), "commit": doc.get("meta", {}).get("commit", ""),
+                    "date": doc.get("meta", {}).get("date", ""),
                     "rows": rows})
     return sorted(out, key=lambda r: (r["date"], r["path"].name))
+
+
+OP_ORDER = ("decode", "shared_prefix", "write", "copy")  # how committed reports are listed: the decode op first
+_IMPL_ORDER = ("starter", "broken_", "ours")  # then the starter, its broken versions, ours (each by prefix)
+
+
+def _report_rank(r: Mapping) -> tuple:
+    op = OP_ORDER.index(r["op"]) if r["op"] in OP_ORDER else len(OP_ORDER)
+    impl = next((i for i, p in enumerate(_IMPL_ORDER) if r["impl"].startswith(p)), len(_IMPL_ORDER))
+    return op, impl, r["impl"], ("smoke", "pairwise", "full").index(r["level"]), r["tag"] != "warm", r["tag"]
+
+
+def report_label(r: Mapping) -> str:
+    """How a committed report reads in a list: ``H200: broken_gqa decode, pairwise: 33 cases, 16 failed``."""
+    gpu = str(r["gpu"]).removeprefix("NVIDIA ")
+    level = r["level"] + (f" ({r['tag']})" if r["tag"] else "")
+    verdict = "all passed" if r["passed"] else f"{r['failed']} failed"
+    return f"{gpu}: {r['impl']} {r['op']}, {level}: {r['cases']} cases, {verdict}"
+
+
+def report_choices(reports: Sequence[Mapping], ops: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """``[(label, file name)]`` of the committed reports (of ``ops``, default all) with case rows: the decode op
+    first, then by implementation (the starter, its broken versions, ours), level and tag (warm before cold)."""
+    keep = [r for r in reports if r["rows"] and (ops is None or r["op"] in ops)]
+    return [(report_label(r), Path(r["path"]).name) for r in sorted(keep, key=_report_rank)]
+
+
+def find_report(reports: Sequence[Mapping], name: str) -> dict:
+    """The committed report whose file is ``name`` (KeyError naming the ones there are)."""
+    for r in reports:
+        if Path(r["path"]).name == name:
+            return dict(r)
+    raise KeyError(f"no committed report {name!r}; there are {[Path(r['path']).name for r in reports]}")
+
+
+def provenance(r: Mapping) -> str:
+    """Where and when a committed report was measured: ``NVIDIA H200 (compiled), commit 05219e8, 2026-12-02``."""
+    compiled = " (compiled)" if str(r.get("backend", "")).startswith("compiled") else ""
+    parts = [f"{r['gpu']}{compiled}"]
+    if r.get("commit"):
+        parts.append(f"commit {r['commit']}")
+    if r.get("date"):
+        parts.append(str(r["date"])[:10])
+    return ", ".join(parts)

@@ -30,6 +30,7 @@ IMPL_COLORS = {"ours": "#2a9d8f", "mine": "#7b2cbf", "starter": "#f4a261", "sdpa
 _SPARE = ("#b5838d", "#6d597a", "#8ab17d", "#577590", "#f9844a", "#43aa8b")
 TIMING_WORDS = {"eager": "eager launches", "graph": "CUDA-graph replays"}
 NO_FINITE = "no finite error"
+PLOT_PX, CHAR_PX = 760, 6.5  # the plot's width in the lab at 1280 px, and a tick character's at 10-11 px
 
 
 def impl_color(impl: str) -> str:
@@ -66,6 +67,13 @@ def _key(row: Mapping, key: str):
         raise ValueError(f"color_by must be one of {list(AXES)}, got {key!r}")
     v = row[key]
     return tuple(v) if isinstance(v, list) else v
+
+
+def _crowded(groups: Mapping, key: str) -> bool:
+    """Whether some group along x is narrower than its tick's label (a group is as wide as its cases, plus one)."""
+    slots = sum(n + 1 for _, n in groups.values())
+    return any((n + 1) * PLOT_PX / slots < CHAR_PX * max(map(len, value_label(key, v).split("<br>")), default=0)
+               for v, (_, n) in groups.items())
 
 
 def _finite(err) -> bool:
@@ -107,13 +115,18 @@ def error_figure(rows: Sequence[Mapping], color_by: str = "kv_format", title: st
     at = {} if own else {"row": row, "col": 1}
     groups = failure_counts(rows, color_by)
     xs, tick_x, tick_text, edges, pos = {}, [], [], [], 0.0
+    many = _crowded(groups, color_by)
     for value, (bad, n) in groups.items():
         members = [i for i, r in enumerate(rows) if _key(r, color_by) == value]
         for j, i in enumerate(members):
             xs[i] = pos + j
         tick_x.append(pos + (len(members) - 1) / 2)
-        tick_text.append(f"{value_label(color_by, value)}<br>{bad}/{n} failed" if bad else
-                         f"{value_label(color_by, value)}<br>{n} passed")
+        if many:  # one slanted line each (shared_prefix's context lengths, a full level's): no overlap
+            tick_text.append(f"{value_label(color_by, value).removeprefix('lens ')}: "
+                             + (f"{bad}/{n} failed" if bad else f"{n} ok"))
+        else:
+            tick_text.append(f"{value_label(color_by, value)}<br>{bad}/{n} failed" if bad else
+                             f"{value_label(color_by, value)}<br>{n} passed")
         pos += len(members) + 1
         edges.append(pos - 1)
     finite = [r["error"] for r in rows if _finite(r["error"])]
@@ -121,10 +134,15 @@ def error_figure(rows: Sequence[Mapping], color_by: str = "kv_format", title: st
     floor = min(positive, default=1e-6) / 10
     ceil = 10 ** math.ceil(math.log10(max(max(finite, default=1.0), max((r["tol"] for r in rows), default=1.0),
                                           1.0) * 10))
+    if not positive:  # every error and tolerance 0 (an exact op): a short axis over the floor
+        ceil = floor * 100
     order = list(range(len(rows)))
-    fig.add_scatter(x=[xs[i] for i in order], y=[rows[i]["tol"] for i in order], mode="markers", name="tolerance",
-                    marker=dict(symbol="line-ew-open", size=18, color=TOL, line=dict(width=2)),
-                    hovertemplate="tolerance %{y:.0e}<extra></extra>", **at)
+    # a tolerance of 0 (the write and copy ops: exact) sits on the floor, with the errors of exactly 0
+    fig.add_scatter(x=[xs[i] for i in order], y=[rows[i]["tol"] if rows[i]["tol"] > 0 else floor for i in order],
+                    mode="markers", name="tolerance", marker=dict(symbol="line-ew-open", size=18, color=TOL,
+                                                                  line=dict(width=2)),
+                    hovertext=[f"tolerance {rows[i]['tol']:.0e}" if rows[i]["tol"] > 0 else "tolerance 0 (exact)"
+                               for i in order], hoverinfo="text", **at)
     kinds = [("passed", lambda r: r["passed"], dict(symbol="circle", size=10, color=PASS)),
              ("failed: over tolerance", lambda r: not r["passed"] and _finite(r["error"]),
               dict(symbol="diamond", size=11, color=FAIL)),
@@ -141,11 +159,15 @@ def error_figure(rows: Sequence[Mapping], color_by: str = "kv_format", title: st
         fig.add_vline(x=e, line=dict(color="#cccccc", width=1, dash="dot"), **at)
     if any(not _finite(r["error"]) for r in rows):
         fig.add_hline(y=ceil, line=dict(color=FAIL, width=1, dash="dash"), **at)  # the legend says what it is
-    fig.update_xaxes(tickvals=tick_x, ticktext=tick_text, range=[-1, max(pos - 1, 1)], showgrid=False, tickangle=0,
+    fig.update_xaxes(tickvals=tick_x, ticktext=tick_text, range=[-1, max(pos - 1, 1)], showgrid=False,
+                     tickangle=-40 if many else 0, automargin=many,
                      tickfont_size=11 if len(groups) <= 5 else 10,
                      title_text=f"cases, grouped by {AXES[color_by]}", zeroline=False, **at)
+    if not positive:  # an exact op (write, copy: tolerance 0) where every error is 0: the floor is all there is
+        fig.update_yaxes(tickvals=[floor], ticktext=["0 (exact)"], **at)
     fig.update_yaxes(type="log", range=[math.log10(floor) - 0.4, math.log10(ceil) + 0.35], exponentformat="power",
-                     title_text="relative error vs float64 reference", **at)
+                     title_text="relative error vs float64 reference" if positive else
+                     "error (tolerance 0: exact)", **at)
     if own:
         fig.update_layout(height=460, margin=dict(t=90, r=10, b=60), title=title, title_font_size=14,
                           legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom", font_size=11))
@@ -209,26 +231,53 @@ def conformance_figure(rows: Sequence[Mapping], color_by: str = "kv_format", tit
         return fig
     table_px = _table_px(failure_rows(rows, limit))
     plot_px = 380
+    gap = 110 + 70 * _crowded(failure_counts(rows, color_by), color_by)  # slanted ticks take more room
     fig = make_subplots(rows=2, cols=1, specs=[[{"type": "xy"}], [{"type": "table"}]],
-                        row_heights=[plot_px, table_px], vertical_spacing=110 / (plot_px + table_px + 110),
+                        row_heights=[plot_px, table_px], vertical_spacing=gap / (plot_px + table_px + gap),
                         subplot_titles=("", f"failures ({bad} of {len(rows)}"
                                         + (f"; the first {limit} shown)" if bad > limit else ")")))
     error_figure(rows, color_by, fig=fig, row=1)
     fig.add_trace(failures_table(rows, limit), row=2, col=1)
-    fig.update_layout(height=plot_px + table_px + 200, margin=dict(t=90, r=10, b=20), title=title, title_font_size=14,
-                      legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=11))
+    fig.update_layout(height=plot_px + table_px + gap + 90, margin=dict(t=90, r=10, b=20), title=title,
+                      title_font_size=14, legend=dict(orientation="h", x=0, y=1.0, yanchor="bottom", font_size=11))
     return fig
 
 
 BUILT_IN = ("ours", "reference", "starter")  # registered in every process: a shell knows them without --load
 
 
-def replay_lines(impl: str, row: Mapping) -> list[str]:
-    """How to run one case again (the first failure): in Python, and from a shell."""
-    return [f"first failure  {row['case']}", f"why            {row['reason']}",
+def first_failure(rows: Sequence[Mapping]) -> Mapping | None:
+    """The first failing row (``Report.first_failure`` of a report's rows), None when every case passed."""
+    return next((r for r in rows if not r["passed"]), None)
+
+
+def replay_lines(impl: str, row: Mapping, measured: str = "") -> list[str]:
+    """How to run one case again (the first failure): in Python, and from a shell. ``measured``: where a committed
+    report's failure was measured (``NVIDIA H200 (compiled), commit 05219e8, 2026-12-02``): the commands replay it
+    on this machine."""
+    where = [f"measured on    {measured}: the commands below replay it on this machine"] if measured else []
+    op = row["case"].split("/", 1)[0]
+    op = "" if op == "decode" else f" --op {op}"  # the shell's default op
+    return [f"first failure  {row['case']}", f"why            {row['reason']}", *where,
             f"in Python      conformance.replay({impl!r}, {row['case']!r})",
-            f"from a shell   python -m workbench check {impl} --case '{row['case']}'"
+            f"from a shell   python -m workbench check {impl}{op} --case '{row['case']}'"
             + ("   (add --load FILE.py: a file that registers it)" if impl not in BUILT_IN else "")]
+
+
+def verdict(rows: Sequence[Mapping]) -> str:
+    """``every case passed`` or ``3 of 12 cases failed``."""
+    bad = sum(not r["passed"] for r in rows)
+    return "every case passed" if not bad else f"{bad} of {len(rows)} cases failed"
+
+
+def committed_title(report: Mapping, provenance: str) -> str:
+    """The conformance figure's title for a committed report (a :func:`workbench.bench.byok_results.check_reports`
+    entry): what it checked, where and when, and that the panel's implementation and level do not apply."""
+    level = report["level"] + (f" ({report['tag']})" if report["tag"] else "")
+    seconds = f" in {report['seconds']:.1f} s" if report.get("seconds") is not None else ""
+    return (f"{report['impl']} {report['op']}, {level} cases on the GPU: {verdict(report['rows'])}"
+            f"<br><sup>committed report: {provenance}, checked{seconds}; implementation and cases are the "
+            f"report's</sup>")
 
 
 def _reason(why: str) -> str:

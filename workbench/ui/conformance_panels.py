@@ -1,5 +1,6 @@
-"""The panels of notebook 09: a conformance report of any registered decode implementation, and the committed
-bandwidth runs of ``bench decode --impl`` beside ours and the peers.
+"""The panels of notebook 09: a conformance report of any registered decode implementation (checked here, or one
+of the GPU session's committed reports), and the committed bandwidth runs of ``bench decode --impl`` beside ours
+and the peers.
 
 Like ``workbench.ui.panels``, they hold no logic: ``workbench.conformance`` runs the cases and judges them,
 ``workbench.bench.byok_results`` reads the committed runs, ``conformance_figures`` draws.
@@ -13,6 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import ipywidgets as W
 
+import workbench
 from workbench import conformance
 from workbench.bench import byok_results as measured
 from workbench.ui import conformance_figures as cf
@@ -21,6 +23,7 @@ from workbench.ui.panels import Panel
 LEVELS = ("smoke", "pairwise")  # what a CPU runs in a panel (``full`` is several hundred cases: for a GPU)
 COLOR_BY = [("format", "kv_format"), ("block size", "block_size"), ("layout", "layout"), ("head dim", "head_dim"),
             ("GQA group", "group"), ("lengths", "lens"), ("padding", "pad")]
+HERE = "here"  # the source "this machine": checks run in this process (else a committed report's file name)
 _ORDER = ("user", "example", "ours", "reference", "peer")  # the panel's dropdown: yours first, then the starter, ours
 
 
@@ -62,21 +65,31 @@ class ReportCache:
         return self._reports[(name, level)][1]
 
 
-def replay_html(impl: str, report: conformance.Report) -> str:
-    """The first failure's replay commands as a block of text to copy (or a line saying every case passed)."""
-    f = report.first_failure
+def replay_html(impl: str, rows: Sequence[dict] | conformance.Report, measured: str = "") -> str:
+    """The first failure's replay commands as a block of text to copy (or a line saying every case passed).
+    ``measured``: where a committed report was measured (:func:`workbench.bench.byok_results.provenance`)."""
+    rows = rows.rows() if isinstance(rows, conformance.Report) else rows
+    f = cf.first_failure(rows)
     if f is None:
-        return (f"<div style='color:{cf.PASS};padding:2px 6px'>{html.escape(impl)}: all {len(report.results)} "
-                f"cases passed: nothing to replay.</div>")
-    text = "\n".join(cf.replay_lines(impl, f.row()))
+        where = f" on {measured}" if measured else ""
+        return (f"<div style='color:{cf.PASS};padding:2px 6px'>{html.escape(impl)}: all {len(rows)} "
+                f"cases passed{html.escape(where)}: nothing to replay.</div>")
+    text = "\n".join(cf.replay_lines(impl, f, measured))
     return ("<pre style='margin:4px 0;padding:6px 8px;background:#f6f6f6;border-left:3px solid #d62828;"
             f"font-size:12px;white-space:pre-wrap'>{html.escape(text)}</pre>")
 
 
+def source_choices(committed: Sequence[dict]) -> list[tuple[str, str]]:
+    """The panel's sources: this machine (checks run here), then each committed GPU report (shown as it is)."""
+    here = "Triton interpreter" if workbench.is_interpreted() else str(workbench.device())
+    return [(f"this machine ({here})", HERE), *measured.report_choices(committed)]
+
+
 def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, conformance.Report] | None = None,
-                      impl: str | None = None, level: str = "smoke", color_by: str = "kv_format") -> Panel:
-    """Implementation, level and grouping -> every case's error against its tolerance, the failures and how to
-    replay the first.
+                      impl: str | None = None, level: str = "smoke", color_by: str = "kv_format",
+                      committed: Sequence[dict] | None = None, source: str = HERE) -> Panel:
+    """Source, implementation, level and grouping -> every case's error against its tolerance, the failures and
+    how to replay the first.
 
     Args:
         impls: the dropdown's implementations (default :func:`decode_choices`: every registered decode one).
@@ -85,39 +98,51 @@ def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, 
         impl: the implementation shown first (default the first of ``impls``).
         level: ``smoke`` (about a dozen cases) or ``pairwise`` (every pair of axis values; about three times more).
         color_by: the axis the cases are grouped by (a key of :data:`workbench.ui.conformance_figures.AXES`).
+        committed: the committed GPU reports the source can show (default
+            :func:`workbench.bench.byok_results.check_reports`); one is shown as measured, nothing runs, and the
+            implementation and level are greyed out (they are the report's, named in the title).
+        source: :data:`HERE` (checks run on this machine) or a committed report's file name.
     """
     names = list(decode_choices() if impls is None else impls)
     if not names:
         raise ValueError("no decode implementation is registered")
+    committed = list(measured.check_reports() if committed is None else committed)
     cache = ReportCache(reports, level)
     replay = W.HTML()
     holder: dict = {}
 
     controls = {
+        "source": W.Dropdown(options=source_choices(committed), value=source, description="source",
+                             layout=W.Layout(width="460px")),
         "impl": W.Dropdown(options=names, value=impl or names[0], description="implementation"),
         "level": W.ToggleButtons(options=list(LEVELS), value=level, description="cases"),
         "color_by": W.Dropdown(options=COLOR_BY, value=color_by, description="group by"),
     }
 
-    def compute(impl, level, color_by):
+    def compute(source, impl, level, color_by):
+        if source != HERE:  # a committed report: shown as it was measured, nothing runs
+            r = measured.find_report(committed, source)
+            where = measured.provenance(r)
+            return {"rows": r["rows"], "color_by": color_by, "impl": r["impl"], "measured": where,
+                    "title": cf.committed_title(r, where)}
         panel = holder.get("panel")
         if panel is not None and not cache.cached(impl, level):  # the check runs in this call: say so meanwhile
             n = len(conformance.cases_for(conformance.get(impl, "decode"), level))
             panel.status.value = f"<i style='color:#555'>checking {html.escape(impl)} on {n} {level} cases...</i>"
         report = cache.get(impl, level)
         claims = conformance.get(impl, "decode").claims()
-        n, bad = len(report.results), len(report.failures)
-        verdict = "every case passed" if not bad else f"{bad} of {n} cases failed"
-        return {"rows": report.rows(), "color_by": color_by, "impl": impl, "report": report,
-                "title": f"{impl}, {level} cases: {verdict}"
+        rows = report.rows()
+        return {"rows": rows, "color_by": color_by, "impl": impl, "measured": "",
+                "title": f"{impl}, {level} cases: {cf.verdict(rows)}"
                          f"<br><sup>{report.backend}, checked in {report.seconds:.1f} s; claims {claims}</sup>"}
 
     def draw(r):
         fig = cf.conformance_figure(r["rows"], r["color_by"], r["title"])
-        replay.value = replay_html(r["impl"], r["report"])
+        replay.value = replay_html(r["impl"], r["rows"], r["measured"])
         return fig
 
-    panel = Panel(controls, compute, draw)
+    here = {"impl": lambda source, **_: source == HERE, "level": lambda source, **_: source == HERE}
+    panel = Panel(controls, compute, draw, enabled=here)
     holder["panel"] = panel
     panel.cache = cache
     panel.replay = replay
