@@ -14,20 +14,16 @@ Notebooks pick committed runs by their metadata (:func:`load_results` with ``whe
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from workbench.argtypes import positive_float, positive_int  # noqa: F401  (re-exported for the benchmarks)
+from workbench.provenance import machine_meta  # noqa: F401  (re-exported: every benchmark stamps its rows)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "data" / "results"  # committed results (what the notebooks plot); loaders read here
@@ -70,35 +66,6 @@ def require_gpu(bench: str) -> bool:
     found = "the Triton interpreter is active" if torch.cuda.is_available() else "found none"
     print(f"bench {bench} needs a CUDA GPU ({found}); use --smoke for a tiny CPU check", file=sys.stderr)
     return False
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine_meta() -> dict[str, str]:
-    """GPU, versions, commit and date: stamped on every result file and row; ``run`` identifies this run."""
-    import triton
-
-    # The GPU machine gets the working tree without .git: pass WORKBENCH_COMMIT there.
-    commit = os.environ.get("WORKBENCH_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
-    if "WORKBENCH_COMMIT" not in os.environ and _git("status", "--porcelain", "--untracked-files=no"):
-        commit += "-dirty"
-    cuda = torch.cuda.is_available()
-    return {
-        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu",
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda or "none",
-        "python": sys.version.split()[0],
-        "commit": commit,
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "run": uuid.uuid4().hex[:12],
-    }
 
 
 def time_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:

@@ -85,10 +85,10 @@ def _cases(args, impl):
 
 
 def _write_json(path: Path, report) -> None:
-    from workbench.bench import harness
+    from workbench.provenance import machine_meta
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": harness.machine_meta(), **report.to_json()}, indent=1, default=str) + "\n")
+    path.write_text(json.dumps({"meta": machine_meta(), **report.to_json()}, indent=1, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
