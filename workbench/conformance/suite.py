@@ -290,6 +290,9 @@ def run_isolated(impl: Impl, case: Case, device=None, timeout_s: float = 600.0) 
 
 
 def _child(send, impl, case, device) -> None:
+    import faulthandler
+
+    faulthandler.disable()  # a crash here is the case's verdict, reported by the parent (replay it to debug)
     try:
         send.send(run_case(impl, case, device))
     finally:
