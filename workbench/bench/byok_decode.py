@@ -30,7 +30,9 @@ from tqdm import tqdm
 import workbench
 from workbench.bench import harness
 from workbench.bench.decode import _config, _free, _time, ours_fn, peer_fns, print_row, ref_fp32
+from workbench.bench.decode import _row as decode_row
 from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
+from workbench.conformance.problems import csr_export
 from workbench.conformance.registry import ABSENT, Impl, available, get
 
 TOL = 2e-2  # rel_err a row must reach against the float32 reference before it is timed
@@ -38,16 +40,10 @@ TOL = 2e-2  # rel_err a row must reach against the float32 reference before it i
 
 def op_inputs(p: PagedKV, out: torch.Tensor) -> dict:
     """The decode op's inputs (``workbench.conformance.registry.OPS``) for a benchmark cache (fp16, default scale)."""
-    dev = p.q.device
-    indptr = [0]
-    for n in p.blocks_per_seq:
-        indptr.append(indptr[-1] + n)
-    indices = torch.cat([p.block_table[b, :n] for b, n in enumerate(p.blocks_per_seq)])
-    last = [(n - 1) % p.block_size + 1 if n else 0 for n in p.lens]
+    lists = [p.block_table[b, :n].tolist() for b, n in enumerate(p.blocks_per_seq)]
     return {"q": p.q, "k_cache": p.k_cache, "v_cache": p.v_cache, "layout": p.layout.value,
             "block_size": p.block_size, "block_table": p.block_table, "seq_lens": p.seq_lens,
-            "kv_indptr": torch.tensor(indptr, dtype=torch.int32, device=dev), "kv_indices": indices.to(torch.int32),
-            "kv_last_page_len": torch.tensor(last, dtype=torch.int32, device=dev), "max_seq_len": p.max_seq_len,
+            **csr_export(lists, p.lens, p.block_size, p.q.device), "max_seq_len": p.max_seq_len,
             "sm_scale": p.q.shape[-1] ** -0.5, "k_scale": None, "v_scale": None, "quant": None, "kv_format": "fp16",
             "ref_counts": None, "out": out}
 
@@ -60,16 +56,9 @@ def bind(impl: Impl, inputs: dict):
 
 
 def _row(w, p, impl, origin, status, nbytes, copy_gbps, t=None, tg=None, err=None, extra=None) -> dict:
-    row = {"workload": w.key, "workload_name": w.name, "impl": impl, "origin": origin, "status": status,
-           "layout": p.layout.value, "block_size": p.block_size, "kv_dtype": "fp16", "time_us": t,
-           "time_us_graph": tg, "bytes": nbytes, "copy_gbps": copy_gbps, "rel_err": err}
-    if t:
-        row["gbps"] = nbytes / (t * 1e-6) / 1e9
-        row["frac_copy_bw"] = row["gbps"] / copy_gbps if copy_gbps else None
-    if tg:
-        row["frac_copy_bw_graph"] = nbytes / (tg * 1e-6) / 1e9 / copy_gbps if copy_gbps else None
-    row.update(extra or {})
-    return row
+    """``bench decode``'s row, with who the implementation is and whether it was timed."""
+    return decode_row(w, impl, "", p, "fp16", nbytes, copy_gbps, t, tg, err, None,
+                      {"origin": origin, "status": status, **(extra or {})})
 
 
 def _measure(w, p, name, origin, fn, out, ref, nbytes, copy_gbps, rep_ms, timed, extra=None) -> dict:

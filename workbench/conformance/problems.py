@@ -178,6 +178,19 @@ def _tables(case: Case, g: torch.Generator) -> tuple[list[list[int]], int, int]:
     return lists, num_blocks, perm[-1]
 
 
+def csr_export(block_lists, lens, block_size: int, device) -> dict[str, torch.Tensor]:
+    """FlashInfer's page-table CSR of a batch: ``kv_indptr`` [B + 1], ``kv_indices`` (every sequence's blocks in
+    order) and ``kv_last_page_len`` (tokens in each last block; 0 for an empty sequence), int32."""
+    indptr = [0]
+    for blocks in block_lists:
+        indptr.append(indptr[-1] + len(blocks))
+    return {"kv_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
+            "kv_indices": torch.tensor([int(x) for blocks in block_lists for x in blocks], dtype=torch.int32,
+                                       device=device),
+            "kv_last_page_len": torch.tensor([(n - 1) % block_size + 1 if n else 0 for n in lens], dtype=torch.int32,
+                                             device=device)}
+
+
 def build_decode(case: Case, device) -> dict:
     if case.shared and any(n < case.shared * case.block_size for n in case.lens):
         raise ValueError(f"lens must each cover the {case.shared} shared blocks, got {case.lens}")
@@ -214,20 +227,13 @@ def build_decode(case: Case, device) -> dict:
     if k_scale is not None:
         kd, vd = kd * k_scale.double().reshape(1, 1, -1, 1), vd * v_scale.double().reshape(1, 1, -1, 1)
     ref = paged_decode_ref(q, kd, vd, "nhd", table, lens_t, sm_scale=sm_scale)
-    indptr = [0]
-    for blocks in lists:
-        indptr.append(indptr[-1] + len(blocks))
-    indices = [x for blocks in lists for x in blocks]
-    last = [(n - 1) % bs + 1 if n else 0 for n in case.lens]
     counts = torch.zeros(num_blocks, dtype=torch.int32)
     for blocks in lists:
         counts[blocks] += 1
     return {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "layout": case.layout, "block_size": bs,
         "block_table": table, "seq_lens": lens_t,
-        "kv_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
-        "kv_indices": torch.tensor(indices, dtype=torch.int32, device=device),
-        "kv_last_page_len": torch.tensor(last, dtype=torch.int32, device=device),
+        **csr_export(lists, case.lens, bs, device),
         "max_seq_len": max(case.lens, default=0), "sm_scale": sm_scale, "k_scale": k_scale, "v_scale": v_scale,
         "quant": case.kv_format if scheme.scales_in_blocks else None, "kv_format": case.kv_format,
         "ref_counts": counts.to(device),

@@ -16,11 +16,10 @@ kernel can crash the Python process on a CPU, and on a GPU it can leave the CUDA
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout
+from workbench.layout import Layout, addressing, to_nhd
 
 MISTAKES = {"none": 0, "mask": 1, "gqa": 2, "block": 3}
 
@@ -80,12 +79,6 @@ def starter_decode_kernel(
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _token_strides(cache: torch.Tensor, layout: str) -> tuple[int, int, int]:
-    """(block, token, head) strides of an NHD or HND cache."""
-    s = cache.stride()
-    return (s[0], s[1], s[2]) if layout == "nhd" else (s[0], s[2], s[1])
-
-
 def starter_decode(q, k_cache, v_cache, layout, block_table, seq_lens, sm_scale, out, mistake: str = "none",
                    tile: int = 32):
     """The starter kernel's launch (the decode op's arguments, by name; see the module docstring)."""
@@ -95,11 +88,11 @@ def starter_decode(q, k_cache, v_cache, layout, block_table, seq_lens, sm_scale,
     if mistake not in MISTAKES:
         raise ValueError(f"mistake must be one of {list(MISTAKES)}, got {mistake!r}")
     B, Hq, D = q.shape
-    hkv = k_cache.shape[2] if layout == "nhd" else k_cache.shape[1]
-    block_size = k_cache.shape[1] if layout == "nhd" else k_cache.shape[2]
+    _, block_size, hkv, _ = to_nhd(k_cache[:0], layout, "k").shape
     starter_decode_kernel[(B, Hq)](
         q, k_cache, v_cache, out, block_table, seq_lens, sm_scale, hkv,
-        q.stride(0), q.stride(1), *_token_strides(k_cache, layout), *_token_strides(v_cache, layout),
+        # (block, token, head) strides: the first three of the layout's address formula
+        q.stride(0), q.stride(1), *addressing(k_cache, layout, "k")[:3], *addressing(v_cache, layout, "v")[:3],
         out.stride(0), out.stride(1), block_table.stride(0),
         GROUP=Hq // hkv, BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), TILE=tile,
         MISTAKE=MISTAKES[mistake])
