@@ -9,6 +9,7 @@ Commands:
   sim NAME      run a simulator command of workbench.sim (its own --help)
   generate      generate text with SmolLM2-135M through the paged cache (its own --help)
   capture       store real per-layer K/V and attention of fixed prompts in data/activations (its own --help)
+  sweep NAME    run a notebook panel's sweep over a grid of parameters into tidy CSV/JSON, resumable (--list)
   check IMPL    run the conformance suite on a registered kernel, export its cases, judge outside outputs
                 (its own --help)
 
@@ -111,7 +112,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 # commands whose own parsers take every option after the name
 MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model.capture",
-                  "check": "workbench.conformance.cli"}
+                  "check": "workbench.conformance.cli", "sweep": "workbench.sweeps.cli"}
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -175,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sim)
     for name, text in (("generate", "generate with SmolLM2-135M through the paged cache (generate --help)"),
                        ("capture", "store real K/V and attention of fixed prompts (capture --help)"),
-                       ("check", "check a kernel on the conformance suite (check --help)")):
+                       ("check", "check a kernel on the conformance suite (check --help)"),
+                       ("sweep", "run a panel's sweep over a grid, resumable (sweep --list, sweep --help)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
         p.set_defaults(func=cmd_model)

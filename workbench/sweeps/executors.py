@@ -1,0 +1,105 @@
+"""Where points run: in this process, in a process pool, or as Ray tasks. Each yields finished records in the
+order they finish; the runner journals every one before counting it.
+
+A record is ``{"key", "sweep", "params", "row", "meta"}``, or, for a point that raised, ``{"key", "params",
+"error"}``: a failed point is reported and never journaled, so the next run tries it again.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+EXECUTORS = ("local", "ray")
+RAY_RETRIES = 3  # a task whose worker dies (killed, lost node) runs again, up to this many times
+
+
+def execute_point(sweep_name: str, params: dict[str, Any], commit: str) -> dict:
+    """Run one point where this function is called (the driver, a pool process, a Ray worker) and stamp it.
+    ``commit`` is the driver's: the code a worker runs is the driver's, whatever its own checkout says."""
+    from workbench.provenance import machine_meta
+    from workbench.sweeps.grid import point_key
+    from workbench.sweeps.spec import get
+
+    sweep = get(sweep_name)
+    key = point_key(params)
+    start = time.perf_counter()
+    try:
+        row = dict(sweep.point(**params))
+    except Exception as e:  # noqa: BLE001  (one bad point is reported, the sweep goes on)
+        return {"key": key, "sweep": sweep_name, "params": params, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=6)}
+    clash = set(row) & set(params)
+    if clash:
+        return {"key": key, "sweep": sweep_name, "params": params,
+                "error": f"point returned keys that are parameters: {sorted(clash)}"}
+    meta = {**machine_meta(), "commit": commit, "host": socket.gethostname(), "pid": os.getpid(),
+            "seconds": round(time.perf_counter() - start, 4)}
+    return {"key": key, "sweep": sweep_name, "params": params, "row": row, "meta": meta}
+
+
+def run_local(sweep_name: str, todo: Sequence[dict], commit: str, workers: int = 1) -> Iterator[dict]:
+    """In this process (``workers=1``: a notebook, a debugger) or in a pool of ``workers`` fresh processes."""
+    if workers == 1:
+        for params in todo:
+            yield execute_point(sweep_name, params, commit)
+        return
+    import multiprocessing as mp
+
+    # spawn: a fresh interpreter per worker; fork after torch has started its threads can hang
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(execute_point, sweep_name, params, commit) for params in todo]
+        try:
+            for f in as_completed(futures):
+                yield f.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def ray_available() -> str | None:
+    """None when Ray imports, else why not (the message a user sees)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as e:
+        return f"Ray is not installed ({e}): pip install -e '.[ray]'"
+    return None
+
+
+def run_ray(sweep_name: str, todo: Sequence[dict], commit: str, gpu: Sequence[bool], address: str | None = None,
+            retries: int = RAY_RETRIES) -> Iterator[dict]:
+    """Each point a Ray task (``num_gpus=1`` where the point needs a GPU), gathered as they finish. ``address``:
+    an existing cluster (``ray start --head`` printed it; ``auto`` finds the local one), None starts a private
+    local one. A task whose worker process dies is retried by Ray (``max_retries``)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        if any(gpu) and ray.cluster_resources().get("GPU", 0) < 1:
+            raise RuntimeError(f"sweep {sweep_name}: its points need a GPU (num_gpus=1) and the Ray cluster at "
+                               f"{address or 'local'} has none: {ray.cluster_resources()}")
+        task = ray.remote(execute_point)
+        pending = {task.options(num_gpus=1 if g else 0, num_cpus=1, max_retries=retries, retry_exceptions=False,
+                                name=f"{sweep_name}:{i}").remote(sweep_name, params, commit): params
+                   for i, (params, g) in enumerate(zip(todo, gpu, strict=True))}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            params = pending.pop(done[0])
+            try:
+                yield ray.get(done[0])
+            except ray.exceptions.RayError as e:  # retries spent: report this point, keep the others
+                from workbench.sweeps.grid import point_key
+
+                yield {"key": point_key(params), "sweep": sweep_name, "params": params,
+                       "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    finally:
+        if started:
+            ray.shutdown()
