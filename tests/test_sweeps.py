@@ -79,6 +79,7 @@ def test_resume_skips_finished_points_and_keeps_rows(tmp_path):
     assert loaded.sweep == "coalescing" and len(loaded.rows) == 6
     csv_rows = sweeps.load(again.csv_path).rows
     assert numbers(csv_rows) == numbers(loaded.rows)
+    assert [r["aligned"] for r in csv_rows] == [r["aligned"] for r in loaded.rows]  # bools come back as bools
     for r in loaded.rows:
         assert r["gpu"] and r["torch"] and r["commit"] and r["date"] and r["seconds"] >= 0
     fresh = sweeps.run("coalescing", values, out=tmp_path, fresh=True, progress=False)

@@ -31,7 +31,7 @@ def parse(sweep: Sweep, params: Iterable[str] = (), grids: Iterable[str] = ()) -
             p = sweep.param(key)
             if key in chosen:
                 raise ValueError(f"{flag} {text}: {key} is given twice")
-            values = [value] if flag == "--param" else [v for v in value.split(",")]
+            values = [value] if flag == "--param" else value.split(",")
             if any(not v.strip() for v in values):
                 raise ValueError(f"{flag} {text}: an empty value in the list")
             parsed = tuple(p.parse(v) for v in values)

@@ -90,7 +90,6 @@ class Sweep:
     x: str | None = None
     color: str | None = None
     needs_gpu: Callable[[Mapping[str, Any]], bool] = field(default=lambda _params: False)
-    extra: str | None = None  # the pip extra a point needs (the model), said in the error where it is absent
 
     def __post_init__(self):
         names = [p.name for p in self.params]
@@ -155,5 +154,5 @@ def listing(sweeps: Sequence[Sweep] | None = None) -> str:
         gpu = " [GPU]" if s.needs_gpu(s.defaults()) else ""
         lines.append(f"{s.name}{gpu}: {s.description} (notebook {s.notebook}, {s.panel})")
         lines.extend(f"    {p.describe()}" for p in s.params)
-        lines.append(f"    rows: {', '.join(s.y)}" + (f" (pip extra: {s.extra})" if s.extra else ""))
+        lines.append(f"    plotted: {', '.join(s.y)}")
     return "\n".join(lines)

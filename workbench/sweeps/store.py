@@ -28,14 +28,13 @@ FORMAT = "workbench-sweep/1"
 
 
 def ensure_dir(path: Path) -> Path:
-    """``path`` created and writable, else ``ValueError`` naming it (before any point runs)."""
+    """``path`` created and writable, else ``ValueError`` naming ``out`` (before any point runs)."""
+    from workbench.bench.harness import ensure_writable_dir
+
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"out: cannot create {path}: {e.strerror}") from None
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"out: {path} is not writable")
-    return path
+        return ensure_writable_dir(path)
+    except ValueError as e:
+        raise ValueError(f"out: {e}") from None
 
 
 class Journal:
@@ -178,7 +177,7 @@ def _typed(sweep_name: str, row: dict) -> dict:
             try:
                 out[key] = float(text)
             except ValueError:
-                out[key] = None if text == "" else text
+                out[key] = {"True": True, "False": False, "": None}.get(text, text)  # csv writes bools by name
     return out
 
 
