@@ -1,0 +1,128 @@
+"""A sweep's tidy rows as a plot's series: one column on x, one on colour, every other varying parameter held
+at one value. The same function draws a file a terminal sweep wrote and the rows a notebook computed live, so
+the two cannot be plotted differently.
+
+    from workbench.sweeps import view
+    v = view.select(rows, sweeps.get("quant"), x="outlier", y="attn_err", color="family")
+    v.series  # {"int4": [(1, 0.12), (4, 0.13), ...], ...}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from workbench.sweeps.spec import Sweep, get
+
+NO_COLOR = "(none)"
+
+
+def varying(rows: Sequence[Mapping], sweep: Sweep) -> dict[str, list]:
+    """The parameters that take more than one value in ``rows``, in the sweep's order, each value list in the
+    parameter's own order (its choices, else sorted)."""
+    out = {}
+    for p in sweep.params:
+        seen = list(dict.fromkeys(r[p.name] for r in rows if p.name in r))
+        if len(seen) > 1:
+            order = {v: i for i, v in enumerate(p.choices or ())}
+            out[p.name] = sorted(seen, key=lambda v: (order.get(v, len(order)), v))
+    return out
+
+
+def numeric_columns(rows: Sequence[Mapping], sweep: Sweep) -> list[str]:
+    """Columns that are numbers (or bools) in every row and are not parameters: what a y axis can show. The
+    sweep's own ``y`` first."""
+    params = {p.name for p in sweep.params}
+    found = [k for k in dict.fromkeys(k for r in rows for k in r)
+             if k not in params and k != "seconds" and rows
+             and all(isinstance(r.get(k), int | float) and r.get(k) is not None for r in rows)]
+    return [k for k in sweep.y if k in found] + [k for k in found if k not in sweep.y]
+
+
+@dataclass(frozen=True)
+class View:
+    """What one plot shows: ``series[color value] = [(x, y), ...]`` sorted by x, the values the other varying
+    parameters were held at, and the rows that matched."""
+
+    sweep: str
+    x: str
+    y: str
+    color: str | None
+    series: dict[Any, list[tuple[Any, float]]]
+    held: dict[str, Any] = field(default_factory=dict)
+    rows: int = 0
+
+    @property
+    def numeric_x(self) -> bool:
+        xs = [x for pts in self.series.values() for x, _ in pts]
+        return bool(xs) and all(isinstance(x, int | float) and not isinstance(x, bool) for x in xs)
+
+    @property
+    def log_x(self) -> bool:
+        """A numeric x axis on positive values spanning 16x or more (block sizes, lengths): a log axis."""
+        xs = [x for pts in self.series.values() for x, _ in pts]
+        return self.numeric_x and min(xs) > 0 and max(xs) / min(xs) >= 16
+
+    def title(self) -> str:
+        held = ", ".join(f"{k}={v}" for k, v in self.held.items())
+        return f"{self.sweep}: {self.y} by {self.x}" + (f" and {self.color}" if self.color else "") + (
+            f" ({held})" if held else "")
+
+
+def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: str | None = None,
+           held: Mapping[str, Any] | None = None) -> View:
+    """``rows`` of ``sweep`` as series of ``y`` against ``x``, one per value of ``color`` (None or
+    :data:`NO_COLOR`: one series). Every other varying parameter is held at ``held[name]`` when that value
+    occurs, else at the sweep's default when it occurs, else at its first value. Raises ``ValueError`` naming
+    the argument for a column the rows do not have."""
+    sweep = get(sweep) if isinstance(sweep, str) else sweep
+    color = None if color in (None, NO_COLOR) else color
+    if not rows:
+        raise ValueError(f"rows: no rows of sweep {sweep.name!r} to plot")
+    columns = set().union(*(r.keys() for r in rows))
+    for arg, name in (("x", x), ("y", y), ("color", color)):
+        if name is not None and name not in columns:
+            raise ValueError(f"{arg}: {name!r} is not a column of the rows ({', '.join(sorted(columns))})")
+    if color == x:
+        raise ValueError(f"color: {color!r} is already the x axis")
+    held = dict(held or {})
+    chosen = {}
+    defaults = sweep.defaults()
+    for name, values in varying(rows, sweep).items():
+        if name in (x, color):
+            continue
+        chosen[name] = next((v for v in (held.get(name), defaults.get(name)) if v in values), values[0])
+    kept = [r for r in rows if all(r.get(k) == v for k, v in chosen.items())]
+    series: dict[Any, list] = {}
+    for r in kept:
+        series.setdefault(r.get(color) if color else y, []).append((r[x], _number(r[y])))
+    for key, pts in series.items():
+        series[key] = sorted(pts, key=lambda p: (isinstance(p[0], str), p[0]))
+    if color:
+        order = varying(kept, sweep).get(color) or list(series)
+        series = {k: series[k] for k in order if k in series}
+    return View(sweep.name, x, y, color, series, chosen, len(kept))
+
+
+def _number(value) -> float:
+    return float(value) if isinstance(value, bool | int | float) else float("nan")
+
+
+def live_rows(sweep: Sweep | str, values: Mapping[str, Sequence] | None = None) -> list[dict]:
+    """The tidy rows of ``sweep`` over ``values`` computed here and now, in this process, written nowhere (what
+    a notebook panel shows live); a failed point raises."""
+    from workbench.provenance import machine_meta
+    from workbench.sweeps.executors import execute_point
+    from workbench.sweeps.runner import plan
+    from workbench.sweeps.store import tidy
+
+    sweep, points = plan(sweep, values)
+    commit = machine_meta()["commit"]
+    records = []
+    for params in points:
+        record = execute_point(sweep.name, params, commit)
+        if "error" in record:
+            raise RuntimeError(f"sweep {sweep.name}: point {params} failed: {record['error']}")
+        records.append(record)
+    return tidy(sweep.name, records)

@@ -1,0 +1,118 @@
+"""A sweep's rows in a notebook: any file ``python -m workbench sweep`` wrote, or a small grid computed live,
+plotted by the same function (``workbench.sweeps.view.select``) whichever it is.
+
+    sweep_panel("quant")                               # the committed file, then any in results/sweeps
+    sweep_panel("quant", live={"outlier": [1, 8]})     # also a grid computed here, written nowhere
+    sweep_panel("results/sweeps/quant-night.json")     # one file first
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import ipywidgets as W
+import plotly.graph_objects as go
+
+from workbench.sweeps import runner, spec, store, view
+from workbench.ui.panels import Panel
+
+LIVE = "live"
+PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8ab17d", "#9c6644", "#6d597a", "#f4a261", "#577590")
+
+
+def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None
+                ) -> tuple[spec.Sweep, dict[str, str]]:
+    """The sweep and its sources, ``{value: label}``: the file given first (when a path), then the sweep's
+    committed files, then the git-ignored ones, then the live grid (when ``live`` is given)."""
+    given = Path(name_or_path)
+    first: list[Path] = []
+    if given.suffix in (".json", ".jsonl", ".csv"):
+        loaded = store.load(given)
+        sweep, first = spec.get(loaded.sweep), [given]
+    else:
+        sweep = spec.get(str(name_or_path))
+    sources = {}
+    for path in [*first, *store.files(sweep.name)]:
+        if str(path) not in sources:
+            sources[str(path)] = _label(path)
+    if live is not None:
+        values = {k: list(v) for k, v in live.items()}
+        sources[LIVE] = f"live: {len(runner.plan(sweep, values)[1])} points computed here"
+    if not sources:
+        raise ValueError(f"name_or_path: sweep {sweep.name!r} has no file in {store.COMMITTED} or {store.OUT}; run "
+                         f"`python -m workbench sweep {sweep.name}` or pass live={{...}}")
+    return sweep, sources
+
+
+def _label(path: Path) -> str:
+    where = "committed" if store.COMMITTED in path.resolve().parents else "file"
+    return f"{where}: {store.load(path).label}"
+
+
+def sweep_figure(v: view.View, source: str = "") -> go.Figure:
+    """Lines over a numeric x (log axis over a wide range), grouped bars over a categorical one."""
+    fig = go.Figure()
+    for i, (key, pts) in enumerate(v.series.items()):
+        name = f"{v.color}={key}" if v.color else v.y
+        color = PALETTE[i % len(PALETTE)]
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if v.numeric_x:
+            fig.add_scatter(x=xs, y=ys, name=name, mode="lines+markers", line_color=color)
+        else:
+            fig.add_bar(x=[str(x) for x in xs], y=ys, name=name, marker_color=color)
+    fig.update_layout(title=dict(text=v.title() + (f"<br><sup>{source}</sup>" if source else ""), font_size=14),
+                      xaxis_title=v.x, yaxis_title=v.y, height=400, margin=dict(t=70), barmode="group",
+                      legend_title_text=v.color or "")
+    if v.log_x:
+        fig.update_xaxes(type="log", tickvals=sorted({p[0] for pts in v.series.values() for p in pts}))
+    return fig
+
+
+def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None) -> Panel:
+    """Source (a sweep file or the live grid), y column, x and colour parameters, and a value for every other
+    parameter the rows vary -> the rows as :func:`sweep_figure` draws them.
+
+    Args:
+        name_or_path: a sweep's name (its files: ``data/results/sweeps`` first, then ``results/sweeps``) or one
+            sweep file (``.json``, ``.csv``, or a running sweep's ``.jsonl``), shown first.
+        live: a grid (name -> values; other parameters take their sweep range) computed in this kernel when
+            chosen as the source, for a sweep with no file yet or one you are changing.
+    """
+    sweep, sources = sources_for(name_or_path, live)
+    loaded: dict[str, list[dict]] = {}
+
+    def rows(source: str) -> list[dict]:
+        if source not in loaded:
+            loaded[source] = (view.live_rows(sweep, live) if source == LIVE else store.load(source).rows)
+        return loaded[source]
+
+    every = [r for s in sources if s != LIVE for r in rows(s)] or rows(LIVE)
+    varying = view.varying(every, sweep)
+    columns = view.numeric_columns(every, sweep)
+    axes = list(varying) or [p.name for p in sweep.params]
+    x0 = sweep.x if sweep.x in axes else axes[0]
+    c0 = sweep.color if sweep.color in varying and sweep.color != x0 else view.NO_COLOR
+    controls = {
+        "source": W.Dropdown(options=[(label, value) for value, label in sources.items()], description="rows"),
+        "y": W.Dropdown(options=columns, value=sweep.y[0] if sweep.y[0] in columns else columns[0], description="y"),
+        "x": W.Dropdown(options=axes, value=x0, description="x"),
+        "color": W.Dropdown(options=[view.NO_COLOR, *varying], value=c0, description="colour"),
+    }
+    defaults = sweep.defaults()
+    for name, values in varying.items():
+        controls[f"at_{name}"] = W.Dropdown(options=values, value=defaults[name] if defaults[name] in values
+                                            else values[0], description=name)
+
+    def compute(source, y, x, color, **held):
+        r = rows(source)
+        if color == x:
+            color = view.NO_COLOR
+        v = view.select(r, sweep, x=x, y=y, color=color, held={k[3:]: val for k, val in held.items()})
+        return v, sources[source]
+
+    def free(name: str):  # a held parameter's control matters unless it is on an axis
+        return lambda x, color, **_: name not in (x, color)
+
+    enabled = {f"at_{name}": free(name) for name in varying}
+    return Panel(controls, compute, lambda r: sweep_figure(*r), enabled=enabled)
