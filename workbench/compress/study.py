@@ -347,3 +347,56 @@ def quest_recall_curves(captures: Sequence, page_sizes: Sequence[int] = (8, 16, 
             rows.append({"page_size": ps, "share": share, "recall": m[0], "recall_per_head": m[1],
                          "recall_oracle": m[2], "pages": m[3], "read": m[4], "samples": len(acc)})
     return rows
+
+
+# ---- the settings of notebook 07's sparsification panel --------------------------------------------------------
+# (here, not in workbench.ui.compress_panels: the panel and the ``sparsification`` sweep score the same setting)
+THRESHOLD_SCALE = 10  # the threshold policy's budget is its probability threshold: p = budget / 10
+HELD_OUT = 8  # the last prompt tokens scored as decode steps the policy did not see
+
+
+def threshold_of(budget: float) -> float:
+    """The threshold policy's attention-probability threshold for a budget of the slider."""
+    return round(budget / THRESHOLD_SCALE, 6)
+
+
+def policy_options(name: str, block_size: int, sinks: int, window: int) -> dict:
+    """The fields of policy ``name`` the panel sets: Quest's pages are the cache's blocks (its sink and newest
+    pages fixed), StreamingLLM's recent part is what its budget leaves, the others take sinks and a window."""
+    if name == "quest":
+        return {"page_size": block_size}
+    if name == "streaming":
+        return {"sinks": sinks}
+    return {"sinks": sinks, "window": window}
+
+
+def score_rows(capture, name: str, budgets: Sequence[float], block_size: int, partial: str, sinks: int,
+               window: int, held_out: int = HELD_OUT) -> list[dict]:
+    """:func:`score_policies` of one policy on one capture, at the slider's ``budgets`` (the threshold policy at
+    :func:`threshold_of` them), without the per-head masks: rows of every layer and ``"all"``, each with
+    ``slider_budget``."""
+    rows = score_policies([capture], [name], budgets, block_size, ["keep" if name == "quest" else partial],
+                          held_out=held_out, thresholds=[threshold_of(b) for b in budgets],
+                          options={name: policy_options(name, block_size, sinks, window)},
+                          per_head=False)  # the panel draws the shared sets only: half the work
+    per = len(rows) // len(budgets)  # score_policies' order: budget by budget, then its layers and "all"
+    for i, r in enumerate(rows):
+        r["slider_budget"] = budgets[i // per]
+    return rows
+
+
+def kept_tokens(capture, name: str, budget: float, block_size: int, partial: str, sinks: int, window: int,
+                held_out: int = HELD_OUT) -> tuple[torch.Tensor, BlockKeep]:
+    """What the scored setting keeps, as :func:`score_policies` applies it: the policy chooses on the prompt
+    without its last ``held_out`` tokens, which are appended whole, and the block rule rounds (``keep``) or packs
+    (``compact``) the set; Quest chooses whole pages for the last token's query. Returns ``(selected [T], block
+    rule)``."""
+    obs = Observation.from_capture(capture)
+    over = policy_options(name, block_size, sinks, window)
+    over["threshold" if name == "threshold" else "budget"] = threshold_of(budget) if name == "threshold" else budget
+    pol = policies.get(name, **over)
+    if pol.query_dependent:
+        keep = pol.keep(obs)
+        return keep, block_keep(keep, block_size, "keep")
+    keep = torch.cat([pol.keep(obs.prefix(held_out)), torch.ones(held_out, dtype=torch.bool)])
+    return keep, block_keep(keep, block_size, partial)

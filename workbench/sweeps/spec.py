@@ -116,7 +116,7 @@ class Sweep:
 
 _SWEEPS: dict[str, Sweep] = {}
 # the catalog's modules, imported on first use (each registers its sweeps): the registry stays cheap to import
-CATALOG = ("cache", "quant", "tiers")
+CATALOG = ("cache", "quant", "tiers", "compress", "shared_prefix")
 _loaded = False
 
 

@@ -12,10 +12,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import ipywidgets as W
-import torch
 
 from workbench.bench import compress_results as measured
 from workbench.compress import policies, study
+from workbench.compress.study import (  # noqa: F401  (the panel's settings, importable from here too)
+    HELD_OUT,
+    THRESHOLD_SCALE,
+    kept_tokens,
+    policy_options,
+    score_rows,
+    threshold_of,
+)
 from workbench.ui import compress_figures as cf
 from workbench.ui.panels import Panel
 
@@ -23,57 +30,8 @@ SHOWN_POLICIES = tuple(n for n in policies.NAMES if n != "full")  # "full" is th
 BUDGETS = tuple(round(0.05 * i, 2) for i in range(1, 21))  # the budget slider: 5% .. 100% of the prompt
 CURVE_BUDGETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.7)  # the points of every policy's curve
 QUEST_BUDGETS = (0.05, 0.1, 0.25, 0.5)  # Quest's: it scores every held-out query on its own pages (~4x the cost)
-THRESHOLD_SCALE = 10  # the threshold policy's budget is its probability threshold: p = budget / 10
 DEFAULT_SINKS, DEFAULT_WINDOW = 4, 16  # the other policies' settings on the chart
-HELD_OUT = 8  # the last prompt tokens scored as decode steps the policy did not see
 PARTIAL_WORDS = {"keep": "partly dropped blocks kept whole", "compact": "kept tokens compacted into fresh blocks"}
-
-
-def threshold_of(budget: float) -> float:
-    """The threshold policy's attention-probability threshold for a budget of the slider."""
-    return round(budget / THRESHOLD_SCALE, 6)
-
-
-def policy_options(name: str, block_size: int, sinks: int, window: int) -> dict:
-    """The fields of policy ``name`` the panel sets: Quest's pages are the cache's blocks (its sink and newest
-    pages fixed), StreamingLLM's recent part is what its budget leaves, the others take sinks and a window."""
-    if name == "quest":
-        return {"page_size": block_size}
-    if name == "streaming":
-        return {"sinks": sinks}
-    return {"sinks": sinks, "window": window}
-
-
-def score_rows(capture, name: str, budgets: Sequence[float], block_size: int, partial: str, sinks: int,
-               window: int, held_out: int = HELD_OUT) -> list[dict]:
-    """``study.score_policies`` of one policy on one capture, at the slider's ``budgets`` (the threshold policy at
-    :func:`threshold_of` them), without the per-head masks: rows of every layer and ``"all"``, each with
-    ``slider_budget``."""
-    rows = study.score_policies([capture], [name], budgets, block_size, ["keep" if name == "quest" else partial],
-                                held_out=held_out, thresholds=[threshold_of(b) for b in budgets],
-                                options={name: policy_options(name, block_size, sinks, window)},
-                                per_head=False)  # the panel draws the shared sets only: half the work
-    per = len(rows) // len(budgets)  # score_policies' order: budget by budget, then its layers and "all"
-    for i, r in enumerate(rows):
-        r["slider_budget"] = budgets[i // per]
-    return rows
-
-
-def kept_tokens(capture, name: str, budget: float, block_size: int, partial: str, sinks: int, window: int,
-                held_out: int = HELD_OUT) -> tuple[torch.Tensor, policies.BlockKeep]:
-    """What the scored setting keeps, as ``study.score_policies`` applies it: the policy chooses on the prompt
-    without its last ``held_out`` tokens, which are appended whole, and the block rule rounds (``keep``) or packs
-    (``compact``) the set; Quest chooses whole pages for the last token's query. Returns ``(selected [T], block
-    rule)``."""
-    obs = policies.Observation.from_capture(capture)
-    over = policy_options(name, block_size, sinks, window)
-    over["threshold" if name == "threshold" else "budget"] = threshold_of(budget) if name == "threshold" else budget
-    pol = policies.get(name, **over)
-    if pol.query_dependent:
-        keep = pol.keep(obs)
-        return keep, policies.block_keep(keep, block_size, "keep")
-    keep = torch.cat([pol.keep(obs.prefix(held_out)), torch.ones(held_out, dtype=torch.bool)])
-    return keep, policies.block_keep(keep, block_size, partial)
 
 
 def _point(r: dict) -> str:
