@@ -3,9 +3,13 @@
 SHELL := /bin/bash
 NBVAL := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
-.PHONY: tour test lint lab info
+.PHONY: tour report test lint lab info
 tour:
 	@py=$$(scripts/setup.sh) && $$py -m workbench tour
+
+# Every notebook headless at smoke sizes, then a static site in reports/site (index.html: the key numbers).
+report:
+	@py=$$(scripts/setup.sh) && $$py -m workbench report
 
 # One pytest session on two workers, whole files each (--dist loadfile), in the order given (--no-loadscope-reorder):
 # the browser test first (tests/browser, JupyterLab in Chromium, the longest file: one worker from the start),

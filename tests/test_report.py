@@ -88,6 +88,14 @@ def test_text_and_markdown_are_kept(page):
     assert "hello from a cell" in page and "<em>text</em>" in page and "<title>a report</title>" in page
 
 
+def test_a_sites_page_loads_plotly_js_from_the_file_beside_it():
+    page = offline_html(_notebook(), plotly_src="plotly.min.js")  # workbench.site writes the file once
+    assert PLOTLY_JS_BANNER not in page
+    scripts = re.findall(r"<script[^>]*\bsrc\s*=\s*\"([^\"]+)\"", page)
+    assert scripts == ["plotly.min.js"] and page.index("plotly.min.js") < page.index('id="figure-1"')
+    assert "src=" not in offline_html(_notebook(figures=False), plotly_src="plotly.min.js")
+
+
 def test_a_notebook_without_figures_gets_no_plotly_js():
     page = offline_html(_notebook(figures=False))
     assert PLOTLY_JS_BANNER not in page and "Plotly.newPlot" not in page

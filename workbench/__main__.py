@@ -4,6 +4,9 @@ Commands:
   info          device, backend (compiled or interpreter), versions
   tour          execute notebooks/00_tour.ipynb headless, write reports/00_tour.html (charts work offline),
                 print a summary
+  report        execute every notebook headless (smoke sizes; --full for full sizes on a GPU), one progress bar
+                each, and write a static site: a page per notebook (charts work offline) and index.html with the
+                key numbers each computed and links to their data files (reports/site unless --out DIR)
   bench NAME    run the benchmark module workbench.bench.NAME (its own --help); results go to results/
                 (git-ignored) unless --out DIR
   sim NAME      run a simulator command of workbench.sim (its own --help)
@@ -80,6 +83,71 @@ def cmd_tour(args: argparse.Namespace) -> int:
     print(f"\nreport: {html_path} ({_megabytes(html_path)}; charts work offline)")
     print("explore the series interactively: make lab  (JupyterLab on notebooks/)")
     return 0
+
+
+def notebook_paths(specs: list[str] | None) -> list[Path]:
+    """The notebooks ``report`` runs: each spec a path or a glob (relative to the current folder, else to the
+    repository), matches in sorted order, duplicates once; no spec: every ``notebooks/[0-9][0-9]_*.ipynb``.
+    Raises ``ValueError`` naming a spec that matches nothing."""
+    import glob
+
+    if not specs:
+        return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    paths: dict[Path, None] = {}
+    for spec in specs:
+        if Path(spec).is_file():
+            matches = [spec]
+        else:
+            matches = sorted(glob.glob(spec)) or sorted(glob.glob(str(ROOT / spec)))
+            matches = [m for m in matches if Path(m).is_file()]
+        if not matches:
+            raise ValueError(f"no notebook matches {spec!r}")
+        paths.update(dict.fromkeys(Path(m).resolve() for m in matches))
+    return list(paths)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    # UI-side libraries: imported here so the core never needs them.
+    import nbformat
+
+    from workbench.bench.harness import ensure_writable_dir
+    from workbench.site import build_site
+
+    try:
+        paths = notebook_paths(args.notebooks)
+    except ValueError as e:
+        print(f"report: argument --notebooks: {e}", file=sys.stderr)
+        return 2
+    if not paths:
+        print(f"report: argument --notebooks: no notebooks in {ROOT / 'notebooks'}", file=sys.stderr)
+        return 2
+    for path in paths:
+        try:
+            nbformat.read(path, as_version=4)
+        except Exception as e:  # noqa: BLE001  (not JSON, not a notebook, unreadable: one message, no traceback)
+            print(f"report: argument --notebooks: {path} is not a Jupyter notebook ({type(e).__name__})",
+                  file=sys.stderr)
+            return 2
+    try:  # before the notebooks run, not after
+        out_dir = ensure_writable_dir(args.out)
+    except ValueError as e:
+        print(f"report: argument --out: {e}", file=sys.stderr)
+        return 2
+    sizes = "full sizes (WORKBENCH_SMOKE=0)" if args.full else "smoke sizes (WORKBENCH_SMOKE=1; --full for full sizes)"
+    print(f"executing {len(paths)} notebooks at {sizes} ...", flush=True)
+    site = build_site(paths, out_dir, full=args.full, timeout=args.timeout)
+    width = max(len(r.source.stem) for r in site.runs)
+    print(f"\nsite: {site.index} ({len(site.runs)} pages; charts work offline)")
+    for r in site.runs:
+        missing = [s for s, link in r.files.items() if link is None]
+        line = f"  {r.source.stem:<{width}}  {r.seconds:7.1f} s  {'ok' if r.ok else 'FAILED'}"
+        line += f"  {sum(len(n['numbers']) for n in r.numbers)} key numbers" if r.numbers else ""
+        line += f", {len(missing)} data file(s) missing" if missing else ""
+        print(line + (f"\n    {r.error}" if r.error else ""))
+    failed = [r.source.stem for r in site.runs if not r.ok]
+    print(f"  {'total':<{width}}  {site.seconds:7.1f} s" + (f"  {len(failed)} failed: {', '.join(failed)}"
+                                                           if failed else ""))
+    return 0 if site.ok else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -159,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(ROOT / "reports"), help="folder for the HTML report")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds per cell (>= 1)")
     p.set_defaults(func=cmd_tour)
+    p = sub.add_parser("report", help="run every notebook headless and write a static HTML site with their key numbers",
+                       description="Execute the notebook series headless (smoke sizes unless --full), one progress "
+                       "bar per notebook, and write a static site: a page per notebook with its charts drawn "
+                       "offline, index.html with the key numbers each computed and copies of their data files. "
+                       "Exits 1 if a notebook failed (its page shows what ran).")
+    p.add_argument("--full", action="store_true", help="full sizes (WORKBENCH_SMOKE=0), for a GPU machine")
+    p.add_argument("--out", default=str(ROOT / "reports" / "site"), help="folder for the site (default reports/site)")
+    p.add_argument("--notebooks", nargs="+", metavar="GLOB_OR_PATH",
+                   help="notebooks to run, in this order (default: every notebooks/[0-9][0-9]_*.ipynb)")
+    p.add_argument("--timeout", type=positive_int, default=900, help="seconds per cell (>= 1)")
+    p.set_defaults(func=cmd_report)
     p = sub.add_parser(
         "bench", help="run a benchmark (python -m workbench bench NAME --help)", formatter_class=raw,
         description="Run the benchmark NAME with its own options (python -m workbench bench NAME --help).",

@@ -7,6 +7,8 @@ chart. :func:`offline_html` instead renders each figure from its plotly snapshot
 div, inlines plotly.js once in the page head, and leaves out every script the template would fetch.
 
 :class:`CellProgress` holds NotebookClient hooks that print one line per executed cell.
+
+:mod:`workbench.site` builds the notebook series' static site from these pages.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ FIGURE_HEIGHT = 525  # px, plotly's notebook default, for figures whose layout s
 
 # The lab template without its network fetches: require.js (it would also make plotly.js register as an AMD
 # module instead of setting window.Plotly), the widget html-manager (widget state is not saved), MathJax and
-# mermaid (the notebooks have neither math nor diagrams). plotly.js comes inline, before any figure.
+# mermaid (the notebooks have neither math nor diagrams). plotly.js comes inline (or from a file beside the page,
+# a site's pages sharing one), before any figure.
 TEMPLATE = """{%- extends 'index.html.j2' -%}
 {%- block html_head_js -%}
-{%- if resources.plotly_js -%}
+{%- if resources.plotly_src -%}
+<script type="text/javascript" src="{{ resources.plotly_src }}"></script>
+{%- elif resources.plotly_js -%}
 <script type="text/javascript">{{ resources.plotly_js }}</script>
 {%- endif -%}
 {%- endblock html_head_js -%}
@@ -73,8 +78,9 @@ def static_notebook(nb):
     return nb, figures
 
 
-def offline_html(nb, title: str | None = None) -> str:
-    """``nb`` (executed, left unchanged) as a self-contained HTML page; plotly.js inlined only if it has figures."""
+def offline_html(nb, title: str | None = None, plotly_src: str | None = None) -> str:
+    """``nb`` (executed, left unchanged) as a self-contained HTML page; plotly.js inlined only if it has figures,
+    or, with ``plotly_src``, loaded from that relative path (a file the caller writes beside the page)."""
     import plotly.offline
     from jinja2 import DictLoader
     from nbconvert import HTMLExporter
@@ -82,7 +88,8 @@ def offline_html(nb, title: str | None = None) -> str:
     page, figures = static_notebook(nb)
     exporter = HTMLExporter(template_name="lab", template_file="offline.html.j2",
                             extra_loaders=[DictLoader({"offline.html.j2": TEMPLATE})])
-    resources = {"plotly_js": plotly.offline.get_plotlyjs() if figures else ""}
+    resources = {"plotly_js": plotly.offline.get_plotlyjs() if figures and not plotly_src else "",
+                 "plotly_src": plotly_src if figures else ""}
     if title:
         resources["metadata"] = {"name": title}
     html, _ = exporter.from_notebook_node(page, resources=resources)
