@@ -116,7 +116,7 @@ class Sweep:
 
 _SWEEPS: dict[str, Sweep] = {}
 # the catalog's modules, imported on first use (each registers its sweeps): the registry stays cheap to import
-CATALOG = ("cache", "quant", "tiers", "compress", "shared_prefix")
+CATALOG = ("cache", "quant", "tiers", "compress", "shared_prefix", "model", "conformance", "kernels")
 _loaded = False
 
 

