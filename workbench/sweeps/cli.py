@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="local processes (default 1: in this process)")
     p.add_argument("--address", default=None,
                    help="an existing Ray cluster (HOST:PORT, or 'auto' for the one `ray start` runs here); "
-                        "default: a private local Ray")
+                        "default: RAY_ADDRESS, else a cluster started here, else a private one")
     p.add_argument("--out", default=None, help="folder for the files (default results/sweeps)")
     p.add_argument("--tag", default=None, help="a word added to the file name: a separate journal")
     p.add_argument("--fresh", action="store_true", help="forget the journal's finished points and run all")

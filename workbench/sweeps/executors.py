@@ -75,31 +75,41 @@ def ray_available() -> str | None:
 def run_ray(sweep_name: str, todo: Sequence[dict], commit: str, gpu: Sequence[bool], address: str | None = None,
             retries: int = RAY_RETRIES) -> Iterator[dict]:
     """Each point a Ray task (``num_gpus=1`` where the point needs a GPU), gathered as they finish. ``address``:
-    an existing cluster (``ray start --head`` printed it; ``auto`` finds the local one), None starts a private
-    local one. A task whose worker process dies is retried by Ray (``max_retries``)."""
+    an existing cluster (``ray start --head`` printed it; ``auto`` finds the one started on this machine); None is
+    Ray's default (``RAY_ADDRESS``, else a cluster started here, else a private local one). A driver that called
+    ``ray.init`` already keeps its connection (``address`` is then unused). A task whose worker process dies is
+    retried by Ray (``max_retries``); a point that raised is reported, not retried."""
+    if not todo:  # every point reused: no cluster to reach
+        return
     import ray
 
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    pending: dict = {}
     try:
-        if any(gpu) and ray.cluster_resources().get("GPU", 0) < 1:
+        resources = ray.cluster_resources()
+        if any(gpu) and resources.get("GPU", 0) < 1:
             raise RuntimeError(f"sweep {sweep_name}: its points need a GPU (num_gpus=1) and the Ray cluster at "
-                               f"{address or 'local'} has none: {ray.cluster_resources()}")
+                               f"{address or 'local'} has none: {resources}")
         task = ray.remote(execute_point)
         pending = {task.options(num_gpus=1 if g else 0, num_cpus=1, max_retries=retries, retry_exceptions=False,
                                 name=f"{sweep_name}:{i}").remote(sweep_name, params, commit): params
                    for i, (params, g) in enumerate(zip(todo, gpu, strict=True))}
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            params = pending.pop(done[0])
+            [ref], _ = ray.wait(list(pending), num_returns=1)
+            params = pending.pop(ref)
             try:
-                yield ray.get(done[0])
-            except ray.exceptions.RayError as e:  # retries spent: report this point, keep the others
+                record = ray.get(ref)
+            except ray.exceptions.RayError as e:  # retries spent (or the task lost): report this point, go on
                 from workbench.sweeps.grid import point_key
 
-                yield {"key": point_key(params), "sweep": sweep_name, "params": params,
-                       "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                first = str(e).splitlines()[0] if str(e) else ""
+                record = {"key": point_key(params), "sweep": sweep_name, "params": params,
+                          "error": f"{type(e).__name__}: {first}"}
+            yield record
     finally:
+        for ref in pending:  # stopped early (Ctrl-C, an error): the cluster's remaining tasks are not wanted
+            ray.cancel(ref)
         if started:
             ray.shutdown()
