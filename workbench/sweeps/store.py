@@ -183,10 +183,10 @@ def _typed(sweep_name: str, row: dict) -> dict:
 
 def files(name: str | None = None, dirs: Iterable[Path] | None = None) -> list[Path]:
     """The tidy JSON files of sweep ``name`` (every sweep when None) in ``dirs`` (default: the committed folder
-    first, then the git-ignored one), each folder's files by name."""
+    first, then the git-ignored one), each folder's files by name, a sweep's untagged file (``NAME.json``) first."""
     found = []
     for d in dirs if dirs is not None else (COMMITTED, OUT):
-        for p in sorted(Path(d).glob("*.json")):
+        for p in sorted(Path(d).glob("*.json"), key=lambda p: (p.stem != name, p.name)):
             try:
                 doc = json.loads(p.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError):
