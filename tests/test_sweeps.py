@@ -146,3 +146,10 @@ def test_gpu_points_refused_without_a_gpu(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tag"):
         sweeps.run("memory", tag="../x", out=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_parameter_may_not_shadow_a_rows_own_column():
+    # a parameter named "run" was overwritten in every tidy row by the point's run stamp
+    for name in ("run", "commit", "sweep"):
+        with pytest.raises(ValueError, match="clash with a tidy row's own columns"):
+            Sweep("bad", "", (Param(name, "str", "x"),), lambda **_: {}, notebook="", panel="", y=())

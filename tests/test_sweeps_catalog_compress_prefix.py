@@ -116,7 +116,7 @@ def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
     assert row["timed_share"] in {r["share"] for r in speed}
     assert row["speedup_graph"] == next(r for r in speed if r["share"] == row["timed_share"])["speedup_graph"]
     # 8-token pages were not timed: the panel draws the nearest timed size, and says so in its title
-    point = sweeps.get("quest").point(page_size=8, share=0.2, batch=8, run=row["run_name"])
+    point = sweeps.get("quest").point(page_size=8, share=0.2, batch=8, quest_run=row["run_name"])
     assert point["timed_page_size"] == 16 and point["best_speedup_graph"] == row["best_speedup_graph"]
     pytest.importorskip("ipywidgets")
     pytest.importorskip("plotly")
@@ -128,8 +128,8 @@ def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
     r = cp.quest_panel(runs=[newest], recall=recall, page_size=8, share=0.2).compute()
     assert [x["speedup_graph"] for x in r["speedups"][row["run_name"]]] == [x["speedup_graph"] for x in speed]
     assert r["setup"]["speed_title"].endswith(f"pages of 16 (8 not timed): up to {point['best_speedup_graph']:.2f}x")
-    with pytest.raises(ValueError, match="run: expected latest or one of"):
-        sweeps.get("quest").point(page_size=16, share=0.2, batch=8, run="nope.json")
+    with pytest.raises(ValueError, match="quest_run: expected latest or one of"):
+        sweeps.get("quest").point(page_size=16, share=0.2, batch=8, quest_run="nope.json")
 
 
 # ---- notebook 08 -------------------------------------------------------------------------------------------------

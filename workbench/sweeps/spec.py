@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+# a tidy row's columns beside the parameters: where a point ran (workbench.sweeps.store), no parameter's name
+META_KEYS = ("seconds", "gpu", "cpu", "torch", "triton", "cuda", "python", "commit", "date", "run", "host")
+RESERVED = ("sweep", *META_KEYS)
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -95,6 +98,10 @@ class Sweep:
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError(f"sweep {self.name!r}: parameter names repeat: {names}")
+        clash = sorted(set(names) & set(RESERVED))
+        if clash:
+            raise ValueError(f"sweep {self.name!r}: parameters {clash} would clash with a tidy row's own columns "
+                             f"({', '.join(RESERVED)})")
         for axis in (self.x, self.color):
             if axis is not None and axis not in names:
                 raise ValueError(f"sweep {self.name!r}: axis {axis!r} is not a parameter ({', '.join(names)})")

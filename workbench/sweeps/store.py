@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from workbench.provenance import ROOT
+from workbench.sweeps.spec import META_KEYS
 
 OUT = ROOT / "results" / "sweeps"  # git-ignored: what a user's sweep writes unless --out says otherwise
 COMMITTED = ROOT / "data" / "results" / "sweeps"  # what the notebooks show by default
-META_KEYS = ("seconds", "gpu", "cpu", "torch", "triton", "cuda", "python", "commit", "date", "run", "host")
 FORMAT = "workbench-sweep/1"
 
 

@@ -65,7 +65,8 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
                       xaxis_title=v.x, yaxis_title=v.y, height=400, margin=dict(t=70), barmode="group",
                       legend_title_text=v.color or "")
     if v.log_x:
-        fig.update_xaxes(type="log", tickvals=sorted({p[0] for pts in v.series.values() for p in pts}))
+        ticks = sorted({p[0] for pts in v.series.values() for p in pts})
+        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])  # 32768, not 32.768k
     return fig
 
 
@@ -93,14 +94,16 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
     axes = list(varying) or [p.name for p in sweep.params]
     x0 = sweep.x if sweep.x in axes else axes[0]
     c0 = sweep.color if sweep.color in varying and sweep.color != x0 else view.NO_COLOR
+    # one varying parameter is always on x: no colour to choose and nothing to hold (a control that changes nothing)
+    held = varying if len(varying) > 1 else {}
     controls = {
         "source": W.Dropdown(options=[(label, value) for value, label in sources.items()], description="rows"),
         "y": W.Dropdown(options=columns, value=sweep.y[0] if sweep.y[0] in columns else columns[0], description="y"),
         "x": W.Dropdown(options=axes, value=x0, description="x"),
-        "color": W.Dropdown(options=[view.NO_COLOR, *varying], value=c0, description="colour"),
+        "color": W.Dropdown(options=[view.NO_COLOR, *held], value=c0, description="colour"),
     }
     defaults = sweep.defaults()
-    for name, values in varying.items():
+    for name, values in held.items():
         controls[f"at_{name}"] = W.Dropdown(options=values, value=defaults[name] if defaults[name] in values
                                             else values[0], description=name)
 
@@ -114,5 +117,5 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
     def free(name: str):  # a held parameter's control matters unless it is on an axis
         return lambda x, color, **_: name not in (x, color)
 
-    enabled = {f"at_{name}": free(name) for name in varying}
+    enabled = {f"at_{name}": free(name) for name in held}
     return Panel(controls, compute, lambda r: sweep_figure(*r), enabled=enabled)

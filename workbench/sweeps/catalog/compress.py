@@ -95,11 +95,11 @@ def _quest_run(run: str) -> dict:
         return runs[-1]
     names = [measured.run_name(r) for r in runs]
     if run not in names:
-        raise ValueError(f"run: expected latest or one of {', '.join(names)}, got {run!r}")
+        raise ValueError(f"quest_run: expected latest or one of {', '.join(names)}, got {run!r}")
     return runs[names.index(run)]
 
 
-def quest_point(page_size: int, share: float, batch: int, run: str) -> dict:
+def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dict:
     """``study.quest_recall_curves`` of every capture at one page size and page budget (what ``quest_panel``
     draws on the left), and the committed H200 run's speedups at ``batch`` for the nearest page size it timed (the
     smaller of two, as the panel): the best (the panel's title) and at the timed budget nearest ``share``."""
@@ -108,7 +108,7 @@ def quest_point(page_size: int, share: float, batch: int, run: str) -> dict:
 
     with _one_thread():
         (cur,) = study.quest_recall_curves(list(_captures().values()), (page_size,), (share,))
-    doc = _quest_run(run)
+    doc = _quest_run(quest_run)
     timed = min(measured.quest_page_sizes(doc), key=lambda p: (abs(p - page_size), p))
     rows = measured.quest_speedups(doc, batch, timed)
     best = max(rows, key=lambda r: r["speedup_graph"])
@@ -127,6 +127,7 @@ register(Sweep(
         Param("share", "float", 0.2, choices=QUEST_SHARES, grid=(0.05, 0.1, 0.2, 0.3, 0.5),
               help="page budget, a share of the pages"),
         Param("batch", "int", 8, choices=(1, 8), help="the H200 run's batch"),
-        Param("run", "str", "latest", help="latest, or a committed quest-*.json file name in data/results")),
+        # not "run": every row is stamped with the sweep's run id under that name (store.META_KEYS)
+        Param("quest_run", "str", "latest", help="latest, or a committed quest-*.json file name in data/results")),
     quest_point, notebook="07_compression", panel="quest_panel", x="share", color="page_size",
     y=("recall", "recall_per_head", "recall_oracle", "read", "speedup_graph", "best_speedup_graph")))
