@@ -153,10 +153,14 @@ def test_site_path_and_copy_sources(tmp_path):
     assert str(site_path(SOURCE)) == SOURCE
     assert [site_path(s) for s in ("/abs/x.json", "../x.json", "a/../../x", "C:\\x.json", "", ".")] == [None] * 6
     out = tmp_path / "site"
-    copied = copy_sources([SOURCE, MISSING, SOURCE, "../escape.json"], out)
-    assert copied == {SOURCE: SOURCE, MISSING: None, "../escape.json": None}
+    copied = copy_sources([SOURCE, MISSING, SOURCE, "../escape.json", "data/activations"], out)
+    assert copied == {SOURCE: SOURCE, MISSING: None, "../escape.json": None, "data/activations": ""}
     assert (out / SOURCE).read_bytes() == (ROOT / SOURCE).read_bytes()
     assert [p.name for p in out.rglob("*") if p.is_file()] == [Path(SOURCE).name]
+    folder = {"title": "t", "numbers": {"x": 1}, "sources": ["data/activations"]}
+    page = index_html([NotebookRun(Path("a.ipynb"), "a.html", "a", 1.0, True, None, [folder], copied)], full=False,
+                      seconds=1.0)
+    assert "<code>data/activations</code> (a folder of the repository, not copied)" in page
 
 
 def test_index_html():

@@ -70,12 +70,15 @@ def site_path(source: str) -> PurePosixPath | None:
 
 def copy_sources(sources: Iterable[str], out: Path, root: Path = ROOT) -> dict[str, str | None]:
     """Copy each source file (relative to ``root``) to the same relative path under ``out``; returns
-    ``source -> link`` (the copy's path relative to ``out``), ``None`` for a file that is missing or not a
-    repository-relative path."""
+    ``source -> link`` (the copy's path relative to ``out``), ``""`` for a folder (named, not copied: the captures
+    are megabytes), ``None`` for a file that is missing or not a repository-relative path."""
     copied: dict[str, str | None] = {}
     for source in dict.fromkeys(sources):
         rel = site_path(source)
         src = root / rel if rel is not None else None
+        if src is not None and src.is_dir():
+            copied[source] = ""
+            continue
         if src is None or not src.is_file():
             copied[source] = None
             continue
@@ -139,6 +142,8 @@ def _numbers_html(entry: dict, files: dict[str, str | None]) -> str:
         link = files.get(source)
         if link is None:
             links.append(f'<li class="missing"><code>{e(source)}</code> (missing: not copied)</li>')
+        elif not link:
+            links.append(f'<li><code>{e(source)}</code> (a folder of the repository, not copied)</li>')
         else:
             links.append(f'<li><a href="{e(link, quote=True)}"><code>{e(source)}</code></a></li>')
     if links:
