@@ -101,3 +101,48 @@ def paged_gather(
         X=a.x, BLOCK_T=block_t, BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out
+
+
+def check_against_reference(
+    layouts=tuple(Layout),
+    kind: str = "k",
+    block_size: int = 16,
+    num_heads: int = 2,
+    head_dim: int = 64,
+    seq_lens=(40, 7, 100),
+    num_blocks: int = 32,
+    seed: int = 0,
+) -> dict[str, bool]:
+    """:func:`paged_gather` against the PyTorch reference on the same random data in each layout.
+
+    Random fp16 K (or V) in ``num_blocks`` blocks of ``block_size`` tokens, ``seq_lens`` sequences whose pages are
+    a random permutation of the pool (a fragmented cache), on the CPU (the Triton interpreter) or the GPU.
+
+    Returns:
+        ``{layout: whether the kernel's output equals the reference's bit for bit}``.
+    """
+    from workbench.layout import from_nhd
+
+    from .reference import paged_gather_ref
+
+    per_seq = [-(-int(n) // block_size) for n in seq_lens]
+    if sum(per_seq) > num_blocks:
+        raise ValueError(f"num_blocks: {num_blocks} blocks cannot hold seq_lens {list(seq_lens)} "
+                         f"({sum(per_seq)} blocks of {block_size} tokens)")
+    g = torch.Generator().manual_seed(seed)
+    nhd = torch.randn(num_blocks, block_size, num_heads, head_dim, generator=g).half()
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    table = torch.zeros(len(per_seq), max(per_seq, default=0) or 1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = perm[start:start + n]
+        start += n
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = torch.tensor(list(seq_lens), dtype=torch.int32, device=device)
+    table = table.to(device)
+    out = {}
+    for layout in layouts:
+        cache = from_nhd(nhd, layout, kind).to(device)
+        got = paged_gather(cache, layout, kind, table, lens)
+        out[str(layout)] = torch.equal(got, paged_gather_ref(cache, layout, kind, table, lens))
+    return out

@@ -343,3 +343,72 @@ def seed_block_size(l2_bytes: float, head_dim: int, dtype_size: float) -> float:
         raise ValueError(f"l2_bytes, head_dim and dtype_size must be positive, got {l2_bytes}, {head_dim}, "
                          f"{dtype_size}")
     return l2_bytes / (2 * head_dim * dtype_size)
+
+
+# ------------------------------------------------------------------------------------------ notebook tables
+def format_addressing(tensors, block_size: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
+                      elem_size: int = 2) -> str:
+    """For each ``(layout, kind)`` of ``tensors``: the address formula's element strides, then the byte offsets of
+    the first values of tokens 0 and 1 of kv head 0 in block 0 (two lines each)."""
+    lines = []
+    for layout, kind in tensors:
+        g = CacheGeometry(layout, kind, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          elem_size=elem_size)
+        a = g.addressing
+        t0 = g.addresses(0, 0, 0, range(min(10, head_dim))).tolist()
+        t1 = g.addresses(0, 1 % block_size, 0, range(min(3, head_dim))).tolist()
+        lines.append(f"{layout:4s} {kind}: s_blk={a.s_blk} s_tok={a.s_tok} s_head={a.s_head} s_dgrp={a.s_dgrp} "
+                     f"s_d={a.s_d} x={a.x}")
+        lines.append(f"{'':8s}token 0 bytes {t0[:3]}..{t0[8:10]}, token 1 bytes {t1}")
+    return "\n".join(lines)
+
+
+def analyze_configs(configs, block_size: int = 16, num_kv_heads: int = 8, block_n: int = 64) -> dict[str, Coalescing]:
+    """:func:`analyze` for each ``(label, layout, kind, head_dim, elem_size, pad_bytes)`` of ``configs``, all in
+    ``block_size``-token blocks of ``num_kv_heads`` kv heads with ``block_n``-token tiles: ``{label: Coalescing}``."""
+    return {label: analyze(layout, kind, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=d,
+                           elem_size=elem, pad_bytes=pad, block_n=block_n)
+            for label, layout, kind, d, elem, pad in configs}
+
+
+def format_analyses(analyses: dict[str, Coalescing]) -> str:
+    """Two tables of :func:`analyze_configs`' result: one token's read (alignment, lines, sectors, efficiencies,
+    bytes a lane loads), then one tile's (efficiencies, lane bytes, warp requests, lines per request)."""
+    first = next(iter(analyses.values()), None)
+    shape = (f"{first.geometry.block_size}-token blocks, {first.geometry.num_kv_heads} kv heads; "
+             if first is not None else "")
+    lines = [f"{shape}one token's read:", f"{'':22s} aligned  lines  sectors  line_eff  sector_eff  lane_B"]
+    for label, a in analyses.items():
+        t = a.token
+        lines.append(f"{label:22s} {a.aligned!s:7s} {t.lines:6.2f} {t.sectors:8.2f} {t.line_efficiency:9.3f} "
+                     f"{t.sector_efficiency:11.3f} {t.lane_bytes:7d}")
+    tile = f"one {first.block_n}-token tile's read:" if first is not None else "one tile's read:"
+    lines += ["", tile, f"{'':22s} line_eff  sector_eff  lane_B  requests  lines/request"]
+    for label, a in analyses.items():
+        s = a.tile
+        lines.append(f"{label:22s} {s.line_efficiency:8.3f} {s.sector_efficiency:11.3f} {s.lane_bytes:7d} "
+                     f"{s.requests:9.0f} {s.lines_per_request:14.2f}")
+    return "\n".join(lines)
+
+
+def seed_rule_rows(l2_bytes: float, model, kv_dtypes) -> list[dict]:
+    """The seed's block-size rule (:func:`seed_block_size`) for ``model`` (a ``workbench.spec`` model) in each
+    ``(name, kv_dtype)`` of ``kv_dtypes``: the tokens it gives, then per kv head and per layer as well."""
+    from workbench import spec
+
+    rows = []
+    for name, dtype in kv_dtypes:
+        size = spec.dtype_size(dtype)
+        tokens = seed_block_size(l2_bytes, model.head_dim, size)
+        rows.append({"name": name, "kv_dtype": dtype, "dtype_size": size, "head_dim": model.head_dim,
+                     "tokens": tokens, "num_kv_heads": model.num_kv_heads, "per_kv_head": tokens / model.num_kv_heads,
+                     "num_layers": model.num_layers,
+                     "per_layer": tokens / model.num_kv_heads / model.num_layers})
+    return rows
+
+
+def format_seed_rule(rows) -> str:
+    """One line per row of :func:`seed_rule_rows`: the rule's tokens, divided by the kv heads, then the layers."""
+    return "\n".join(f"{r['name']}: L2 / (2 * {r['head_dim']} * {r['dtype_size']:g}) = {r['tokens']:,.0f} tokens; "
+                     f"/ {r['num_kv_heads']} kv heads = {r['per_kv_head']:,.0f}; "
+                     f"/ {r['num_layers']} layers more = {r['per_layer']:,.0f}" for r in rows)

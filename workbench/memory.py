@@ -100,3 +100,27 @@ def compare_allocation(
         "contiguous (reserve max_len)": contiguous_breakdown(current, final, max_len, bytes_per_token),
         f"paged ({block_size}-token blocks)": paged_breakdown(current, block_size, bytes_per_token),
     }
+
+
+def max_len_rows(num_requests: int, max_lens: Sequence[int], seed: int, bytes_per_token: float) -> list[dict]:
+    """The same requests (``random_batch`` with ``seed``) on servers capping them at each of ``max_lens``: per cap
+    the contiguous breakdown's token share and how many requests the cap cuts off (``final == max_len``)."""
+    rows = []
+    for max_len in max_lens:
+        current, final = random_batch(num_requests, max_len, seed)
+        b = contiguous_breakdown(current, final, max_len, bytes_per_token)
+        rows.append({"max_len": max_len, "token_share": b["token_share"],
+                     "cut_off": sum(f == max_len for f in final), "num_requests": num_requests})
+    return rows
+
+
+def format_comparison(compared: dict[str, dict[str, float]]) -> str:
+    """One line per scheme of :func:`compare_allocation`'s result: its GiB and token-state share."""
+    return "\n".join(f"{scheme:30s} {b['total'] / 2**30:6.2f} GiB, token states {100 * b['token_share']:5.1f}%"
+                     for scheme, b in compared.items())
+
+
+def format_max_len_rows(rows: Sequence[dict]) -> str:
+    """One line per cap of :func:`max_len_rows`: the contiguous token-state share and the requests cut off."""
+    return "\n".join(f"max_len {r['max_len']:4d}: contiguous token states {100 * r['token_share']:4.1f}%, "
+                     f"{r['cut_off']} of {r['num_requests']} requests cut off at max_len" for r in rows)

@@ -1,4 +1,4 @@
-"""Sharing scenarios on the block allocator: a common system prompt, parallel samples, generation.
+"""Scenarios on the block allocator: a common system prompt, parallel samples, generation; adaptive block sizes.
 
 A pure function of its parameters (no tensors, no GPU), so a notebook slider can rerun it:
 ``N`` requests share a ``system_len``-token system prompt, each adds ``user_len`` tokens
@@ -8,9 +8,10 @@ of its own, forks ``samples`` parallel samples (copy-on-write), and every sample
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from workbench.allocator import BlockManager, BlockPool
+from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,11 @@ class SharingResult:
     def memory_saved(self) -> float:
         """Fraction of blocks that sharing saved against giving every sequence its own copy."""
         return 1 - self.blocks_used / self.blocks_unshared if self.blocks_unshared else 0.0
+
+    def summary(self) -> str:
+        """One line: blocks used (and without sharing), the share saved, copy-on-write copies, prefix hits."""
+        return (f"{self.blocks_used} blocks for {len(self.seq_ids)} sequences (unshared: {self.blocks_unshared}), "
+                f"saved {100 * self.memory_saved:.0f}%, CoW copies {self.cow_copies}, prefix hits {self.prefix_hits}")
 
 
 def shared_prompt(num_requests: int = 4, system_len: int = 40, user_len: int = 5, samples: int = 2,
@@ -69,3 +75,34 @@ def shared_prompt(num_requests: int = 4, system_len: int = 40, user_len: int = 5
         cow_copies=cow,
         prefix_hits=pool.hits,
     )
+
+
+def adaptive_blocks(requests: Sequence[tuple[int, int]], *, num_pages: int = 64, page_tokens: int = 64,
+                    small: int = 16, large: int = 64, threshold: int = 512) -> dict:
+    """Requests ``(prompt tokens, expected length)`` added to a fresh pool of ``num_pages`` pages of
+    ``page_tokens`` slots, carved into ``small``-token blocks for requests expected under ``threshold`` tokens
+    and ``large``-token ones for the rest (``ByExpectedLength``); the allocator's invariants are checked.
+
+    Returns:
+        ``{"requests": [{"request", "tokens", "block_size", "blocks", "waste"}], "waste", "stats": pool.stats()}``,
+        waste being the slots of a request's blocks it does not fill (under one block of its own size) and the
+        top-level ``waste`` their sum over the requests.
+    """
+    pool = BlockPool(num_pages=num_pages, page_tokens=page_tokens, block_sizes=sorted({small, large}))
+    m = BlockManager(pool, ByExpectedLength(small=small, large=large, threshold=threshold))
+    rows = []
+    for i, (prompt, expected) in enumerate(requests):
+        m.add(i, [i] * prompt, expected_len=expected)
+        bs, blocks = m.block_size(i), len(m.block_table(i))
+        rows.append({"request": i, "tokens": prompt, "block_size": bs, "blocks": blocks,
+                     "waste": blocks * bs - prompt})
+    m.check_invariants()
+    return {"requests": rows, "waste": sum(r["waste"] for r in rows), "stats": pool.stats()}
+
+
+def format_adaptive(result: dict) -> str:
+    """:func:`adaptive_blocks`'s result as lines: each request's blocks and waste, then the pool's slots."""
+    lines = [f"request {r['request']}: {r['tokens']:5d} tokens -> {r['block_size']}-token blocks, "
+             f"{r['blocks']} blocks, waste {r['waste']} slots" for r in result["requests"]]
+    s = result["stats"]
+    return "\n".join([*lines, f"used {s['used_slots']} free {s['free_slots']} total {s['total_slots']}"])

@@ -306,7 +306,11 @@ def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: b
         _assert_clean(nb, panel_id, f"textarea {i}", changed_from=before)
         moved.append(f"textarea {i}")
 
+    # a greyed-out dropdown (a sweep panel's value for the parameter on an axis) is left alone; each dropdown goes
+    # back to its first value before the next, so the ones greyed out are those of the panel as built
     for i, select in enumerate(panel.locator("select").all()[controls]):
+        if select.is_disabled():
+            continue
         options = select.locator("option").all_inner_texts()
         first = select.input_value()
         current = select.evaluate("s => s.selectedOptions[0].text")

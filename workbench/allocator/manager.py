@@ -120,6 +120,11 @@ class BlockManager:
     def block_size(self, seq_id) -> int:
         return self._get(seq_id).block_size
 
+    def ref_counts(self, seq_id) -> list[int]:
+        """The reference count of each block in the sequence's table, in table order (2 or more: shared)."""
+        s = self._get(seq_id)
+        return [self.pool.ref_count(s.block_size, b) for b in s.table]
+
     def num_tokens(self, seq_id) -> int:
         return len(self._get(seq_id).tokens)
 

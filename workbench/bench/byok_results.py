@@ -140,6 +140,17 @@ def bandwidth(run: Mapping, timing: str = "eager") -> Bandwidth:
     return Bandwidth(workloads(run), impls, origin, bars, absent, failed, untimed, copy, timing)
 
 
+def format_bandwidth(bw: Bandwidth) -> str:
+    """A table of ``bw``: a line per workload, a column per implementation with a bar (its fraction of the copy
+    bandwidth, ``-`` where it has none), then the peers absent from the run and why."""
+    lines = [f"{'':18}" + "".join(f"{impl:>17}" for impl in bw.impls)]
+    for key, name in bw.workloads.items():
+        cells = [bw.value(impl, key) for impl in bw.impls]
+        lines.append(f"{key} {name:<15}" + "".join(f"{c['frac']:>17.3f}" if c else f"{'-':>17}" for c in cells))
+    lines.append("absent: " + (", ".join(f"{p} ({why})" for p, why in bw.absent.items()) or "none"))
+    return "\n".join(lines)
+
+
 def relative_to_ours(bw: Bandwidth, workload: str) -> dict[str, float]:
     """``{impl: frac / ours' frac}`` on one workload (empty when ours has no bar there)."""
     ours = bw.value("ours", workload)
@@ -173,6 +184,19 @@ def check_reports(results_dir: Path | str | None = None) -> list[dict]:
                     "date": doc.get("meta", {}).get("date", ""),
                     "rows": rows})
     return sorted(out, key=lambda r: (r["date"], r["path"].name))
+
+
+def format_check_reports(reports: Sequence[Mapping]) -> str:
+    """A line per committed report (:func:`check_reports`): implementation, op, level and tag, cases, the verdict,
+    the time and the backend."""
+    lines = []
+    for r in reports:
+        verdict = "all passed" if r["passed"] else f"{r['failed']} failed"
+        tag = f" ({r['tag']})" if r["tag"] else ""
+        seconds = f"{r['seconds']:.1f} s" if r.get("seconds") is not None else "? s"
+        lines.append(f"{r['impl']:>12} {r['op']:<7} {r['level'] + tag:<15} {r['cases']:>4} cases: {verdict:<11} "
+                     f"in {seconds}, {r['backend']}")
+    return "\n".join(lines)
 
 
 OP_ORDER = ("decode", "shared_prefix", "write", "copy")  # how committed reports are listed: the decode op first

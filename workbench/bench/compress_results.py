@@ -273,3 +273,70 @@ def quest_recall_real(run: Mapping, reduce: str = "sum") -> list[dict]:
     keys = ("budget_pages", "budget_tokens", "page_size", "recall", "recall_per_head", "recall_oracle",
             "mean_context", "samples")
     return sorted(({k: r[k] for k in keys} for r in rows), key=lambda r: r["budget_pages"])
+
+
+def latest_quest_recall(quest_runs: Sequence[Mapping], reduce: str = "sum") -> list[dict]:
+    """:func:`quest_recall_real` of the newest run that has recall rows (runs oldest first); empty when none."""
+    for run in reversed(quest_runs):
+        rows = quest_recall_real(run, reduce)
+        if rows:
+            return rows
+    return []
+
+
+def format_recall_check(here: Sequence[Mapping], committed: Sequence[Mapping]) -> str:
+    """Quest's recall recomputed here (``bench.quest.real_recall_rows``, one ``reduce``) beside a committed
+    run's (:func:`quest_recall_real`), one line per page budget: the shared set here | there, per head, oracle."""
+    lines = [f"{here[0]['page_size']}-token pages, heads' bounds summed: recall here | in the committed run"]
+    for a, b in zip(here, committed, strict=True):
+        lines.append(f"  {a['budget_pages']} pages ({a['budget_tokens']} of ~{a['mean_context']:.0f} keys): shared "
+                     f"{a['recall']:.3f} | {b['recall']:.3f}, per head {a['recall_per_head']:.3f}, oracle set "
+                     f"{a['recall_oracle']:.3f}")
+    return "\n".join(lines)
+
+
+def format_quest_timings(quest_runs: Sequence[Mapping]) -> str:
+    """Every run's timings, a line per batch and page size: full decode's time, then per token budget Quest's time
+    and speedup, CUDA graph | eager (µs)."""
+    lines = []
+    for run in quest_runs:
+        for batch in quest_batches(run):
+            for ps in quest_page_sizes(run):
+                rs = quest_speedups(run, batch, ps)
+                lines.append(f"{run_name(run)[11:26]} b{batch} p{ps}: full {rs[0]['full_us_graph']:.0f} | "
+                             f"{rs[0]['full_us']:.0f}; " + "; ".join(
+                                 f"{r['budget_tokens']}: {r['time_us_graph']:.0f} ({r['speedup_graph']:.2f}x) | "
+                                 f"{r['time_us']:.0f} ({r['speedup']:.2f}x)" for r in rs))
+    return "\n".join(lines)
+
+
+def format_quest_parts(run: Mapping, batch: int = 8, budget_tokens: int = 2048) -> str:
+    """Quest's parts (scores, select, attend; CUDA graph, µs) at one batch and token budget, a line per page size."""
+    lines = []
+    for ps in quest_page_sizes(run):
+        parts = next(r for r in quest_speedups(run, batch, ps) if r["budget_tokens"] == budget_tokens)["parts"]
+        lines.append(f"its parts at batch {batch}, {budget_tokens} tokens, pages of {ps} (graph): "
+                     + ", ".join(f"{k.removeprefix('quest_')} {v:.1f} us" for k, v in parts.items()))
+    return "\n".join(lines)
+
+
+def format_ratio_by_layer(run: Mapping, dtype: str = "fp16", config: str = "shuffle") -> str:
+    """:func:`ratio_by_layer` on one line: ``layer: k_pre / k / v`` ratios."""
+    by_layer = ratio_by_layer(run, dtype, config)
+    return f"{dtype}, {STAGES.get(config, config)}, per layer (k_pre / k / v): " + "; ".join(
+        f"{layer}: {d['k_pre']['ratio']:.2f} / {d['k']['ratio']:.2f} / {d['v']['ratio']:.2f}"
+        for layer, d in by_layer.items())
+
+
+def format_break_even(run: Mapping, dtype: str = "fp16", config: str = "delta+shuffle") -> str:
+    """The one-way break-even of a compressed swap for every chunk the codec was timed on: per link the codec
+    speed it needs (GB/s, serial | pipelined) against this CPU's, and the links where it wins."""
+    lines = [f"break-even of a compressed swap, {dtype}, {STAGES.get(config, config)}, one-way "
+             "(codec GB/s needed: serial | pipelined):"]
+    for chunk, about in delta_chunks(run).items():
+        be = break_even(run, chunk, dtype, config)
+        lines.append(f"  {about['what']} ({be[0]['ratio']:.2f}x):\n    " + "; ".join(
+            f"{r['link']} {r['link_gbps']:.3g} GB/s needs {r['needed_serial']:.3g} | {r['needed_overlap']:.3g}, "
+            f"CPU {r['cpu_gbps']:.2g}" for r in be))
+        lines.append(f"    wins on: {[r['link'] for r in be if r['wins']] or 'no link'}")
+    return "\n".join(lines)

@@ -198,6 +198,15 @@ def load_results(pattern: str, results_dir: Path | str | None = None, where: Map
     return [row for run in runs for row in run["rows"]]
 
 
+def pick(rows: Sequence[Mapping], **where) -> Mapping:
+    """The last of ``rows`` whose columns satisfy every condition of ``where`` (as :func:`matches`): with the rows
+    of several runs, oldest first, the newest run's. ``ValueError`` naming the conditions when none does."""
+    found = [r for r in rows if matches(r, where)]
+    if not found:
+        raise ValueError(f"where: no row matches {where} (of {len(rows)} rows)")
+    return found[-1]
+
+
 def print_table(rows: Sequence[dict], columns: Sequence[str], headers: Mapping[str, str] | None = None) -> None:
     """A plain fixed-width table of ``columns`` (floats with 3 significant digits).
 

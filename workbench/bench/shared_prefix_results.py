@@ -108,3 +108,45 @@ def headline(run: Mapping, gqa: str, prefix: int = 32768, sharers: int = 64) -> 
     """``{suffix: graph speedup}`` of the cascade at one prefix and sharer count (the issue's 32k x 64 target)."""
     return {r["suffix"]: r["speedup_graph"] for r in _map_rows(run, gqa, "cascade")
             if r["prefix"] == prefix and r["sharers"] == sharers}
+
+
+def selector_picks(run: Mapping, gqa: str, timing: str = "graph") -> dict:
+    """How the selector did on the run's map at one GQA ratio: ``points`` (cascade points), ``picked`` (where it
+    took the cascade), ``wrong`` (picks where the cascade was not faster), ``slowest`` (the smallest speedup it
+    took; None when it took none)."""
+    _, speed, path, _ = _timing(timing)
+    rows = _map_rows(run, gqa, "cascade")
+    picked = [r for r in rows if r.get(path) == "shared"]
+    return {"points": len(rows), "picked": len(picked), "wrong": sum(r[speed] <= 1 for r in picked),
+            "slowest": min((r[speed] for r in picked), default=None)}
+
+
+def format_selector(runs: list[dict], timing: str = "graph") -> str:
+    """A line per run and GQA ratio: the 32k x 64 headline speedups and how the selector did
+    (:func:`selector_picks`)."""
+    lines = []
+    for run in runs:
+        for gqa in gqa_ratios(run):
+            head, s = headline(run, gqa), selector_picks(run, gqa, timing)
+            slowest = "-" if s["slowest"] is None else f"{s['slowest']:.2f}x"
+            lines.append(f"{run_name(run)} {gqa:>5}: 32k prefix x 64 sharers "
+                         + ", ".join(f"suffix {n}: {x:.1f}x" for n, x in sorted(head.items()))
+                         + f" | selector took the cascade at {s['picked']} of {s['points']} points, wrong at "
+                         f"{s['wrong']}; slowest pick {slowest}")
+    return "\n".join(lines)
+
+
+def format_sections(run: Mapping) -> str:
+    """The run's nested-tree and FP8 cascade rows (time against plain decode, error) and its batching rows (bytes
+    and time a step, arrival order against grouped by overlap), a line each."""
+    lines = []
+    for name in ("nested", "fp8"):
+        for r in section(run, name):
+            if r["impl"] == "cascade":
+                lines.append(f"{name:>6} {r['gqa']}: {r['prefix']} prefix x {r['sharers']} + {r['suffix']}: cascade "
+                             f"{r['time_us_graph']:.0f} µs vs plain {r['plain_us_graph']:.0f} µs = "
+                             f"{r['speedup_graph']:.2f}x, rel err {r['rel_err']:.1e}")
+    for r in section(run, "batching"):
+        lines.append(f"batching {r['impl']:>8}: {r['batches']} batches, {r['bytes'] / 1e6:.0f} MB read, "
+                     f"{r['time_us_graph']:.0f} µs a step (no sharing: {r['plain_bytes'] / 1e6:.0f} MB)")
+    return "\n".join(lines)

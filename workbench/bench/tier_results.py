@@ -16,7 +16,7 @@ them against the committed files. ``workbench/bench/tiers.py`` documents the row
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +181,55 @@ def check_summary(run: Mapping) -> dict:
             "kv_dtypes": sorted({r["kv_dtype"] for r in checks}), "paths": sorted({r["path"] for r in checks}),
             "disk_write_gbps": disk[0]["write_gbps"] if disk else None,
             "disk_read_gbps": disk[0]["read_gbps"] if disk else None}
+
+
+def run_stamp(run: Mapping) -> str:
+    """The run's time stamp from its file name (``tiers-h200-20261201T205651.json`` -> ``20261201T205651``)."""
+    return Path(run["path"]).stem.rsplit("-", 1)[-1]
+
+
+def by_run(runs: Sequence[Mapping], rows_of: Callable[[Mapping], list[dict]]) -> list[dict]:
+    """``rows_of(run)`` of every run (oldest first) in one table, each row led by ``run`` (:func:`run_stamp`):
+    ``by_run(runs, beside_rows)``."""
+    return [{"run": run_stamp(run), **r} for run in runs for r in rows_of(run)]
+
+
+def pinned_rows(runs: Sequence[Mapping]) -> list[dict]:
+    """Per run its GPU, commit and reference bandwidths (:func:`pinned`, GB/s): ``{run (file name), gpu, commit,
+    h2d, d2h, pageable_h2d, pageable_d2h}``."""
+    return [{"run": run_name(run), "gpu": run["info"].get("gpu"), "commit": run["info"].get("commit"), **pinned(run)}
+            for run in runs]
+
+
+def batching_rows(runs: Sequence[Mapping], block_bytes: int = 32 << 10, batches: Sequence[int] = (64, 256)
+                  ) -> list[dict]:
+    """:func:`batching_summary` of every run as table rows: per run and direction ``{run, dir, <path>_<n>}`` (the
+    fraction of the pinned bandwidth ``n`` blocks of ``block_bytes`` reached on ``path``)."""
+    return [{"run": run_stamp(run), "dir": d, **{f"{p}_{n}": fracs[n] for p, fracs in paths.items() for n in batches}}
+            for run in runs for d, paths in batching_summary(run, block_bytes, batches).items()]
+
+
+def single_copy_rows(run: Mapping, value: str = "frac") -> list[dict]:
+    """One block in one copy (``dma_per_block``, a batch of 1) by block size, both directions: ``{kib, h2d, d2h}``
+    (``value``: ``frac`` of the pinned bandwidth by default), smallest block first."""
+    maps = {d: bandwidth_map(run, "dma_per_block", d, value) for d in ("h2d", "d2h")}
+    sizes = maps["h2d"].block_bytes
+    return [{"kib": b >> 10 if b % 1024 == 0 else b / 1024,
+             **{d: m.at(b, 1) if 1 in m.blocks and b in m.block_bytes else None for d, m in maps.items()}}
+            for b in sizes]
+
+
+def eager_rows(run: Mapping, direction: str = "h2d", block_bytes: int = 32 << 10, blocks: int = 64) -> list[dict]:
+    """Per path one batch of ``blocks`` x ``block_bytes``: device time (``frac``, a CUDA graph) against the host's
+    launches counted (``frac_eager``), both as fractions of the pinned bandwidth: ``{path, frac, frac_eager}``."""
+    return [{"path": p, **{v: link_value(run, p, direction, block_bytes, blocks, v) for v in ("frac", "frac_eager")}}
+            for p in PATHS]
+
+
+def beside_overlap_series(runs: Sequence[Mapping]) -> tuple[list[list[dict]], list[list[dict]], list[str]]:
+    """What ``workbench.ui.tier_figures.beside_overlap`` draws: per run (oldest first) its :func:`beside_rows`,
+    its :func:`overlap_rows` and its file name."""
+    return [beside_rows(r) for r in runs], [overlap_rows(r) for r in runs], [run_name(r) for r in runs]
 
 
 def spread(values: Sequence[float]) -> float:

@@ -263,3 +263,93 @@ def move_tokens(cache, block_size: int, src: Sequence[int], dst: Sequence[int]) 
             for t in (scale, zero):
                 if t is not None:
                     t[db, dt] = t[sb, st]
+
+
+# ---- notebook 07, section 2: a policy's choice freeing blocks of a shared pool -------------------------------------
+def _admit(cache, newcomer, tokens: int, block_size: int) -> str:
+    """Add the first ``tokens`` of capture ``newcomer`` as sequence ``"c"`` if the pool has room (the allocator
+    refuses a request whole otherwise): what happened, as a short phrase."""
+    try:
+        cache.add("c", newcomer.tokens[:tokens], newcomer.k[:, :tokens].half(), newcomer.v[:, :tokens].half())
+    except OutOfBlocks as e:
+        return f"refused ({str(e).split(', ')[-1]})"
+    return f"placed, {cache.manager.pool.free_blocks(block_size)} blocks left"
+
+
+def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Sequence[str] = PARTIAL,
+               pool_blocks: int = 24, block_size: int = 16, newcomer_tokens: int = 112) -> list[dict]:
+    """Two captures' real K/V in one fp16 pool of ``pool_blocks`` blocks (``ops="torch"``, CPU), the first
+    evicted to ``keep`` under each of ``partials``, and a third request (the first ``newcomer_tokens`` tokens of
+    ``newcomer``) asked for before and after (what notebook 07 shows in its section 2).
+
+    Args:
+        evicted, beside, newcomer: ``workbench.model.capture.Capture``s (``tokens``, ``k``, ``v`` ``[L, T, Hkv,
+            D]``, ``q_last``, ``sm_scale``, ``name``): the sequence evicted, the one sharing the pool, the request.
+        keep: bool ``[T]`` of ``evicted``, the token set a policy chose.
+
+    Returns:
+        One dict per partial rule: ``partial``, ``report`` (the :class:`EvictionReport`), ``pool_blocks``,
+        ``free_before`` / ``free_after`` (free blocks), ``slots_before`` / ``slots_after`` (token slots held),
+        ``internal_before`` / ``internal_after`` (internal fragmentation, slots), ``utilization_before`` /
+        ``utilization_after``, ``stored_tokens`` (the tokens the sequence attends after), ``decode_error`` (the
+        decode path over the evicted blocks against fp32 attention over exactly the stored tokens, the last prompt
+        token's query, max relative error over layers), ``error_vs_full`` (the same query's attention-output error
+        against the full cache), ``newcomer_before`` / ``newcomer_after`` (the request placed or refused), and
+        ``tokens_selected``, ``blocks_spread`` (blocks of ``block_size`` the selected tokens touch), ``prompt``.
+    """
+    from workbench import fragmentation
+    from workbench.cache import PagedKVCache
+    from workbench.compress import policies, study
+
+    L, T, H, D = evicted.k.shape
+    last = policies.Observation(evicted.k, evicted.v, evicted.q_last[:, -1:], evicted.sm_scale)
+    q = evicted.q_last[:, -1].half()
+    out = []
+    for partial in partials:
+        cache = PagedKVCache(L, H, D, pool_blocks, page_tokens=block_size, kv_dtype="fp16", ops="torch", device="cpu")
+        cache.add("a", evicted.tokens, evicted.k.half(), evicted.v.half())
+        cache.add("b", beside.tokens, beside.k.half(), beside.v.half())
+        pool, before = cache.manager.pool, fragmentation.breakdown(cache)
+        free0 = pool.free_blocks(block_size)
+        fits0 = _admit(cache, newcomer, newcomer_tokens, block_size)
+        rep = evict(cache, "a", keep, partial=partial)
+        after = fragmentation.breakdown(cache)
+        free1 = pool.free_blocks(block_size)
+        stored = torch.zeros(T, dtype=torch.bool).index_fill_(0, torch.tensor(rep.retained), True)
+        ref = policies.attention_output(last, stored)[:, 0]  # fp32, over exactly the stored tokens
+        err = max(float((cache.decode(q[i][None], ["a"], i, sm_scale=evicted.sm_scale)[0].float() - ref[i]).norm()
+                        / ref[i].norm()) for i in range(L))
+        out.append({"partial": partial, "prompt": evicted.name, "report": rep, "pool_blocks": pool.num_pages,
+                    "tokens_selected": int(keep.sum()), "blocks_spread": policies.block_keep(keep, block_size).blocks,
+                    "blocks_full": -(-T // block_size), "tokens": T, "free_before": free0, "free_after": free1,
+                    "slots_before": before.token, "slots_after": after.token, "internal_before": before.internal,
+                    "internal_after": after.internal, "utilization_before": before.block_utilization,
+                    "utilization_after": after.block_utilization, "stored_tokens": int(stored.sum()),
+                    "decode_error": err, "error_vs_full": study.attention_error(last, stored),
+                    "newcomer_before": fits0, "newcomer_after": _admit(cache, newcomer, newcomer_tokens, block_size),
+                    "newcomer_tokens": newcomer_tokens, "newcomer_blocks": -(-newcomer_tokens // block_size)})
+        cache.manager.check_invariants()
+    return out
+
+
+def format_pool_study(rows: Sequence[dict], chosen_by: str = "the policy") -> str:
+    """:func:`pool_study`'s rows as the lines notebook 07 prints: the token set (``chosen_by`` names who chose
+    it), then per partial rule what the eviction stored, released and copied, the pool and fragmentation before
+    and after, the decode check and the third request."""
+    r0 = rows[0]
+    lines = [f"{chosen_by} keeps {r0['tokens_selected']} of {r0['tokens']} tokens of '{r0['prompt']}', spread over "
+             f"{r0['blocks_spread']} of {r0['blocks_full']} blocks"]
+    for r in rows:
+        rep = r["report"]
+        lines += [
+            f"\npartial={r['partial']!r}: {rep.tokens_kept} tokens stored in {rep.blocks_after} blocks (was "
+            f"{rep.blocks_before}); released {rep.blocks_released}, allocated {rep.blocks_allocated}, "
+            f"{rep.tokens_moved} tokens copied ({rep.bytes_moved // 1024} KiB)",
+            f"  pool of {r['pool_blocks']} blocks: free {r['free_before']} -> {r['free_after']}; "
+            f"{r['slots_before']} -> {r['slots_after']} token slots, internal fragmentation {r['internal_before']} -> "
+            f"{r['internal_after']} slots, utilization {r['utilization_before']:.3f} -> {r['utilization_after']:.3f}",
+            f"  decode from the evicted blocks vs fp32 attention over the {r['stored_tokens']} stored tokens: "
+            f"max rel. error {r['decode_error']:.1e} (fp16 storage); vs the full cache: {r['error_vs_full']:.3f}",
+            f"  a new {r['newcomer_tokens']}-token request ({r['newcomer_blocks']} blocks): before, "
+            f"{r['newcomer_before']}; after, {r['newcomer_after']}"]
+    return "\n".join(lines)

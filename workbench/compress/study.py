@@ -400,3 +400,64 @@ def kept_tokens(capture, name: str, budget: float, block_size: int, partial: str
         return keep, block_keep(keep, block_size, "keep")
     keep = torch.cat([pol.keep(obs.prefix(held_out)), torch.ones(held_out, dtype=torch.bool)])
     return keep, block_keep(keep, block_size, partial)
+
+
+# ---- notebook 07's tables ---------------------------------------------------------------------------------------
+def capture_named(captures: Sequence, name: str):
+    """The capture of prompt ``name`` among ``captures``; ``ValueError`` listing their names otherwise."""
+    for c in captures:
+        if c.name == name:
+            return c
+    raise ValueError(f"name: expected one of {[c.name for c in captures]}, got {name!r}")
+
+
+def describe_captures(captures: Sequence) -> str:
+    """One line: how many prompts, each with its tokens, and the layers saved."""
+    names = ", ".join(f"{c.name} {c.k.shape[1]}" for c in captures)
+    return f"{len(captures)} prompts ({names} tokens), layers {captures[0].layers}"
+
+
+def score_settings(captures: Sequence, names: Sequence[str], budgets: Sequence[float], block_size: int, sinks: int,
+                   window: int, partial: Sequence[str] = PARTIAL, held_out: int = HELD_OUT) -> list[dict]:
+    """:func:`score_policies` of each policy as the sparsification panel sets it (:func:`policy_options`; the
+    threshold policy at :func:`threshold_of` the budgets) on every capture, decode-like (``held_out``), with
+    ``memory``: blocks held (Quest: read a step) over the full cache's."""
+    rows = score_policies(captures, names, budgets, block_size, partial, held_out=held_out,
+                          thresholds=[threshold_of(b) for b in budgets],
+                          options={n: policy_options(n, block_size, sinks, window) for n in names})
+    for r in rows:
+        r["memory"] = r["blocks_kept"] / r["blocks_full"]
+    return rows
+
+
+#: short titles of :func:`policy_table`'s columns, for ``harness.print_table``
+POLICY_TABLE_HEADERS = {"mem_keep": "keep: memory", "err_keep": "error", "mem_compact": "compact: memory",
+                        "err_compact": "error", "moved": "tokens copied", "err_per_head": "per-head mask"}
+
+
+def policy_table(mean: Sequence[dict], names: Sequence[str], budgets: Sequence[float]) -> list[dict]:
+    """One row per policy and budget of :func:`summarize`'d :func:`score_settings` rows, both block rules side
+    by side: ``policy, budget`` (a share, the threshold policy's ``p>=...``), ``mem_keep, err_keep, mem_compact,
+    err_compact, moved`` (tokens compaction copies) and ``err_per_head`` (the per-head masks, compacted budget)."""
+    table = []
+    for name in names:
+        for b in budgets:
+            key = threshold_of(b) if name == "threshold" else b
+            got = {r["partial"]: r for r in mean if r["policy"] == name and r["budget"] == key}
+            table.append({"policy": name, "budget": f"p>={key:g}" if name == "threshold" else f"{b:.0%}",
+                          "mem_keep": got["keep"]["memory"], "err_keep": got["keep"]["error"],
+                          "mem_compact": got["compact"]["memory"], "err_compact": got["compact"]["error"],
+                          "moved": got["compact"]["moved"], "err_per_head": got["compact"]["error_per_head"]})
+    return table
+
+
+def format_recall_curves(curves: Sequence[dict]) -> str:
+    """:func:`quest_recall_curves`' rows as a text grid: a line per page size, a column per budget share, each
+    cell ``read recall`` (the share of the keys read, the attention they hold)."""
+    sizes = list(dict.fromkeys(r["page_size"] for r in curves))
+    shares = list(dict.fromkeys(r["share"] for r in curves))
+    lines = [f"{'pages of':>9}" + "".join(f"{s:>13.0%}" for s in shares)]
+    for ps in sizes:
+        lines.append(f"{ps:9d}" + "".join(f"  {r['read']:.2f} {r['recall']:.3f}" for r in curves
+                                          if r["page_size"] == ps))
+    return "\n".join(lines)

@@ -94,6 +94,24 @@ def export_problems(cases, directory: Path | str, device="cpu") -> list[Path]:
     return paths
 
 
+def describe_problems(directory: Path | str, problem: Path | str | None = None) -> str:
+    """The files in ``directory`` with their sizes, then one problem file's case, tolerance and tensors (name,
+    dtype, shape; default the first ``.safetensors`` by name)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(directory).iterdir())
+    lines = [f"{p.name:<62} {p.stat().st_size:>7} bytes" for p in files]
+    problems = [p for p in files if p.name.endswith(".safetensors") and not p.name.endswith(".out.safetensors")]
+    path = Path(problem) if problem is not None else (problems[0] if problems else None)
+    if path is None:
+        return "\n".join(lines)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+        lines += ["", f"{path.name}: case {meta['case']}, tolerance {meta['tolerance']}"]
+        lines += [f"  {key:<17} {f.get_slice(key).get_dtype():>4} {f.get_slice(key).get_shape()}" for key in f.keys()]
+    return "\n".join(lines)
+
+
 def load_problem(path: Path | str, device="cpu") -> tuple[Case, dict, object]:
     """``(case, inputs, ref)`` of a problem file: the inputs as the registry hands them out (caches as layout views
     over their planes, ``out`` a fresh NaN buffer), ``ref`` as :meth:`Case.build` gives it."""

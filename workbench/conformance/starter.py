@@ -97,3 +97,23 @@ def starter_decode(q, k_cache, v_cache, layout, block_table, seq_lens, sm_scale,
         GROUP=Hq // hkv, BLOCK_SIZE=block_size, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), TILE=tile,
         MISTAKE=MISTAKES[mistake])
     return out
+
+
+def check_mistakes(mistakes, level: str = "smoke", layouts=("nhd", "hnd"), formats=("fp16", "bf16", "fp32")) -> dict:
+    """Each of ``mistakes`` (names of :data:`MISTAKES`; a mapping's keys) registered as the decode implementation
+    ``broken_<mistake>`` (the starter with that bug, claiming ``layouts`` and ``formats``; registering it again
+    replaces it) and checked at ``level`` with the interpreter's warnings silenced
+    (``suite.check_quietly``): ``{"broken_<mistake>": Report}``, in the order given."""
+    import functools
+
+    from workbench.conformance import registry, suite
+
+    reports = {}
+    for mistake in mistakes:
+        if mistake not in MISTAKES or mistake == "none":
+            raise ValueError(f"mistakes must be among {[m for m in MISTAKES if m != 'none']}, got {mistake!r}")
+        name = f"broken_{mistake}"
+        registry.register("decode", name, functools.partial(starter_decode, mistake=mistake), layouts=layouts,
+                          formats=formats, description=f"the starter kernel with its {mistake!r} bug")
+        reports[name] = suite.check_quietly(name, level=level)
+    return reports

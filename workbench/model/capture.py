@@ -112,6 +112,12 @@ def prompt_tokens(tok, prompt: Prompt) -> list[int]:
     return tok.chat(prompt.text) if prompt.kind == "chat" else tok.encode(prompt.text)
 
 
+def prompts_by_name(tok, prompts: Sequence[Prompt] = PROMPTS) -> dict[str, list[int]]:
+    """``{name: token ids}`` of ``prompts`` (default the captured ones, in order), as :func:`prompt_tokens` gives
+    them: what notebook 06's agreement panel offers."""
+    return {p.name: prompt_tokens(tok, p) for p in prompts}
+
+
 @dataclass
 class Capture:
     """One prompt's K/V and attention, fp32 on the CPU.

@@ -405,3 +405,131 @@ def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme:
             "logprobs": b.logprobs[(0, 0)], "ref_logprobs": a.logprobs[(0, 0)], "new_tokens": new_tokens,
             "ref_bytes": quant.get("fp16").bytes_per_token(cfg.num_key_value_heads, cfg.head_dim),
             "bytes": stored, "quantized_tokens": q, "cached_tokens": total, "note": note, **cmp}
+
+
+# ---- what notebook 06 prints: plain text of the runs and statistics above ----------------------------------------
+def common_prefix(*seqs: Sequence[int]) -> int:
+    """How many leading tokens every sequence of ``seqs`` shares (the shortest's length when one is a prefix of
+    the others; 0 for no sequence)."""
+    if not seqs:
+        return 0
+    n = 0
+    for column in zip(*seqs, strict=False):
+        if any(t != column[0] for t in column[1:]):
+            break
+        n += 1
+    return n
+
+
+def describe_layout(cfg, cache, page_tokens: int = 16) -> str:
+    """Two lines: one token's K and V bytes per layer and in all layers (fp16), then the cache's pool shape and
+    a ``page_tokens``-token block's bytes per layer and plane and in all layers and both planes."""
+    row = cfg.num_key_value_heads * cfg.head_dim * 2  # bytes of one token's K (or V) in one layer, fp16
+    block = cache.block_stride(page_tokens) * 2  # fp16 elements -> bytes, one layer, one plane
+    return (f"{cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} kv heads x {cfg.head_dim} dims "
+            f"({cfg.num_attention_heads} query heads): {row} B of K and {row} B of V per token and layer, "
+            f"{cfg.kv_bytes_per_token} B per token in all layers\n"
+            f"pool {tuple(cache.pool.shape)} (layers, K/V, pages, elements); a {page_tokens}-token block: "
+            f"{block} B per layer and plane, {block * 2 * cfg.num_hidden_layers} B in all")
+
+
+def describe_prompts(tok, text: str, prompts: Sequence[Sequence[int]], page_tokens: int = 16) -> str:
+    """Per prompt line of ``text`` (as :func:`chat_prompts` splits it), its tokens as full blocks and the rest,
+    then how many leading tokens the prompts share and the text of the first block."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) != len(prompts):
+        raise ValueError(f"prompts must hold one token list per non-empty line of text: {len(lines)} lines, "
+                         f"{len(prompts)} prompts")
+    out = [f"{line!r:18}: {len(p)} tokens = {len(p) // page_tokens} full blocks + {len(p) % page_tokens} tokens "
+           f"in block {len(p) // page_tokens}" for line, p in zip(lines, prompts, strict=True)]
+    out.append(f"the prompts agree on their first {common_prefix(*prompts)} tokens: "
+               f"{tok.decode(list(prompts[0][:page_tokens]))!r} fills block 0")
+    return "\n".join(out)
+
+
+def describe_tokens(tok, tokens: dict) -> str:
+    """One line per sequence of a generation's ``tokens`` (``{(prompt, sample): ids}``): its id, the token ids
+    and their text."""
+    return "\n".join(f"{s} {list(t)} {tok.decode(list(t))!r}" for s, t in tokens.items())
+
+
+def same_tokens(a: Generation, b: Generation, sample: int = 0) -> bool:
+    """Whether sample ``sample`` of every prompt of ``b`` has the same tokens in ``a`` (a paged run against the
+    contiguous baseline: False when ``a`` lacks one)."""
+    keys = [k for k in b.tokens if k[1] == sample]
+    return bool(keys) and all(k in a.tokens and list(a.tokens[k]) == list(b.tokens[k]) for k in keys)
+
+
+def format_timeline(snaps: Sequence[Snapshot], upto: int = 5) -> str:
+    """A table of :func:`timeline`: every snapshot up to index ``upto``, then only prefills, forks and the last
+    (decode steps in between change little), each with every sequence's block table."""
+    lines = [f"{'#':>2} {'event':8} {'seqs':>4} {'tokens':>6} {'in use':>6} {'unshared':>8} {'shared':>6} "
+             f"{'CoW':>3}  tables"]
+    rows = timeline(snaps)
+    for i, (row, snap) in enumerate(zip(rows, snaps, strict=True)):
+        if row["event"] != "step" or row["index"] <= upto or i == len(snaps) - 1:
+            lines.append(f"{row['index']:2d} {row['event']:8} {row['sequences']:4d} {row['tokens']:6d} "
+                         f"{row['blocks_in_use']:6d} {row['blocks_unshared']:8d} {row['shared_blocks']:6d} "
+                         f"{row['cow_copies']:3d}  {[list(t) for t in snap.tables]}")
+    return "\n".join(lines)
+
+
+def agreement_results(model, tok, tokens: Sequence[int], new_tokens: int, schemes: Sequence[str], ref,
+                      ops: str | None = None, calibration=None, prompt: str = "") -> dict:
+    """:func:`agreement_result` of each scheme on one prompt against its fp16 run ``ref``, keyed
+    ``(scheme, prompt)`` as ``agreement_panel(results=...)`` takes them."""
+    return {(scheme, prompt): agreement_result(model, tok, tokens, new_tokens, scheme, ref, ops, calibration)
+            for scheme in schemes}
+
+
+def format_agreement(results: dict) -> str:
+    """One line per :func:`agreement_result`: the scheme, its bytes per token and layer, leading tokens equal and
+    the first divergence (None: none)."""
+    return "\n".join(f"{r['scheme']:16s} {r['bytes']:4.0f} B/token/layer: {r['equal']} of {r['new_tokens']} tokens "
+                     f"equal, first divergence {r['first_divergence']}" for r in results.values())
+
+
+def kv_stats_or_capture(model, tokens: Sequence[int], name: str, path=None) -> dict[str, dict]:
+    """:func:`kv_stats_sources` (the committed ``stats.json``), or, when there is none, the statistics of one
+    prompt captured now (a prefill: a second or two), as ``{"<name> (captured now)": {"layers", "tokens"}}``."""
+    sources = kv_stats_sources(path)
+    if sources:
+        return sources
+    from workbench.model.capture import capture_kv, kv_stats
+
+    st = kv_stats(capture_kv(model, tokens, name=name))
+    return {f"{name} (captured now)": {"layers": st["layers"], "tokens": st["tokens"]}}
+
+
+def format_kv_stats(stats: dict, every: int = 4) -> str:
+    """A table of one source's statistics, every ``every``-th layer and the last: each kv head's largest key
+    channel over the median one before RoPE, its top channel, the same ratio after RoPE, and the attention sink
+    (the last query's share on token 0 and on tokens 0-3)."""
+    layers = stats["layers"]
+    shown = layers[::every] + ([layers[-1]] if (len(layers) - 1) % every else [])
+    lines = [f"{'layer':>5} {'k_pre max/med (heads)':>22} {'top ch':>8} {'k max/med':>16} {'sink0':>6} {'sink0-3':>7}"]
+    for d in shown:
+        lines.append(f"{d['layer']:5d} {' '.join(f'{x:4.1f}' for x in d['k_pre']['ratio']):>22} "
+                     f"{' '.join(str(t[0]) for t in d['k_pre']['top3']):>8} "
+                     f"{' '.join(f'{x:4.1f}' for x in d['k']['ratio']):>16} {d['sink0']:6.2f} {d['sink4']:7.2f}")
+    return "\n".join(lines)
+
+
+def kv_stats_summary(stats: dict, channels: Sequence[int] = ()) -> dict:
+    """What one source's statistics come to, over every layer and kv head: ``layer_heads``, ``top_in_channels``
+    (layer-heads whose largest pre-RoPE key channel is one of ``channels``), the largest-over-median key channel
+    ratio before RoPE (``ratio_min``, ``ratio_max``), how much lower it is after RoPE (``rope_drop_median``,
+    ``rope_drop_max``: 1 - after / before), and the largest attention sink on token 0 (``sink0_max``) and its
+    layer (``sink0_max_layer``). Floats rounded to 3 digits."""
+    import statistics
+
+    layers = stats["layers"]
+    pre = [r for d in layers for r in d["k_pre"]["ratio"]]
+    post = [r for d in layers for r in d["k"]["ratio"]]
+    drop = [1 - b / a for a, b in zip(pre, post, strict=True)]
+    top = [t[0] for d in layers for t in d["k_pre"]["top3"]]
+    sink = max(layers, key=lambda d: d["sink0"])
+    return {"layer_heads": len(pre), "top_in_channels": sum(t in set(channels) for t in top),
+            "ratio_min": round(min(pre), 3), "ratio_max": round(max(pre), 3),
+            "rope_drop_median": round(statistics.median(drop), 3), "rope_drop_max": round(max(drop), 3),
+            "sink0_max": round(sink["sink0"], 3), "sink0_max_layer": sink["layer"]}

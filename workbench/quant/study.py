@@ -460,3 +460,64 @@ def scheme_for(family: str, granularity: str = "tensor", group: int = 32, residu
         return get(f"{family}/kivi", group=group, value_group=min(group, head_dim & -head_dim), residual=residual,
                    key_mode=key_mode)
     return get("int8_asym/token" if family == "int8_asym" else family)
+
+
+# ---- tables of the notebook (plain rows for ``harness.print_table``) ----------------------------------------------
+
+
+def bytes_table(num_kv_heads: int, head_dim: int, context: int | None = None,
+                schemes: Iterable[str] | None = None) -> list[dict]:
+    """What one token's K and V take in one layer, per scheme of the registry (or ``schemes``, by name): rows
+    ``{scheme, bits, granularity, bytes_per_token (long-context limit), vs_fp32, at_context}`` with the bytes in
+    whole bytes; ``at_context`` counts the fp16 residual of a ``context``-token sequence (``None``: the limit)."""
+    from . import SCHEMES, get
+
+    fp32 = get("fp32").bytes_per_token(num_kv_heads, head_dim)
+    rows = []
+    for name in SCHEMES if schemes is None else schemes:
+        s = get(name)
+        long = s.bytes_per_token(num_kv_heads, head_dim)
+        rows.append({"scheme": s.name, "bits": s.bits, "granularity": s.granularity, "bytes_per_token": round(long),
+                     "vs_fp32": long / fp32, "at_context": round(s.bytes_per_token(num_kv_heads, head_dim, context))})
+    return rows
+
+
+def byte_ratios(num_kv_heads: int, head_dim: int) -> dict[str, float]:
+    """The byte claims of the seed, measured: ``fp16_vs_fp32`` (fp16 over fp32), ``fp8_vs_fp16`` (fp8 with static
+    scales over fp16) and ``token_scale_cost`` (what per-token fp32 scales add to fp8's bytes, a fraction)."""
+    from . import get
+
+    b = {n: get(n).bytes_per_token(num_kv_heads, head_dim) for n in ("fp32", "fp16", "fp8_e4m3/tensor",
+                                                                      "fp8_e4m3/token")}
+    return {"fp16_vs_fp32": b["fp16"] / b["fp32"], "fp8_vs_fp16": b["fp8_e4m3/tensor"] / b["fp16"],
+            "token_scale_cost": b["fp8_e4m3/token"] / b["fp8_e4m3/tensor"] - 1}
+
+
+def data_stats_rows(q: torch.Tensor, keys: dict[str, torch.Tensor], v: torch.Tensor) -> list[dict]:
+    """:func:`data_stats` of the same queries and values against each of ``keys`` (label -> keys, e.g. pre- and
+    post-RoPE): one row per label, ``{keys, outlier_ratio, sink_mass, max_other_mass, top1_mass, value_rms}``."""
+    return [{"keys": label, **data_stats(q, k, v)} for label, k in keys.items()]
+
+
+def whole_bytes(rows: Sequence[dict], column: str = "bytes_per_token") -> list[dict]:
+    """``rows`` with ``column`` rounded to whole bytes (an int, so a table prints 1536, not 1.54e+03)."""
+    return [{**r, column: round(r[column])} if column in r else dict(r) for r in rows]
+
+
+def describe_front(front: Sequence[dict]) -> str:
+    """A Pareto front (:func:`pareto_front`) in one line: ``scheme (bytes B, attention error), ...``."""
+    return ", ".join(f"{r['scheme']} ({r['bytes_per_token']:.0f} B, {r['attn_err']:.3g})" for r in front)
+
+
+def error_ratios(rows: Sequence[dict], numerator: str = "fp8_e5m2", denominator: str = "fp8_e4m3",
+                 granularities: Sequence[str] = ("tensor", "head", "token")) -> list[dict]:
+    """Two families compared scale by scale, from :func:`summarize`'s rows: per granularity ``g`` the errors of
+    ``numerator/g`` over ``denominator/g``: ``{granularity, k_err, v_err, attn_err}`` (e5m2 over e4m3 by
+    default: > 1 where e4m3 is the more accurate)."""
+    by = {r["scheme"]: r for r in rows}
+    missing = [f"{f}/{g}" for g in granularities for f in (numerator, denominator) if f"{f}/{g}" not in by]
+    if missing:
+        raise ValueError(f"rows have no scheme {missing} (they hold {sorted(by)})")
+    return [{"granularity": g, **{c: by[f"{numerator}/{g}"][c] / by[f"{denominator}/{g}"][c]
+                                  for c in ("k_err", "v_err", "attn_err")}} for g in granularities]
+

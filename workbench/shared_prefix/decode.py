@@ -43,6 +43,24 @@ def rows_per_tile_default(gpu: str | None = None) -> int:
     return int(common.tuning_table("shared_prefix", gpu)[1]["rows_per_tile"])
 
 
+def random_batch(tables, lens, block_size: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
+                 seed: int = 0, dtype: torch.dtype = torch.float16):
+    """A small random paged batch on the CPU to check a plan against the reference: ``(q [B, Hq, D], k, v
+    [max block + 1, block_size, Hkv, D] (NHD), table [B, max blocks] int32 (short rows padded with block 0),
+    seq_lens [B] int32)``; K, V then q drawn from one generator seeded ``seed``, in ``dtype``."""
+    rows = [list(t) for t in tables]
+    if len(rows) != len(lens) or not rows or not all(rows):
+        raise ValueError(f"tables and lens must be non-empty, one table per length, got {len(rows)} and {len(lens)}")
+    g = torch.Generator().manual_seed(seed)
+    pages = max(max(r) for r in rows) + 1
+    k = torch.randn(pages, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(pages, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(rows), num_q_heads, head_dim, generator=g).to(dtype)
+    width = max(len(r) for r in rows)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+    return q, k, v, table, torch.tensor(list(lens), dtype=torch.int32)
+
+
 class SharedPrefixDecode:
     """See the module docstring.
 

@@ -605,6 +605,17 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_against_paper(rows: list[dict]) -> str:
+    """Rows of :func:`table` (or a committed ``sim_forks-*.json``'s) as one short line each: the saving against
+    the paper's figure for that width and the gap in points, or that the paper gives none."""
+    lines = []
+    for r in rows:
+        given = r["paper_pct"] is not None
+        paper = f"paper {r['paper_pct']:.1f}% (gap {r['gap_pp']:+.1f})" if given else "paper: not given"
+        lines.append(f"{r['trace']:>14} {r['mode']:>8} n={r['n']}: saves {r['saving_pct']:5.1f}%  {paper}")
+    return "\n".join(lines)
+
+
 def format_sensitivity(rows: list[dict]) -> str:
     if not rows:
         return ""

@@ -245,6 +245,57 @@ def block_size_curve(block_sizes: Iterable[int], tokens: int, bytes_per_token: i
     return rows
 
 
+#: tokens per block of the swap-or-recompute tables (the vLLM paper's Figure 19(a) range)
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: what a table row of :func:`curve_table` shows, by the column of :func:`block_size_curve` it comes from
+CURVE_TIMES = {"swap_per_block_s": "swap, copy by copy", "swap_batched_s": "swap, batched", "recompute_s": "recompute"}
+
+
+def swap_recompute_curves(models: Iterable[str], tokens: int, link: LinkModel | None = None,
+                          block_sizes: Iterable[int] = BLOCK_SIZES, path: str = "dma") -> list[dict]:
+    """:func:`block_size_curve` of each model, its blocks moved as vLLM's per-layer K and V copies
+    (``copies="layer"``, :func:`per_layer_transfers` copies a block) and as one copy a block (``"block"``), each
+    with its own :meth:`PrefillModel.for_model`: the curve's rows led by ``model``, ``copies`` and
+    ``transfers_per_block``."""
+    sizes = list(block_sizes)
+    rows = []
+    for model in models:
+        bpt, prefill = model_bytes_per_token(model), PrefillModel.for_model(model)
+        for copies, k in (("layer", per_layer_transfers(model)), ("block", 1)):
+            rows += [{"model": model, "copies": copies, "transfers_per_block": k, **r}
+                     for r in block_size_curve(sizes, tokens, bpt, link, prefill, path=path, transfers_per_block=k)]
+    return rows
+
+
+def curve_table(rows: Iterable[dict]) -> list[dict]:
+    """:func:`swap_recompute_curves`' rows turned on their side for a table: per model and copies one row per time
+    of :data:`CURVE_TIMES` (milliseconds) and one saying which is ``faster`` (``swap`` / ``reco``mpute), keyed
+    ``{model, copies, time, "<block size>": value}``; ``copies`` reads ``64 x 8 KiB`` (per-layer copies a token of
+    block) or ``whole block``."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["copies"], r["transfers_per_block"]), []).append(r)
+    out = []
+    for (model, copies, k), curve in groups.items():
+        label = f"{k} x {model_bytes_per_token(model) // k / 1024:g} KiB" if copies == "layer" else "whole block"
+        for key, name in CURVE_TIMES.items():
+            out.append({"model": model, "copies": label, "time": name,
+                        **{str(r["block_size"]): 1e3 * r[key] for r in curve}})
+        out.append({"model": model, "copies": label, "time": "faster",
+                    **{str(r["block_size"]): r["faster"][:4] for r in curve}})
+    return out
+
+
+def crossover(rows: Iterable[dict], model: str = "llama-7b", copies: str = "layer") -> int | None:
+    """The smallest block size from which the other of per-block swap and recompute is faster than at the
+    smallest block, in :func:`swap_recompute_curves`' rows of ``model`` and ``copies``; None when one of them wins
+    at every block size."""
+    curve = sorted((r for r in rows if r["model"] == model and r["copies"] == copies), key=lambda r: r["block_size"])
+    if not curve:
+        raise ValueError(f"rows hold no curve of model {model!r} with copies {copies!r}")
+    return next((r["block_size"] for r in curve if r["faster"] != curve[0]["faster"]), None)
+
+
 def compare_preemption(trace: Trace, strategy: str | st.Strategy = "vllm", budget: Budget | None = None,
                        link: LinkModel | None = None, prefill: PrefillModel | None = None, *,
                        step_s: float = DEFAULT_STEP_S, timed_arrivals: bool = False, block_size: int | None = None,

@@ -69,3 +69,18 @@ def block_size_sweep(traces=("sharegpt", "alpaca"), sizes=(1, 2, 4, 8, 16, 32, 6
             r = simulate(t, "paged", bs, kv_gib, 0, n)
             out[t][bs] = r["shares"] | {"mean_batch": r["mean_batch"], "throughput": r["throughput"]}
     return out
+
+
+def format_run(r: dict) -> str:
+    """One line of a :func:`simulate` result: its label, the paper's four bars (%), the mean batch and the tokens
+    compaction copied."""
+    shares = " ".join(f"{k} {v:5.1f}" for k, v in r["shares"].items())
+    return f"{r['label']:34s} {shares} | batch {r['mean_batch']:5.1f}, copied {r['copied_tokens']} tokens"
+
+
+def format_block_size_sweep(sweep: dict[str, dict[int, dict]], column: str = "token_states") -> str:
+    """:func:`block_size_sweep`'s result as a table: a row per trace, a column per block size, ``column`` (%)."""
+    sizes = list(next(iter(sweep.values()), {}))
+    lines = [f"{column.replace('_', ' ')} (%) by block size", f"{'':10s}" + "".join(f"{bs:>7d}" for bs in sizes)]
+    lines += [f"{trace:10s}" + "".join(f"{r[column]:7.1f}" for r in rows.values()) for trace, rows in sweep.items()]
+    return "\n".join(lines)

@@ -97,8 +97,9 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
     series: dict[Any, list] = {}
     for r in kept:
         series.setdefault(r.get(color) if color else y, []).append((r[x], _number(r[y])))
+    rank = {v: i for i, v in enumerate(varying(kept, sweep).get(x, []))}  # choices' order (schemes), else sorted
     for key, pts in series.items():
-        series[key] = sorted(pts, key=lambda p: (isinstance(p[0], str), p[0]))
+        series[key] = sorted(pts, key=lambda p: (rank.get(p[0], len(rank)), isinstance(p[0], str), p[0]))
     if color:
         order = varying(kept, sweep).get(color) or list(series)
         series = {k: series[k] for k in order if k in series}

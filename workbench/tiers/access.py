@@ -25,6 +25,7 @@ step computed. ``needed`` (capture traces) is the ground truth a test compares t
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
@@ -265,6 +266,38 @@ def recall(trace: AccessTrace) -> np.ndarray:
         raise ValueError(f"trace {trace.name!r} has no needed blocks (only capture traces record them)")
     pairs = zip(trace.steps, trace.needed, strict=True)
     return np.array([len(set(r) & set(n)) / len(n) if n else 1.0 for r, n in pairs])
+
+
+def pattern_traces(prompt_tokens: int, steps: int, block_size: int = 16, *, window_tokens: int = 256, topk: int = 16,
+                   drift: float = 0.2, capture: tuple[str, int] | None = ("code", 18), capture_block_size: int = 8,
+                   capture_topk: int = 4) -> dict[str, AccessTrace]:
+    """The access patterns notebook 05 replays, by label: ``full`` (:func:`full_trace`), ``sliding window``
+    (``window_tokens`` + 4 sinks), ``top-k`` (``topk`` blocks, query ``drift``) and ``SmolLM2`` (the captured
+    prompt and layer ``capture``, top-``capture_topk`` blocks of ``capture_block_size``; left out when ``capture``
+    is None). A missing capture raises ``FileNotFoundError`` (:func:`trace_from_capture`)."""
+    traces = {"full": full_trace(prompt_tokens, steps, block_size),
+              "sliding window": sliding_window_trace(prompt_tokens, steps, block_size, window_tokens=window_tokens),
+              "top-k": topk_trace(prompt_tokens, steps, block_size, topk, drift=drift)}
+    if capture is not None:
+        traces["SmolLM2"] = trace_from_capture(capture[0], capture[1], block_size=capture_block_size, k=capture_topk)
+    return traces
+
+
+def trace_rows(traces: Mapping[str, AccessTrace]) -> list[dict]:
+    """One table row per trace: ``{pattern (the key), trace (its name), steps, reads_per_step, blocks (at the
+    end), block_size}``."""
+    return [{"pattern": label, "trace": tr.name, "steps": len(tr), "reads_per_step": tr.total_reads / len(tr),
+             "blocks": tr.num_blocks[-1], "block_size": tr.block_size} for label, tr in traces.items()]
+
+
+def capture_summary(trace: AccessTrace) -> dict[str, float]:
+    """How well a capture trace's selection matches the true attention (means over steps): ``covered`` (the share
+    of the attention mass in the blocks read), ``block_share`` (the share of the blocks read) and ``recall`` (of
+    the blocks holding ``mass`` of it, :func:`recall`). ``ValueError`` for a trace without them."""
+    if trace.covered is None or trace.needed is None:
+        raise ValueError(f"trace {trace.name!r} has no true attention (only capture traces record it)")
+    return {"covered": sum(trace.covered) / len(trace), "block_share": trace.total_reads / sum(trace.num_blocks),
+            "recall": float(recall(trace).mean())}
 
 
 def _top(values: np.ndarray, k: int, exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:

@@ -286,3 +286,17 @@ PREFETCH: dict[str, Prefetch] = {
 def get(prefetch: str | Prefetch, **overrides) -> Prefetch:
     """A prefetch strategy config from a name in :data:`PREFETCH` (or a config), with fields overridden."""
     return lookup(PREFETCH, "prefetch", prefetch, **overrides)
+
+
+def strategies(depth: int = 24, window_tokens: int = 256) -> dict[str, Prefetch | str]:
+    """Every strategy of :data:`PREFETCH` by name, configured as notebook 05 and its panel replay them:
+    ``sequential`` and ``score`` reading ``depth`` blocks ahead, ``window`` keeping ``window_tokens``; the
+    strategies without a knob by name."""
+    return {"none": "none", "sequential": get("sequential", depth=depth),
+            "window": get("window", window_tokens=window_tokens), "hot_lru": "hot_lru", "hot_lfu": "hot_lfu",
+            "score": get("score", depth=depth)}
+
+
+def needs_scores(strategy: str | Prefetch) -> bool:
+    """Whether a strategy reads the trace's per-block scores (``score``): it replays only traces that have them."""
+    return isinstance(get(strategy), ScoreGuided)

@@ -236,6 +236,23 @@ def compare(trace: AccessTrace, strategies: Iterable | str | None = None, **conf
     return [replay(trace, s, **config).row() for s in strategies]
 
 
+def compare_traces(traces: Mapping[str, AccessTrace], strategies: Mapping[str, object], *, token_bytes: int,
+                   **config) -> list[dict]:
+    """Every strategy on every trace, in one table: :func:`compare`'s rows led by ``pattern`` (the key of
+    ``traces``) and ``strategy`` (the key of ``strategies``), plus ``stall_ms``. A block is ``token_bytes`` times
+    the trace's block size; a strategy that needs scores (``score``) is left out on a trace without them;
+    ``config``: the other keyword arguments of :func:`replay` (``device_blocks``, ``compute_s``, ``link``...)."""
+    from workbench.tiers.prefetch import needs_scores
+
+    rows = []
+    for pattern, tr in traces.items():
+        use = {n: s for n, s in strategies.items() if tr.scores is not None or not needs_scores(s)}
+        got = compare(tr, use.values(), block_bytes=token_bytes * tr.block_size, **config)
+        rows += [{"pattern": pattern, **r, "strategy": n, "stall_ms": 1e3 * r["stall_s"]}
+                 for n, r in zip(use, got, strict=True)]
+    return rows
+
+
 class _TransferCost:
     """Seconds of one fetch of ``n_host`` blocks from the host and ``n_disk`` from disk (memoized: a replay asks
     for the same few sizes thousands of times)."""

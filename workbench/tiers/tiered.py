@@ -472,3 +472,19 @@ class TieredCache:
         for d, e in self.entries.items():
             assert e.pins == pins.get(d, 0), f"entry {d.hex()}: pins {e.pins} != {pins.get(d, 0)}"
         self.cache.manager.check_invariants()
+
+
+def describe_stats(stats: dict) -> str:
+    """One line of :meth:`TieredCache.stats`: the device's slots in use and cached prefix blocks, the host's blocks
+    and how many blocks were demoted and promoted back from the host."""
+    d = stats["device"]
+    return (f"device: {d['used_slots']:3d} slots in use, {d['cached_blocks']} cached blocks | host: "
+            f"{stats['host']['blocks']} blocks | demoted {stats['demoted']}, promoted from host "
+            f"{stats['promoted_host']}")
+
+
+def move_rows(stats: dict) -> list[dict]:
+    """The moves of :meth:`TieredCache.stats` as table rows, per direction: ``{direction, bytes, blocks,
+    batches}``."""
+    return [{"direction": d, **{k: m[k] for k in ("bytes", "blocks", "batches")}} for d, m in stats["moves"].items()]
+

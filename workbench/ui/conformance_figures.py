@@ -90,6 +90,25 @@ def failure_counts(rows: Sequence[Mapping], key: str) -> dict:
     return {v: tuple(c) for v, c in out.items()}
 
 
+def caught_summary(reports: Mapping, axes: Sequence[str]) -> str:
+    """Three lines per report (``{name: Report}``, one axis of :data:`AXES` each, in order): how many cases
+    failed, and where along its axis (``value failed/cases``); the first failing case; why it failed."""
+    axes = list(axes)
+    if len(axes) != len(reports):
+        raise ValueError(f"axes must give one axis per report: {len(reports)} reports, {len(axes)} axes")
+    lines = []
+    for (name, r), axis in zip(reports.items(), axes, strict=True):
+        if axis not in AXES:
+            raise ValueError(f"axes: {axis!r} is not one of {list(AXES)}")
+        counts = failure_counts(r.rows(), axis)
+        lines.append(f"{name}: {len(r.failures)} of {len(r.results)} cases failed; by {AXES[axis]}: "
+                     + ", ".join(f"{value_label(axis, v)} {bad}/{n}" for v, (bad, n) in counts.items()))
+        first = r.first_failure
+        lines += ([f"  first caught by {first.case.id}", f"  why: {first.reason}"] if first else
+                  ["  no case caught it"])
+    return "\n".join(lines)
+
+
 def _wrap(text: str, width: int = 90) -> str:
     return "<br>".join(textwrap.wrap(text, width)) if text else ""
 

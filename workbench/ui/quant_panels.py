@@ -18,13 +18,21 @@ from workbench.ui.panels import Panel
 DECODE_PATTERN = "quant-decode-*.json"
 
 
-def h200_decode_rows(results_dir=None, where: Mapping | None = None) -> list[dict]:
+def h200_decode_run(results_dir=None, where: Mapping | None = None) -> dict | None:
     """The newest committed H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``,
-    smoke and ``--tune`` runs left out), as :func:`best_decode_rows`; ``[]`` when there is none yet."""
+    smoke and ``--tune`` runs left out): ``{"path", "info", "rows"}`` (``harness.load_runs``), None when there is
+    none yet. Its ``path`` is what a notebook cites for the decode numbers."""
     from workbench.bench import harness
 
     want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t} if where is None else where
-    return best_decode_rows(harness.load_results(DECODE_PATTERN, results_dir=results_dir, where=want, latest=True))
+    runs = harness.load_runs(DECODE_PATTERN, results_dir, want)
+    return runs[-1] if runs else None
+
+
+def h200_decode_rows(results_dir=None, where: Mapping | None = None) -> list[dict]:
+    """The rows of :func:`h200_decode_run` as :func:`best_decode_rows`; ``[]`` when there is no run yet."""
+    run = h200_decode_run(results_dir, where)
+    return best_decode_rows(run["rows"]) if run else []
 
 
 def best_decode_rows(rows: list[dict]) -> list[dict]:

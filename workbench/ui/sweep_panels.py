@@ -97,7 +97,9 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
     # one varying parameter is always on x: no colour to choose and nothing to hold (a control that changes nothing)
     held = varying if len(varying) > 1 else {}
     controls = {
-        "source": W.Dropdown(options=[(label, value) for value, label in sources.items()], description="rows"),
+        # wide: its labels name the file, the points, the GPU and the commit
+        "source": W.Dropdown(options=[(label, value) for value, label in sources.items()], description="rows",
+                             layout=W.Layout(width="560px")),
         "y": W.Dropdown(options=columns, value=sweep.y[0] if sweep.y[0] in columns else columns[0], description="y"),
         "x": W.Dropdown(options=axes, value=x0, description="x"),
         "color": W.Dropdown(options=[view.NO_COLOR, *held], value=c0, description="colour"),

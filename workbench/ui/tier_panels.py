@@ -13,7 +13,7 @@ import ipywidgets as W
 from workbench.bench import tier_results as measured
 from workbench.tiers import access
 from workbench.tiers.link import LinkModel, latest_link_model
-from workbench.tiers.prefetch import get as get_prefetch
+from workbench.tiers.prefetch import strategies as prefetch_strategies
 from workbench.tiers.replay import compare, replay
 from workbench.ui import tier_figures
 from workbench.ui.panels import Panel
@@ -132,9 +132,7 @@ def prefetch_panel(prompt_tokens: int = 2048, steps: int = 128, block_size: int 
 
     def compute(pattern, strategy, device_blocks, host_blocks, window, depth, compute_us, path):
         tr = trace(pattern, window)
-        configs = {"none": "none", "sequential": get_prefetch("sequential", depth=depth),
-                   "window": get_prefetch("window", window_tokens=window), "hot_lru": "hot_lru",
-                   "hot_lfu": "hot_lfu", "score": get_prefetch("score", depth=depth)}
+        configs = prefetch_strategies(depth=depth, window_tokens=window)
         if tr.scores is None:
             del configs["score"]
         bb = token_bytes * tr.block_size
