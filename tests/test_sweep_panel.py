@@ -29,9 +29,12 @@ def test_select_holds_the_other_parameters_at_the_default_then_the_first(written
             row = next(r for r in written.rows if (r["layout"], r["block_size"], r["kind"]) == (layout, x, "k"))
             assert y == row["tile_line_eff"]
     assert v.numeric_x and v.log_x
-    held = view.select(written.rows, s, x="layout", y="tile_line_eff", held={"kind": "v", "block_size": 999})
-    assert held.held == {"kind": "v", "block_size": 16} and not held.numeric_x  # 999 absent: the default
+    held = view.select(written.rows, s, x="layout", y="tile_line_eff", held={"kind": "v", "block_size": 64})
+    assert held.held == {"kind": "v", "block_size": 64} and not held.numeric_x
     assert list(held.series) == ["tile_line_eff"] and len(held.series["tile_line_eff"]) == 2
+    # a value only another file has: nothing drawn, and the title says why (not a silent fallback)
+    gone = view.select(written.rows, s, x="layout", y="tile_line_eff", held={"block_size": 999, "pad": 8})
+    assert gone.series == {} and gone.absent == {"block_size": 999, "pad": 8} and "no points at" in gone.title()
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -91,3 +94,18 @@ def test_panel_without_any_file_says_how_to_make_one(tmp_path, monkeypatch):
         sweep_panels.sweep_panel("nope")
     with pytest.raises(ValueError, match="path: no sweep file"):
         sweep_panels.sweep_panel(tmp_path / "nope.json")
+
+
+def test_a_held_value_only_another_file_has_empties_the_plot_and_says_so(written, tmp_path, monkeypatch):
+    from workbench.ui import sweep_panels
+
+    other = runner.run("coalescing", {"layout": ["nhd"], "block_size": [4, 16], "pad": [0, 8]}, out=tmp_path,
+                       tag="pads", progress=False)
+    monkeypatch.setattr(store, "COMMITTED", written.json_path.parent)
+    monkeypatch.setattr(store, "OUT", other.json_path.parent)
+    panel = sweep_panels.sweep_panel("coalescing")
+    assert panel.controls["source"].value == str(written.json_path)  # the untagged file first
+    panel.controls["at_pad"].value = 8  # only the pads file has it
+    assert panel.figure.data == () and "no points at pad=8" in panel.figure.layout.title.text
+    panel.controls["source"].value = str(other.json_path)
+    assert len(panel.figure.data) == 1 and "pad=8" in panel.figure.layout.title.text

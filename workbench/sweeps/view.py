@@ -52,6 +52,7 @@ class View:
     series: dict[Any, list[tuple[Any, float]]]
     held: dict[str, Any] = field(default_factory=dict)
     rows: int = 0
+    absent: dict[str, Any] = field(default_factory=dict)  # held values asked for that no row has: nothing drawn
 
     @property
     def numeric_x(self) -> bool:
@@ -65,6 +66,9 @@ class View:
         return self.numeric_x and min(xs) > 0 and max(xs) / min(xs) >= 16
 
     def title(self) -> str:
+        if self.absent:
+            absent = ", ".join(f"{k}={v}" for k, v in self.absent.items())
+            return f"{self.sweep}: no points at {absent} in these rows (another file may have them)"
         held = ", ".join(f"{k}={v}" for k, v in self.held.items())
         return f"{self.sweep}: {self.y} by {self.x}" + (f" and {self.color}" if self.color else "") + (
             f" ({held})" if held else "")
@@ -73,9 +77,10 @@ class View:
 def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: str | None = None,
            held: Mapping[str, Any] | None = None) -> View:
     """``rows`` of ``sweep`` as series of ``y`` against ``x``, one per value of ``color`` (None or
-    :data:`NO_COLOR`: one series). Every other varying parameter is held at ``held[name]`` when that value
-    occurs, else at the sweep's default when it occurs, else at its first value. Raises ``ValueError`` naming
-    the argument for a column the rows do not have."""
+    :data:`NO_COLOR`: one series). Every other varying parameter is held at ``held[name]`` when given, else at the
+    sweep's default when it occurs, else at its first value. A held value no row has (a panel's choice that only
+    another file holds) leaves the view empty and says so in ``absent``. Raises ``ValueError`` naming the argument
+    for a column the rows do not have."""
     sweep = get(sweep) if isinstance(sweep, str) else sweep
     color = None if color in (None, NO_COLOR) else color
     if not rows:
@@ -93,7 +98,9 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
         if name in (x, color):
             continue
         chosen[name] = next((v for v in (held.get(name), defaults.get(name)) if v in values), values[0])
-    kept = [r for r in rows if all(r.get(k) == v for k, v in chosen.items())]
+    params = {p.name for p in sweep.params} - {x, color}
+    absent = {k: v for k, v in held.items() if k in params and k in columns and all(r.get(k) != v for r in rows)}
+    kept = [] if absent else [r for r in rows if all(r.get(k) == v for k, v in chosen.items())]
     series: dict[Any, list] = {}
     for r in kept:
         series.setdefault(r.get(color) if color else y, []).append((r[x], _number(r[y])))
@@ -103,7 +110,7 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
     if color:
         order = varying(kept, sweep).get(color) or list(series)
         series = {k: series[k] for k in order if k in series}
-    return View(sweep.name, x, y, color, series, chosen, len(kept))
+    return View(sweep.name, x, y, color, series, chosen, len(kept), absent)
 
 
 def _number(value) -> float:

@@ -64,6 +64,9 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
     fig.update_layout(title=dict(text=v.title() + (f"<br><sup>{source}</sup>" if source else ""), font_size=14),
                       xaxis_title=v.x, yaxis_title=v.y, height=400, margin=dict(t=70), barmode="group",
                       legend_title_text=v.color or "")
+    if v.absent:
+        fig.add_annotation(text="no points here: pick another value or another file under 'rows'", showarrow=False,
+                           xref="paper", yref="paper", x=0.5, y=0.5, font_size=14)
     if v.log_x:
         ticks = sorted({p[0] for pts in v.series.values() for p in pts})
         fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])  # 32768, not 32.768k
