@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workbench.cache import PagedKVCache
-from workbench.model import SMOLLM2_135M, Llama, Runner, inspect, random_weights
+from workbench.model import SMOLLM2_135M, Llama, Runner, agreement, inspect, random_weights
 from workbench.model.gguf_weights import model_available
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small matmuls, one thread on a busy CPU
@@ -93,17 +93,17 @@ def test_counts_and_copy_on_write_over_a_timeline():
 
 
 def test_compare_greedy_counts_equal_tokens_divergence_and_drift():
-    r = inspect.compare_greedy([1, 2, 3, 4], [-0.5, -1.0, -2.0, -0.1], [1, 2, 9, 4], [-0.25, -1.5, -3.0, -0.1])
+    r = agreement.compare_greedy([1, 2, 3, 4], [-0.5, -1.0, -2.0, -0.1], [1, 2, 9, 4], [-0.25, -1.5, -3.0, -0.1])
     assert r == {"equal": 2, "first_divergence": 2, "drift": [0.25, -0.5], "max_drift": 0.5}
-    same = inspect.compare_greedy([1, 2], [-1.0, -1.0], [1, 2], [-1.0, -0.5])
+    same = agreement.compare_greedy([1, 2], [-1.0, -1.0], [1, 2], [-1.0, -0.5])
     assert same["first_divergence"] is None and same["equal"] == 2 and same["drift"] == [0.0, 0.5]
     with pytest.raises(ValueError, match="one log-prob per token"):
-        inspect.compare_greedy([1, 2], [-1.0], [1, 2], [-1.0, -1.0])
+        agreement.compare_greedy([1, 2], [-1.0], [1, 2], [-1.0, -1.0])
 
 
 def test_page_tokens_follow_kivis_key_groups():
-    assert inspect.page_tokens_for("int4/kivi") == 32 and inspect.page_tokens_for("int2/kivi", 48) == 64
-    assert inspect.page_tokens_for("int4/token") == 16 and inspect.page_tokens_for("fp16") == 16
+    assert agreement.page_tokens_for("int4/kivi") == 32 and agreement.page_tokens_for("int2/kivi", 48) == 64
+    assert agreement.page_tokens_for("int4/token") == 16 and agreement.page_tokens_for("fp16") == 16
 
 
 def test_chat_prompts_one_per_non_empty_line():

@@ -6,8 +6,7 @@ from workbench.kernels.gather import check_against_reference
 from workbench import coalescing, memory, spec
 from workbench.allocator import BlockManager, BlockPool
 from workbench.bench import harness
-from workbench.cache import fork_checks, format_fork_checks
-from workbench.sharing import adaptive_blocks, format_adaptive, shared_prompt
+from workbench.sharing import adaptive_blocks, fork_checks, format_adaptive, format_fork_checks, shared_prompt
 from workbench.sim import sweeps
 
 

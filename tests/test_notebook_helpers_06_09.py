@@ -14,7 +14,7 @@ from workbench.bench import byok_results as byok
 from workbench.cache import PagedKVCache
 from workbench.conformance import exchange, registry, starter, suite
 from workbench.conformance.problems import Case
-from workbench.model import inspect
+from workbench.model import agreement, inspect
 from workbench.model.capture import PROMPTS, prompts_by_name
 from workbench.model.runner import Generation
 from workbench.ui import conformance_figures as cf
@@ -97,12 +97,12 @@ def test_agreement_results_and_their_lines(monkeypatch):
         return {"scheme": scheme, "bytes": 240.0, "equal": 3, "new_tokens": new_tokens,
                 "first_divergence": None if scheme == "int4/token" else 3}
 
-    monkeypatch.setattr(inspect, "agreement_result", fake)
-    results = inspect.agreement_results("m", "t", [1, 2], 4, ["int4/token", "int2/token"], "REF", "torch", "CAL",
+    monkeypatch.setattr(agreement, "agreement_result", fake)
+    results = agreement.agreement_results("m", "t", [1, 2], 4, ["int4/token", "int2/token"], "REF", "torch", "CAL",
                                         prompt="code")
     assert list(results) == [("int4/token", "code"), ("int2/token", "code")]
     assert calls == [("int4/token", "REF", "torch", "CAL"), ("int2/token", "REF", "torch", "CAL")]
-    assert inspect.format_agreement(results).splitlines() == [
+    assert agreement.format_agreement(results).splitlines() == [
         "int4/token        240 B/token/layer: 3 of 4 tokens equal, first divergence None",
         "int2/token        240 B/token/layer: 3 of 4 tokens equal, first divergence 3"]
 

@@ -130,7 +130,7 @@ def test_agreement_lists_its_schemes_and_prompts():
 
 
 def test_agreement_point_is_the_panels_result(smol):
-    from workbench.model import inspect
+    from workbench.model import agreement
 
     s = sweeps.get("agreement")
     params = {**s.defaults(), "new_tokens": MODEL_SWEEP_POINT_TOKENS}
@@ -140,7 +140,7 @@ def test_agreement_point_is_the_panels_result(smol):
     model, tok, ops = smol._model("cpu")
     tokens = smol._tokens("cpu", "chat_question")
     with smol._one_thread():  # as the point runs
-        r = inspect.agreement_result(model, tok, tokens, MODEL_SWEEP_POINT_TOKENS, "int4/token", ops=ops)  # new fp16
+        r = agreement.agreement_result(model, tok, tokens, MODEL_SWEEP_POINT_TOKENS, "int4/token", ops=ops)  # new fp16
     assert (row["equal"], row["max_drift"], row["bytes_per_token"]) == (r["equal"], r["max_drift"], r["bytes"])
     assert row["equal_share"] == r["equal"] / MODEL_SWEEP_POINT_TOKENS and row["bytes_ratio"] < 1
     assert row["first_divergence"] == (MODEL_SWEEP_POINT_TOKENS if r["first_divergence"] is None

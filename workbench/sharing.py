@@ -4,6 +4,9 @@ A pure function of its parameters (no tensors, no GPU), so a notebook slider can
 ``N`` requests share a ``system_len``-token system prompt, each adds ``user_len`` tokens
 of its own, forks ``samples`` parallel samples (copy-on-write), and every sample generates
 ``gen_len`` tokens. The result says where every block went and what sharing saved.
+
+:func:`fork_checks` runs the same fork through a :class:`~workbench.cache.PagedKVCache` with real K/V in every
+layout and checks what each sequence reads back, bit for bit.
 """
 
 from __future__ import annotations
@@ -11,7 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
+from workbench.cache import PagedKVCache
+from workbench.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -106,3 +113,59 @@ def format_adaptive(result: dict) -> str:
              f"{r['blocks']} blocks, waste {r['waste']} slots" for r in result["requests"]]
     s = result["stats"]
     return "\n".join([*lines, f"used {s['used_slots']} free {s['free_slots']} total {s['total_slots']}"])
+
+
+# ---- fork and copy-on-write through the cache, in every layout (notebook 01) -----------------------------------
+@dataclass(frozen=True)
+class ForkCheck:
+    """What :func:`fork_checks` found in one layout: the cache it built (parent ``"a"``, child ``"b"``), the
+    copy-on-write copies of the child's append, whether both sequences read back exactly what was written, and
+    the pool's size and per-block padding."""
+
+    layout: str
+    cache: PagedKVCache
+    copies: list[tuple[int, int]]
+    exact: bool
+    total_bytes: int
+    padding_bytes: dict[int, int]
+
+    def summary(self) -> str:
+        return (f"{self.layout:5s} CoW copies {self.copies}, gathered K/V exact: {self.exact}, "
+                f"pool {self.total_bytes // 1024} KiB, padding per block {self.padding_bytes}")
+
+
+def fork_checks(layouts: Sequence[str] = tuple(Layout), num_layers: int = 2, num_kv_heads: int = 2,
+                head_dim: int = 64, prompt_len: int = 21, new_tokens: int = 3, num_pages: int = 16,
+                page_tokens: int = 16, seed: int = 0) -> dict[str, ForkCheck]:
+    """In each layout, a fresh :class:`PagedKVCache`: sequence ``"a"`` gets ``prompt_len`` tokens of random fp16
+    K/V, is forked into ``"b"``, and ``"b"`` appends ``new_tokens`` more (copy-on-write of the shared, partly
+    filled last block); both are gathered back and compared with what was written, bit for bit.
+
+    One seeded generator draws every layout's K/V in turn. Returns ``{layout: ForkCheck}``.
+    """
+    g = torch.Generator().manual_seed(seed)
+
+    def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.randn(num_layers, n, num_kv_heads, head_dim, generator=g).half(),
+                torch.randn(num_layers, n, num_kv_heads, head_dim, generator=g).half())
+
+    out = {}
+    for layout in layouts:
+        cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_pages=num_pages, page_tokens=page_tokens,
+                             layout=layout)
+        k, v = kv(prompt_len)
+        cache.add("a", list(range(prompt_len)), k, v)
+        cache.fork("a", "b")
+        k2, v2 = kv(new_tokens)
+        placed = cache.append("b", [prompt_len + i for i in range(new_tokens)], k2, v2)
+        (kb, vb), (ka, va) = cache.gather("b"), cache.gather("a")
+        exact = (torch.equal(kb.cpu(), torch.cat([k, k2], 1)) and torch.equal(vb.cpu(), torch.cat([v, v2], 1))
+                 and torch.equal(ka.cpu(), k) and torch.equal(va.cpu(), v))
+        out[str(layout)] = ForkCheck(str(layout), cache, list(placed.copies), exact, cache.total_bytes,
+                                     dict(cache.padding_bytes))
+    return out
+
+
+def format_fork_checks(checks: dict[str, ForkCheck]) -> str:
+    """One :meth:`ForkCheck.summary` line per layout."""
+    return "\n".join(c.summary() for c in checks.values())

@@ -16,7 +16,7 @@ import ipywidgets as W
 
 from workbench import quant
 from workbench.model import inspect
-from workbench.model.inspect import agreement_result, calibration_sample, greedy  # the agreement panel's runs
+from workbench.model.agreement import agreement_result, calibration_sample, greedy  # the agreement panel's runs
 from workbench.ui import model_figures
 from workbench.ui.panels import Panel
 
@@ -207,7 +207,7 @@ def generation_panel(model, tok, **kwargs) -> GenerationPanel:
 
 
 # ---- a quantized cache against fp16 ----------------------------------------------------------------------------
-# calibration_sample, greedy and agreement_result live in workbench.model.inspect (imported above, under the
+# calibration_sample, greedy and agreement_result live in workbench.model.agreement (imported above, under the
 # same names): the panel below and the sweep `agreement` (workbench.sweeps.catalog.model) call them.
 
 

