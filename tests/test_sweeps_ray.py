@@ -32,7 +32,9 @@ ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install -
 # Ray otherwise swaps 127.0.0.1 for the machine's outward address (so that other nodes could reach it): this
 # cluster stays on the loopback interface. The variable is read when ray is imported; the driver here imported it
 # already, so its constant is set below as well.
-LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# RAY_AUTH_MODE: Ray turns token authentication on for a `ray start` that finds ~/.ray/auth_token (any earlier
+# `ray.init()` writes one), and the driver here would then be refused; the mode is set on both sides instead.
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 CORE = ("sweep", "params", "row")  # what a point computed; "meta" (host, pid, seconds, date) differs by run
 
 # GPU points, refused before any task is sent, so Ray's workers never need to find this sweep
