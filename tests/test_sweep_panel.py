@@ -109,3 +109,24 @@ def test_a_held_value_only_another_file_has_empties_the_plot_and_says_so(written
     assert panel.figure.data == () and "no points at pad=8" in panel.figure.layout.title.text
     panel.controls["source"].value = str(other.json_path)
     assert len(panel.figure.data) == 1 and "pad=8" in panel.figure.layout.title.text
+
+
+def test_the_first_plot_is_the_first_sources_and_a_live_grid_brings_its_own_axes(written, tmp_path, monkeypatch):
+    from workbench.ui import sweep_panels
+
+    other = runner.run("coalescing", {"layout": ["nhd"], "kind": ["k"], "block_size": [16], "head_dim": [64, 128]},
+                       out=tmp_path, progress=False)
+    monkeypatch.setattr(store, "COMMITTED", written.json_path.parent)
+    monkeypatch.setattr(store, "OUT", other.json_path.parent)  # a user's own run varies head_dim
+    with_extra = sweep_panels.sweep_panel(written.json_path.parent / "coalescing.json").figure.to_json()
+    monkeypatch.setattr(store, "OUT", tmp_path / "none")
+    assert sweep_panels.sweep_panel(written.json_path).figure.to_json() == with_extra  # it adds options only
+    live = sweep_panels.sweep_panel(written.json_path, live={"pad": [0, 8, 32], "layout": "vllm"})  # a scalar: one
+    assert "pad" in live.controls["x"].options
+    live.controls["source"].value = sweep_panels.LIVE
+    live.controls["x"].value = "pad"
+    assert [list(d.x) for d in live.figure.data] == [[0, 8, 32]] * len(live.figure.data) and live.status.value == ""
+    with pytest.raises(ValueError, match="live: expected a dict"):
+        sweep_panels.sweep_panel("coalescing", live=[1, 2])
+    with pytest.raises(ValueError, match="name_or_path: expected a sweep's name"):
+        sweep_panels.sweep_panel(3)

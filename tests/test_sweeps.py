@@ -53,6 +53,12 @@ def test_bad_grids_name_the_argument(params, grids, match):
         grid.parse(sweeps.get("coalescing"), params, grids)
 
 
+@pytest.mark.parametrize("text", ["nan", "inf", "-inf"])
+def test_a_float_parameter_must_be_finite(text):  # every bound comparison is False for NaN: checked on its own
+    with pytest.raises(ValueError, match="kv_gib: expected a finite number"):
+        grid.parse(sweeps.get("fragmentation"), [f"kv_gib={text}"], [])
+
+
 def test_random_bad_values_are_refused_before_anything_is_written(tmp_path):
     rng = random.Random(0)
     s = sweeps.get("coalescing")
@@ -116,7 +122,8 @@ def test_process_pool_gives_the_same_rows(tmp_path):
     serial = sweeps.run("coalescing", values, out=tmp_path / "a", progress=False)
     pool = sweeps.run("coalescing", values, out=tmp_path / "b", workers=2, progress=False)
     assert numbers(pool.rows) == numbers(serial.rows)
-    assert len({r["run"] for r in pool.rows}) == 4
+    # one run id a run, whichever process ran the point (it names the run, as a bench file's does)
+    assert len({r["run"] for r in pool.rows}) == 1 and {r["run"] for r in pool.rows} != {r["run"] for r in serial.rows}
 
 
 def test_cli_runs_lists_and_refuses(tmp_path, capsys):
@@ -153,3 +160,18 @@ def test_a_parameter_may_not_shadow_a_rows_own_column():
     for name in ("run", "commit", "sweep"):
         with pytest.raises(ValueError, match="clash with a tidy row's own columns"):
             Sweep("bad", "", (Param(name, "str", "x"),), lambda **_: {}, notebook="", panel="", y=())
+
+
+def test_points_added_to_a_committed_sweep_keep_its_rows(tmp_path):
+    # a committed sweep has its tidy files and no journal (*.jsonl is not committed): adding a point must not drop
+    # the rows it holds, and --fresh forgets them only once a new point has finished
+    fixed = {"kind": ["k"], "block_size": [16]}
+    first = sweeps.run("coalescing", {"layout": ["nhd", "vllm"], **fixed}, out=tmp_path, progress=False)
+    first.journal_path.unlink()
+    more = sweeps.run("coalescing", {"layout": ["nhd", "vllm", "hnd"], **fixed}, out=tmp_path, progress=False)
+    assert (more.ran, more.reused) == (1, 2) and len(store.load(more.json_path).rows) == 3
+    before = more.journal_path.read_text()
+    fresh = store.Journal(more.journal_path, fresh=True)  # a run refused after this point (Ray: no GPU) ...
+    assert not fresh.records and more.journal_path.read_text() == before  # ... leaves the file as it was
+    fresh.add({"key": "k", "sweep": "coalescing", "params": {}, "row": {}, "meta": {}})
+    assert list(store.Journal(more.journal_path).records) == ["k"]

@@ -139,7 +139,7 @@ def test_agreement_point_is_the_panels_result(smol):
     assert row == s.point(**params)  # deterministic: one thread, greedy
     model, tok, ops = smol._model("cpu")
     tokens = smol._tokens("cpu", "chat_question")
-    with smol._one_thread():  # as the point runs
+    with smol.one_thread():  # as the point runs
         r = agreement.agreement_result(model, tok, tokens, MODEL_SWEEP_POINT_TOKENS, "int4/token", ops=ops)  # new fp16
     assert (row["equal"], row["max_drift"], row["bytes_per_token"]) == (r["equal"], r["max_drift"], r["bytes"])
     assert row["equal_share"] == r["equal"] / MODEL_SWEEP_POINT_TOKENS and row["bytes_ratio"] < 1

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
-from workbench.cache import PagedKVCache
 from workbench.layout import Layout
+
+if TYPE_CHECKING:
+    from workbench.cache import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,10 @@ def fork_checks(layouts: Sequence[str] = tuple(Layout), num_layers: int = 2, num
 
     One seeded generator draws every layout's K/V in turn. Returns ``{layout: ForkCheck}``.
     """
+    import torch  # here: the scenarios above stay free of tensors
+
+    from workbench.cache import PagedKVCache
+
     g = torch.Generator().manual_seed(seed)
 
     def kv(n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import html
+import math
 import os
 import re
 import shutil
@@ -52,10 +53,16 @@ def key_numbers(nb) -> list[dict]:
             found.append({
                 "cell": index,
                 "title": str(payload.get("title") or f"cell {index}"),
-                "numbers": dict(numbers) if isinstance(numbers, dict) else {},
+                "numbers": {str(k): v for k, v in numbers.items() if _plain_value(v)} if isinstance(numbers, dict)
+                else {},
                 "sources": [str(s) for s in sources] if isinstance(sources, list) else [],
             })
     return found
+
+
+def _plain_value(v) -> bool:
+    """A value the index can show (what ``conclusions`` stores): a bool, a finite number or a string."""
+    return isinstance(v, bool | str) or (isinstance(v, int | float) and math.isfinite(v))
 
 
 def site_path(source: str) -> PurePosixPath | None:
@@ -83,8 +90,9 @@ def copy_sources(sources: Iterable[str], out: Path, root: Path = ROOT) -> dict[s
             copied[source] = None
             continue
         dst = out / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst)
+        if dst.resolve() != src.resolve():  # a site written into the repository itself already holds it
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst)
         copied[source] = rel.as_posix()
     return copied
 

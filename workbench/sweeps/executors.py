@@ -19,17 +19,18 @@ EXECUTORS = ("local", "ray")
 RAY_RETRIES = 3  # a task whose worker dies (killed, lost node) runs again, up to this many times
 
 
-def execute_point(sweep_name: str, params: dict[str, Any], commit: str) -> dict:
-    """Run one point where this function is called (the driver, a pool process, a Ray worker) and stamp it.
-    ``commit`` is the driver's: the code a worker runs is the driver's, whatever its own checkout says."""
+def execute_point(sweep_name: str, params: dict[str, Any], stamp: dict[str, str]) -> dict:
+    """Run one point where this function is called (the driver, a pool process, a Ray worker) and stamp it with
+    the machine it ran on and the driver's ``stamp`` (``commit``, and the ``run`` id every point of one run
+    shares). A worker whose own checkout is at another commit (a Ray node) says so in ``worker_commit``."""
     from workbench.provenance import machine_meta
     from workbench.sweeps.grid import point_key
     from workbench.sweeps.spec import get
 
-    sweep = get(sweep_name)
     key = point_key(params)
     start = time.perf_counter()
     try:
+        sweep = get(sweep_name)  # a sweep registered only in the driver is not known to a spawned worker
         row = dict(sweep.point(**params))
     except Exception as e:  # noqa: BLE001  (one bad point is reported, the sweep goes on)
         return {"key": key, "sweep": sweep_name, "params": params, "error": f"{type(e).__name__}: {e}",
@@ -38,22 +39,25 @@ def execute_point(sweep_name: str, params: dict[str, Any], commit: str) -> dict:
     if clash:
         return {"key": key, "sweep": sweep_name, "params": params,
                 "error": f"point returned keys that are parameters: {sorted(clash)}"}
-    meta = {**machine_meta(), "commit": commit, "host": socket.gethostname(), "pid": os.getpid(),
+    here = machine_meta()
+    meta = {**here, **stamp, "host": socket.gethostname(), "pid": os.getpid(),
             "seconds": round(time.perf_counter() - start, 4)}
+    if here["commit"] != stamp["commit"]:
+        meta["worker_commit"] = here["commit"]
     return {"key": key, "sweep": sweep_name, "params": params, "row": row, "meta": meta}
 
 
-def run_local(sweep_name: str, todo: Sequence[dict], commit: str, workers: int = 1) -> Iterator[dict]:
+def run_local(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], workers: int = 1) -> Iterator[dict]:
     """In this process (``workers=1``: a notebook, a debugger) or in a pool of ``workers`` fresh processes."""
     if workers == 1:
         for params in todo:
-            yield execute_point(sweep_name, params, commit)
+            yield execute_point(sweep_name, params, stamp)
         return
     import multiprocessing as mp
 
     # spawn: a fresh interpreter per worker; fork after torch has started its threads can hang
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = [pool.submit(execute_point, sweep_name, params, commit) for params in todo]
+        futures = [pool.submit(execute_point, sweep_name, params, stamp) for params in todo]
         try:
             for f in as_completed(futures):
                 yield f.result()
@@ -72,8 +76,8 @@ def ray_available() -> str | None:
     return None
 
 
-def run_ray(sweep_name: str, todo: Sequence[dict], commit: str, gpu: Sequence[bool], address: str | None = None,
-            retries: int = RAY_RETRIES) -> Iterator[dict]:
+def run_ray(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], gpu: Sequence[bool],
+            address: str | None = None, retries: int = RAY_RETRIES) -> Iterator[dict]:
     """Each point a Ray task (``num_gpus=1`` where the point needs a GPU), gathered as they finish. ``address``:
     an existing cluster (``ray start --head`` printed it; ``auto`` finds the one started on this machine); None is
     Ray's default (``RAY_ADDRESS``, else a cluster started here, else a private local one). A driver that called
@@ -85,7 +89,10 @@ def run_ray(sweep_name: str, todo: Sequence[dict], commit: str, gpu: Sequence[bo
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        try:
+            ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        except (ConnectionError, OSError) as e:  # no cluster there: a message naming the argument
+            raise RuntimeError(f"address: no Ray cluster at {address or 'RAY_ADDRESS / this machine'}: {e}") from None
     pending: dict = {}
     try:
         resources = ray.cluster_resources()
@@ -94,7 +101,7 @@ def run_ray(sweep_name: str, todo: Sequence[dict], commit: str, gpu: Sequence[bo
                                f"{address or 'local'} has none: {resources}")
         task = ray.remote(execute_point)
         pending = {task.options(num_gpus=1 if g else 0, num_cpus=1, max_retries=retries, retry_exceptions=False,
-                                name=f"{sweep_name}:{i}").remote(sweep_name, params, commit): params
+                                name=f"{sweep_name}:{i}").remote(sweep_name, params, stamp): params
                    for i, (params, g) in enumerate(zip(todo, gpu, strict=True))}
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)

@@ -29,7 +29,9 @@ class SweepRun:
     def summary(self) -> str:
         failed = f", {len(self.failed)} failed" if self.failed else ""
         lines = [f"sweep {self.sweep.name}: {len(self.rows)} points ({self.ran} run, {self.reused} already done"
-                 f"{failed})", f"  rows: {self.json_path}", f"        {self.csv_path}"]
+                 f"{failed})"]
+        if self.json_path.is_file():  # not when every point failed
+            lines += [f"  rows: {self.json_path}", f"        {self.csv_path}"]
         for f in self.failed[:3]:
             lines.append(f"  failed {f['params']}: {f['error']}")
         return "\n".join(lines)
@@ -81,17 +83,19 @@ def run(sweep: Sweep | str, values: Mapping[str, Any] | None = None, *, executor
                                "machine has none; run it on one, or with --executor ray on a cluster with GPUs")
     store.ensure_dir(stem.parent)
     journal = store.Journal(stem.with_suffix(".jsonl"), fresh=fresh)
+    if not fresh:  # a committed sweep has no journal: its tidy rows are its finished points
+        store.seed_from_tidy(journal, stem.with_suffix(".json"), sweep)
     keys = [grid.point_key(p) for p in points]
     todo = [(p, g) for p, g, k in zip(points, gpu, keys, strict=True) if k not in journal]
     result = SweepRun(sweep, stem.with_suffix(".json"), stem.with_suffix(".csv"), journal.path, [],
                       reused=len(points) - len(todo))
     from workbench.provenance import machine_meta
 
-    commit = machine_meta()["commit"]
+    stamp = {k: v for k, v in machine_meta().items() if k in ("commit", "run")}  # the driver's: one run id a run
     if executor == "ray":
-        stream = executors.run_ray(sweep.name, [p for p, _ in todo], commit, [g for _, g in todo], address)
+        stream = executors.run_ray(sweep.name, [p for p, _ in todo], stamp, [g for _, g in todo], address)
     else:
-        stream = executors.run_local(sweep.name, [p for p, _ in todo], commit, workers)
+        stream = executors.run_local(sweep.name, [p for p, _ in todo], stamp, workers)
     bar = _bar(sweep.name, len(points), result.reused, progress)
     try:
         for record in stream:

@@ -8,13 +8,15 @@ by :mod:`workbench.sweeps.catalog` on first use, so importing this module costs 
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = {"int": int, "float": float, "str": str, "bool": bool}
 # a tidy row's columns beside the parameters: where a point ran (workbench.sweeps.store), no parameter's name
-META_KEYS = ("seconds", "gpu", "cpu", "torch", "triton", "cuda", "python", "commit", "date", "run", "host")
+META_KEYS = ("seconds", "gpu", "cpu", "torch", "triton", "cuda", "python", "commit", "date", "run", "host",
+             "worker_commit")
 RESERVED = ("sweep", *META_KEYS)
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -61,6 +63,8 @@ class Param:
             value = float(value)
         if not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise ValueError(f"{self.name}: expected {self.kind}, got {value!r} ({type(value).__name__})")
+        if want is float and not math.isfinite(value):
+            raise ValueError(f"{self.name}: expected a finite number, got {value!r}")
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{self.name}: expected one of {', '.join(map(str, self.choices))}, got {value!r}")
         if self.minimum is not None and value < self.minimum:

@@ -38,14 +38,15 @@ def ensure_dir(path: Path) -> Path:
 
 
 class Journal:
-    """The finished points of one sweep file, appended one JSON line at a time."""
+    """The finished points of one sweep file, appended one JSON line at a time. ``fresh``: the points on disk are
+    forgotten, and the file is emptied only when the first new point is added (a run refused or stopped before
+    any point finished leaves it as it was)."""
 
     def __init__(self, path: Path, fresh: bool = False):
         self.path = Path(path)
-        if fresh and self.path.exists():
-            self.path.unlink()
+        self._truncate = fresh and self.path.exists()
         self.records: dict[str, dict] = {}
-        if self.path.exists():
+        if self.path.exists() and not fresh:
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
                     record = json.loads(line)
@@ -60,7 +61,8 @@ class Journal:
     def add(self, record: Mapping[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True, default=_plain) + "\n"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open(self.path, "w" if self._truncate else "a", encoding="utf-8") as f:
+            self._truncate = False
             if f.tell() and not self._ends_with_newline():
                 f.write("\n")  # after a torn line: keep this record on a line of its own
             f.write(line)
@@ -72,6 +74,30 @@ class Journal:
         with open(self.path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             return f.read(1) == b"\n"
+
+
+def seed_from_tidy(journal: Journal, json_path: Path, sweep) -> int:
+    """A journal with no file yet takes the rows of the tidy ``json_path`` beside it (a committed sweep: its journal
+    is not committed), so that adding points to it keeps the points it has. Returns how many were taken."""
+    from workbench.sweeps.grid import point_key
+
+    if journal.path.exists() or not json_path.is_file():
+        return 0
+    try:
+        doc = json.loads(json_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return 0
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("meta", {}).get("sweep") != sweep.name:
+        return 0
+    names = {p.name for p in sweep.params}
+    for r in doc.get("rows", []):
+        params = {k: v for k, v in r.items() if k in names}
+        if len(params) != len(names):  # a row of an older version of the sweep: it runs again
+            continue
+        meta = {k: r[k] for k in META_KEYS if k in r}
+        row = {k: v for k, v in r.items() if k not in names and k not in META_KEYS and k != "sweep"}
+        journal.add({"key": point_key(params), "sweep": sweep.name, "params": params, "row": row, "meta": meta})
+    return len(journal.records)
 
 
 def _plain(value):

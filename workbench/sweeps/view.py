@@ -126,10 +126,10 @@ def live_rows(sweep: Sweep | str, values: Mapping[str, Sequence] | None = None) 
     from workbench.sweeps.store import tidy
 
     sweep, points = plan(sweep, values)
-    commit = machine_meta()["commit"]
+    stamp = {k: v for k, v in machine_meta().items() if k in ("commit", "run")}
     records = []
     for params in points:
-        record = execute_point(sweep.name, params, commit)
+        record = execute_point(sweep.name, params, stamp)
         if "error" in record:
             raise RuntimeError(f"sweep {sweep.name}: point {params} failed: {record['error']}")
         records.append(record)

@@ -25,20 +25,27 @@ def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
                 ) -> tuple[spec.Sweep, dict[str, str]]:
     """The sweep and its sources, ``{value: label}``: the file given first (when a path), then the sweep's
     committed files, then the git-ignored ones, then the live grid (when ``live`` is given)."""
+    if not isinstance(name_or_path, str | Path):
+        raise ValueError(f"name_or_path: expected a sweep's name or a sweep file's path, got {name_or_path!r}")
+    if live is not None and not isinstance(live, Mapping):
+        raise ValueError(f"live: expected a dict of parameter -> values, got {type(live).__name__}")
     given = Path(name_or_path)
     first: list[Path] = []
     if given.suffix in (".json", ".jsonl", ".csv"):
-        loaded = store.load(given)
+        try:
+            loaded = store.load(given)
+        except ValueError as e:
+            raise ValueError(f"name_or_path: {str(e).removeprefix('path: ')}") from None
         sweep, first = spec.get(loaded.sweep), [given]
     else:
         sweep = spec.get(str(name_or_path))
-    sources = {}
+    sources, seen = {}, set()
     for path in [*first, *store.files(sweep.name)]:
-        if str(path) not in sources:
+        if path.resolve() not in seen:  # the file given may also be one of the sweep's folders'
+            seen.add(path.resolve())
             sources[str(path)] = _label(path)
     if live is not None:
-        values = {k: list(v) for k, v in live.items()}
-        sources[LIVE] = f"live: {len(runner.plan(sweep, values)[1])} points computed here"
+        sources[LIVE] = f"live: {len(runner.plan(sweep, live)[1])} points computed here"
     if not sources:
         raise ValueError(f"name_or_path: sweep {sweep.name!r} has no file in {store.COMMITTED} or {store.OUT}; run "
                          f"`python -m workbench sweep {sweep.name}` or pass live={{...}}")
@@ -91,12 +98,16 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
             loaded[source] = (view.live_rows(sweep, live) if source == LIVE else store.load(source).rows)
         return loaded[source]
 
-    every = [r for s in sources if s != LIVE for r in rows(s)] or rows(LIVE)
-    varying = view.varying(every, sweep)
-    columns = view.numeric_columns(every, sweep)
+    planned = runner.plan(sweep, live)[1] if live is not None else []  # the live grid's points: nothing run yet
+    files = [r for s in sources if s != LIVE for r in rows(s)]
+    varying = view.varying(files + planned, sweep)  # what any source varies: the controls' options
+    columns = view.numeric_columns(files, sweep) if files else list(sweep.y)
     axes = list(varying) or [p.name for p in sweep.params]
-    x0 = sweep.x if sweep.x in axes else axes[0]
-    c0 = sweep.color if sweep.color in varying and sweep.color != x0 else view.NO_COLOR
+    # the first plot is the first source's alone: a file in the git-ignored folder may add options, not change it
+    shown = next(iter(sources))
+    mine = view.varying(planned if shown == LIVE else rows(shown), sweep)
+    x0 = sweep.x if sweep.x in mine else next(iter(mine), sweep.x if sweep.x in axes else axes[0])
+    c0 = sweep.color if sweep.color in mine and sweep.color != x0 else view.NO_COLOR
     # one varying parameter is always on x: no colour to choose and nothing to hold (a control that changes nothing)
     held = varying if len(varying) > 1 else {}
     controls = {

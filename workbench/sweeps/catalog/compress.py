@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import functools
 import math
-from contextlib import contextmanager
 
+from workbench.sweeps.catalog import one_thread
 from workbench.sweeps.spec import Param, Sweep, register
 
 # workbench.compress.policies.NAMES less "full", workbench.model.capture.PROMPTS and SAVED_LAYERS, and the sliders
@@ -31,20 +31,6 @@ def _captures() -> dict:
     return {c.name: c for c in capture.load()}
 
 
-@contextmanager
-def _one_thread():
-    """One torch thread while a point runs: small einsums (two threads stall each other on a shared 2-core CPU), and
-    a row that does not depend on the caller's thread count."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def sparsification_point(policy: str, budget: float, window: int, sinks: int, block_size: int, partial: str,
                          prompt: str, layer: int) -> dict:
     """``study.score_rows`` of one policy setting on one prompt, as ``sparsification_panel`` scores the chosen
@@ -54,7 +40,7 @@ def sparsification_point(policy: str, budget: float, window: int, sinks: int, bl
     from workbench.compress import study
 
     cap = _captures()[prompt]
-    with _one_thread():
+    with one_thread():
         rows = study.score_rows(cap, policy, (budget,), block_size, partial, sinks, window)
         keep, bk = study.kept_tokens(cap, policy, budget, block_size, partial, sinks, window)
         read = float((cap.attn_last[layer] * bk.mask).sum(-1).mean())
@@ -106,7 +92,7 @@ def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dic
     from workbench.bench import compress_results as measured
     from workbench.compress import study
 
-    with _one_thread():
+    with one_thread():
         (cur,) = study.quest_recall_curves(list(_captures().values()), (page_size,), (share,))
     doc = _quest_run(quest_run)
     timed = min(measured.quest_page_sizes(doc), key=lambda p: (abs(p - page_size), p))

@@ -10,30 +10,17 @@ busy machine); ``pairwise`` is two to three times the cases.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
+from workbench.sweeps.catalog import one_thread
 from workbench.sweeps.spec import Param, Sweep, register
 
 # workbench.conformance.LEVELS and OPS (not imported here: the suite imports torch)
 LEVELS = ("smoke", "pairwise", "full")
 OPS = ("decode", "write", "copy", "shared_prefix")
 # the implementations registered by default (workbench.conformance.builtin); a user's own, registered by name
-# before the sweep runs (``conformance.register``), is accepted as well
+# before the sweep runs (``conformance.register``), is accepted as well, in that process only: the in-process
+# executor or a notebook's live panel (spawned --workers and Ray workers know the built-in ones)
 BUILTIN = ("reference", "starter", "ours")
-
-
-@contextmanager
-def _one_thread():
-    """One torch thread while a point runs: the suite's small tensors (two threads stall each other on a shared
-    2-core CPU: a smoke check of ``reference`` takes 0.4 s on one thread, 6 to 10 s on two of a busy machine)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def _key(name: str) -> str:
@@ -53,7 +40,7 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
     if impl not in names:
         raise ValueError(f"impl: no {op} implementation named {impl!r} is registered; registered: "
                          f"{', '.join(names) or 'none'}")
-    with _one_thread():
+    with one_thread():
         report = check_quietly(impl, level=level, op=op)
     results = report.results
     n, bad = len(results), len(report.failures)

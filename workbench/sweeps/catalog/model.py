@@ -12,8 +12,8 @@ run) and each further one about 1 s at the default 8 new tokens (the notebook's 
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
+from workbench.sweeps.catalog import one_thread
 from workbench.sweeps.spec import Param, Sweep, register
 
 # workbench.quant.SCHEMES less fp16, the reference (workbench.ui.model_panels.AGREEMENT_SCHEMES; not imported here:
@@ -23,20 +23,6 @@ SCHEMES = ("fp32", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token",
            "int2/kivi", "int2/token")
 # workbench.model.capture.PROMPTS (the agreement panel's prompts, by name)
 PROMPTS = ("chat_question", "code", "prose", "numbers", "chat_instructions")
-
-
-@contextmanager
-def _one_thread():
-    """One torch thread while a point runs, as notebook 06 sets it: a 135M model's matmuls run faster on one thread
-    of a shared 2-core CPU, and the log-probs do not depend on the caller's thread count."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @functools.cache
@@ -90,7 +76,7 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
     from workbench import quant
     from workbench.model import agreement
 
-    with _one_thread():
+    with one_thread():
         model, tok, ops = _model(device)
         calibration = _calibration(device) if quant.get(scheme).static else None
         r = agreement.agreement_result(model, tok, _tokens(device, prompt), new_tokens, scheme,

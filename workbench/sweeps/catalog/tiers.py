@@ -29,7 +29,7 @@ def prefetch_point(pattern: str, strategy: str, device_blocks: int, host_blocks:
     """``tiers.replay.replay`` of one strategy on one trace, configured as ``prefetch_panel`` does (``score``
     on a trace without scores replays ``none``, as the panel shows; ``replayed`` says which ran)."""
     from workbench.tiers import access
-    from workbench.tiers.prefetch import get as get_prefetch
+    from workbench.tiers.prefetch import needs_scores, strategies
     from workbench.tiers.replay import replay
 
     if pattern == "full":
@@ -40,10 +40,8 @@ def prefetch_point(pattern: str, strategy: str, device_blocks: int, host_blocks:
         tr = access.topk_trace(prompt_tokens, steps, block_size, topk, drift=drift, seed=seed)
     else:
         tr = access.trace_from_capture(capture, capture_layer, capture_block_size, capture_topk)
-    configs = {"none": "none", "sequential": get_prefetch("sequential", depth=depth),
-               "window": get_prefetch("window", window_tokens=window), "hot_lru": "hot_lru", "hot_lfu": "hot_lfu",
-               "score": get_prefetch("score", depth=depth)}
-    shown = "none" if strategy == "score" and tr.scores is None else strategy
+    configs = strategies(depth=depth, window_tokens=window)  # the panel's own configurations
+    shown = "none" if needs_scores(configs[strategy]) and tr.scores is None else strategy
     model = _link(link)
     bb = token_bytes * tr.block_size
     r = replay(tr, configs[shown], device_blocks=device_blocks, host_blocks=host_blocks or None, block_bytes=bb,
