@@ -175,3 +175,21 @@ def test_points_added_to_a_committed_sweep_keep_its_rows(tmp_path):
     assert not fresh.records and more.journal_path.read_text() == before  # ... leaves the file as it was
     fresh.add({"key": "k", "sweep": "coalescing", "params": {}, "row": {}, "meta": {}})
     assert list(store.Journal(more.journal_path).records) == ["k"]
+
+
+def test_dry_run_checks_every_option_and_says_what_is_done(tmp_path, capsys):
+    args = ["sweep", "coalescing", "--grid", "layout=nhd,vllm", "--param", "kind=k", "--param", "block_size=16",
+            "--out", str(tmp_path)]
+    assert main([*args, "--dry-run"]) == 0 and "2 points, 0 already done" in capsys.readouterr().out
+    assert main([*args, "--param", "layout=nhd", "--no-progress"]) == 2  # layout given twice: refused
+    assert main(["sweep", "coalescing", "--param", "layout=nhd", "--param", "kind=k", "--param", "block_size=16",
+                 "--out", str(tmp_path), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--dry-run"]) == 0 and "2 points, 1 already done" in capsys.readouterr().out
+    (tmp_path / "coalescing.jsonl").unlink()  # a committed sweep: the tidy file alone says what is done
+    assert main([*args, "--dry-run"]) == 0 and "1 already done" in capsys.readouterr().out
+    for bad, match in ((["--workers", "0"], "workers: expected an int >= 1"), (["--tag", "a b"], "tag:"),
+                       (["--executor", "ray", "--workers", "2"], "workers: only with executor 'local'"),
+                       (["--address", "x:1"], "address: only with executor 'ray'")):
+        assert main([*args, "--dry-run", *bad]) == 2 and match in capsys.readouterr().err
+    assert not (tmp_path / "coalescing.jsonl").exists()  # a dry run writes nothing

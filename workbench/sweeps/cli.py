@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workbench.sweeps import executors, grid, runner, spec
+from workbench.sweeps import executors, grid, runner, spec, store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,11 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep = spec.get(args.name)
         values = grid.parse(sweep, args.param, args.grid)
-        if args.dry_run:
+        if args.dry_run:  # the points, and which of them the journal already holds: what a run would do
+            stem = runner.check_options(sweep, args.executor, args.workers, args.address, args.out, args.tag)
+            journal = store.Journal(stem.with_suffix(".jsonl"), fresh=args.fresh)
+            finished = set() if args.fresh else set(journal.records) or {
+                r["key"] for r in store.tidy_records(stem.with_suffix(".json"), sweep)}  # as run would seed it
             points = grid.points(values)
-            print(f"sweep {sweep.name}: {len(points)} points")
+            done = sum(grid.point_key(p) in finished for p in points)
+            print(f"sweep {sweep.name}: {len(points)} points, {done} already done; rows to {stem.with_suffix('.json')}")
             for p in points:
-                print("  " + grid.point_key(p))
+                print(("  done " if grid.point_key(p) in finished else "  ") + grid.point_key(p))
             return 0
         result = runner.run(sweep, values, executor=args.executor, workers=args.workers, address=args.address,
                             out=args.out, tag=args.tag, fresh=args.fresh, progress=not args.no_progress)

@@ -44,6 +44,21 @@ def stem_for(sweep: Sweep, out: Path | str | None, tag: str | None) -> Path:
     return directory / (f"{sweep.name}-{tag}" if tag else sweep.name)
 
 
+def check_options(sweep: Sweep, executor: str = "local", workers: int = 1, address: str | None = None,
+                  out: Path | str | None = None, tag: str | None = None) -> Path:
+    """Where the rows of a run with these options go (``out/<name>[-tag]``), every option checked (``ValueError``
+    naming it); nothing is created."""
+    if executor not in executors.EXECUTORS:
+        raise ValueError(f"executor: expected one of {', '.join(executors.EXECUTORS)}, got {executor!r}")
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    if workers > 1 and executor == "ray":
+        raise ValueError("workers: only with executor 'local' (Ray runs as many points at once as it has CPUs)")
+    if address is not None and executor != "ray":
+        raise ValueError("address: only with executor 'ray'")
+    return stem_for(sweep, out, tag)
+
+
 def plan(sweep: Sweep | str, values: Mapping[str, Any] | None = None) -> tuple[Sweep, list[dict]]:
     """The sweep and its points, every value checked (nothing has run)."""
     sweep = get(sweep) if isinstance(sweep, str) else sweep
@@ -63,13 +78,7 @@ def run(sweep: Sweep | str, values: Mapping[str, Any] | None = None, *, executor
     else:
         sweep = get(sweep) if isinstance(sweep, str) else sweep
         points = [grid.points(grid.check_values(sweep, {k: [v] for k, v in p.items()}))[0] for p in points]
-    if executor not in executors.EXECUTORS:
-        raise ValueError(f"executor: expected one of {', '.join(executors.EXECUTORS)}, got {executor!r}")
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
-    if address is not None and executor != "ray":
-        raise ValueError("address: only with executor 'ray'")
-    stem = stem_for(sweep, out, tag)
+    stem = check_options(sweep, executor, workers, address, out, tag)
     gpu = [bool(sweep.needs_gpu(p)) for p in points]
     if executor == "ray":
         missing = executors.ray_available()

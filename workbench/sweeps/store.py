@@ -76,27 +76,35 @@ class Journal:
             return f.read(1) == b"\n"
 
 
+def tidy_records(json_path: Path, sweep) -> list[dict]:
+    """The journal records behind the tidy ``json_path`` of ``sweep`` (none when it is missing, another sweep's or
+    not a sweep file); a row without every parameter (an older version of the sweep) is left out: it runs again."""
+    from workbench.sweeps.grid import point_key
+
+    try:
+        doc = json.loads(Path(json_path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("meta", {}).get("sweep") != sweep.name:
+        return []
+    names = {p.name for p in sweep.params}
+    records = []
+    for r in doc.get("rows", []):
+        params = {k: v for k, v in r.items() if k in names}
+        if len(params) == len(names):
+            meta = {k: r[k] for k in META_KEYS if k in r}
+            row = {k: v for k, v in r.items() if k not in names and k not in META_KEYS and k != "sweep"}
+            records.append({"key": point_key(params), "sweep": sweep.name, "params": params, "row": row, "meta": meta})
+    return records
+
+
 def seed_from_tidy(journal: Journal, json_path: Path, sweep) -> int:
     """A journal with no file yet takes the rows of the tidy ``json_path`` beside it (a committed sweep: its journal
     is not committed), so that adding points to it keeps the points it has. Returns how many were taken."""
-    from workbench.sweeps.grid import point_key
-
-    if journal.path.exists() or not json_path.is_file():
+    if journal.path.exists():
         return 0
-    try:
-        doc = json.loads(json_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return 0
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or doc.get("meta", {}).get("sweep") != sweep.name:
-        return 0
-    names = {p.name for p in sweep.params}
-    for r in doc.get("rows", []):
-        params = {k: v for k, v in r.items() if k in names}
-        if len(params) != len(names):  # a row of an older version of the sweep: it runs again
-            continue
-        meta = {k: r[k] for k in META_KEYS if k in r}
-        row = {k: v for k, v in r.items() if k not in names and k not in META_KEYS and k != "sweep"}
-        journal.add({"key": point_key(params), "sweep": sweep.name, "params": params, "row": row, "meta": meta})
+    for record in tidy_records(json_path, sweep):
+        journal.add(record)
     return len(journal.records)
 
 
