@@ -49,27 +49,42 @@ def cmd_info(_args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_notebook(command: str, flag: str, path: Path):
+    """The notebook at ``path``, else None after one line naming the argument (not JSON, not a notebook)."""
+    import nbformat
+
+    try:
+        return nbformat.read(path, as_version=4)
+    except Exception as e:  # noqa: BLE001  (not JSON, not a notebook, unreadable: one message, no traceback)
+        print(f"{command}: argument {flag}: {path} is not a Jupyter notebook ({type(e).__name__})", file=sys.stderr)
+        return None
+
+
+def _out_dir(command: str, out) -> Path | None:
+    """``--out`` created and writable, else None after one line naming it."""
+    from workbench.bench.harness import ensure_writable_dir
+
+    try:
+        return ensure_writable_dir(out)
+    except ValueError as e:
+        print(f"{command}: argument --out: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_tour(args: argparse.Namespace) -> int:
     # UI-side libraries: imported here so the core never needs them.
     import nbformat
     from nbclient import NotebookClient
 
-    from workbench.bench.harness import ensure_writable_dir
     from workbench.report import CellProgress, offline_html
 
     src = Path(args.notebook)
     if not src.is_file():
         print(f"tour: argument --notebook: notebook not found: {src}", file=sys.stderr)
         return 2
-    try:
-        nb = nbformat.read(src, as_version=4)
-    except Exception as e:  # noqa: BLE001  (not JSON, not a notebook, unreadable: one message, no traceback)
-        print(f"tour: argument --notebook: {src} is not a Jupyter notebook ({type(e).__name__})", file=sys.stderr)
-        return 2
-    try:  # before the notebook runs, not after
-        out_dir = ensure_writable_dir(args.out)
-    except ValueError as e:
-        print(f"tour: argument --out: {e}", file=sys.stderr)
+    nb = _read_notebook("tour", "--notebook", src)
+    out_dir = None if nb is None else _out_dir("tour", args.out)  # before the notebook runs, not after
+    if out_dir is None:
         return 2
     print(f"executing {src} ...", flush=True)
     # no widget state: it holds each view's plotly.js (5 MB) and no viewer without a kernel can use it
@@ -107,11 +122,7 @@ def notebook_paths(specs: list[str] | None) -> list[Path]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    # UI-side libraries: imported here so the core never needs them.
-    import nbformat
-
-    from workbench.bench.harness import ensure_writable_dir
-    from workbench.site import build_site
+    from workbench.site import build_site  # UI-side libraries (nbclient, plotly): imported here, not by the core
 
     try:
         paths = notebook_paths(args.notebooks)
@@ -121,17 +132,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not paths:
         print(f"report: argument --notebooks: no notebooks in {ROOT / 'notebooks'}", file=sys.stderr)
         return 2
-    for path in paths:
-        try:
-            nbformat.read(path, as_version=4)
-        except Exception as e:  # noqa: BLE001  (not JSON, not a notebook, unreadable: one message, no traceback)
-            print(f"report: argument --notebooks: {path} is not a Jupyter notebook ({type(e).__name__})",
-                  file=sys.stderr)
-            return 2
-    try:  # before the notebooks run, not after
-        out_dir = ensure_writable_dir(args.out)
-    except ValueError as e:
-        print(f"report: argument --out: {e}", file=sys.stderr)
+    if any(_read_notebook("report", "--notebooks", path) is None for path in paths):
+        return 2
+    out_dir = _out_dir("report", args.out)  # before the notebooks run, not after
+    if out_dir is None:
         return 2
     sizes = "full sizes (WORKBENCH_SMOKE=0)" if args.full else "smoke sizes (WORKBENCH_SMOKE=1; --full for full sizes)"
     print(f"executing {len(paths)} notebooks at {sizes} ...", flush=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workbench.model.inspect import Recorded, record
+from workbench.model.inspect import Recorded, common_prefix, record
 
 
 def compare_greedy(ref_tokens: Sequence[int], ref_logprobs: Sequence[float], tokens: Sequence[int],
@@ -21,11 +21,7 @@ def compare_greedy(ref_tokens: Sequence[int], ref_logprobs: Sequence[float], tok
     if len(ref_tokens) != len(ref_logprobs) or len(tokens) != len(logprobs):
         raise ValueError(f"each run needs one log-prob per token, got {len(ref_tokens)} tokens / "
                          f"{len(ref_logprobs)} log-probs and {len(tokens)} / {len(logprobs)}")
-    equal = 0
-    for a, b in zip(ref_tokens, tokens, strict=False):
-        if int(a) != int(b):
-            break
-        equal += 1
+    equal = common_prefix([int(t) for t in ref_tokens], [int(t) for t in tokens])
     n = min(len(ref_tokens), len(tokens))
     drift = [float(logprobs[i]) - float(ref_logprobs[i]) for i in range(equal)]
     return {"equal": equal, "first_divergence": None if equal == n and len(ref_tokens) == len(tokens) else equal,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import ipywidgets as W
 
 from workbench.bench import tier_results as measured
+from workbench.sim.preemption_cost import BLOCK_SIZES  # the block sizes of vLLM's Figure 19(a)
 from workbench.tiers import access
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import strategies as prefetch_strategies
@@ -159,9 +160,6 @@ def prefetch_panel(prompt_tokens: int = 2048, steps: int = 128, block_size: int 
 
     return Panel(controls, compute, lambda r: tier_figures.prefetch_overview(**r), enabled={
         "depth": lambda pattern, **_: pattern in ("topk", "capture")})
-
-
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def preemption_panel(link: LinkModel | None = None, block_sizes: Sequence[int] = BLOCK_SIZES,

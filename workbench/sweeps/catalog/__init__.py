@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens a block: the panels' block-size choices
+
 
 @contextmanager
 def one_thread() -> Iterator[None]:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from workbench import spec as model_spec
+from workbench.sweeps.catalog import BLOCK_SIZES
 from workbench.sweeps.spec import Param, Sweep, register
-
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_requests: int, seed: int) -> dict:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import functools
 import math
 
+from workbench.sweeps.catalog import BLOCK_SIZES
 from workbench.sweeps.spec import Param, Sweep, register
 
 # workbench.bench.workloads.WORKLOADS, decode.DTYPES and decode.PEERS (not imported here: they import torch)
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
 KV_DTYPES = ("fp16", "bf16", "fp8_e4m3")
 BASELINES = ("sdpa_contiguous", "gather_sdpa", "flex_paged", "none")
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEVICE = "cuda"
 SHORT = {"BLOCK_N": "BLOCK_N", "num_splits": "splits", "num_warps": "warps", "num_stages": "stages"}  # variant names
 

@@ -6,6 +6,7 @@ DESIGN.md figures (``LinkModel.default()``); both are fixed files or constants, 
 from __future__ import annotations
 
 from workbench import spec as model_spec
+from workbench.sweeps.catalog import BLOCK_SIZES
 from workbench.sweeps.spec import Param, Sweep, register
 
 LINKS = ("latest", "default")
@@ -13,7 +14,6 @@ LINKS = ("latest", "default")
 CAPTURES = ("chat_question", "code", "prose", "numbers", "chat_instructions")
 CAPTURE_LAYERS = (0, 6, 12, 18, 24, 29)
 STRATEGIES = ("none", "sequential", "window", "hot_lru", "hot_lfu", "score")
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def _link(link: str):
