@@ -206,6 +206,24 @@ def test_generation_panel_runs_on_generate_and_replays_snapshots(model, ui):
     assert "p1 s2" in p.texts.value and p.status.value == ""
 
 
+def test_generation_panel_reset_shows_its_first_run_and_every_sequences_text(model, ui):
+    """A check cell that pressed Generate with other settings leaves the panel on its first run once it resets (06
+    showed the check's 3 samples at temperature 0 after Run All); the text of every sequence is shown, none hidden in
+    an inner scroll box (4 of 6 sequences showed)."""
+    mp, figure_json = ui
+    p = mp.generation_panel(model, FakeTokenizer(), prompt="ab\ncd", max_new_tokens=2, n=2, temperature=0.8)
+    first, built, figure = p.recorded, p.values(), figure_json(p.figure)
+    p.controls["n"].value, p.controls["temperature"].value = 3, 0.0
+    p.button.click()
+    assert all(f"p{i} s{j}" in p.texts.value for i in (0, 1) for j in range(3))  # six sequences, all in the text
+    p.controls["step"].value, p.controls["colour"].value = 1, "refs"
+    assert p.texts.layout.max_height is None and p.texts.layout.overflow in (None, "visible")
+    p.reset()
+    assert p.values() == built and p.recorded is first and p.pending() == "" and p.runs == 1
+    assert p.controls["step"].max == len(first.snapshots) - 1 and figure_json(p.figure) == figure
+    assert p.view.figure == figure and "p1 s1" in p.texts.value and "p1 s2" not in p.texts.value
+
+
 def test_generation_panel_says_why_it_cannot_run(model, ui):
     mp, _ = ui
     p = mp.generation_panel(model, FakeTokenizer(), prompt="ab", max_new_tokens=2, n=1)

@@ -240,10 +240,11 @@ def test_sweep_panel_of_one_varying_parameter_offers_no_colour_and_holds_nothing
                      progress=False)
     panel = sweep_panels.sweep_panel(one.json_path)
     assert list(panel.controls) == ["source", "y", "x", "color"]  # no at_layout: layout is always on x
-    assert list(panel.controls["x"].options) == ["layout"] and list(panel.controls["color"].options) == [view.NO_COLOR]
+    values = {name: [v for _, v in panel.controls[name].options] for name in ("x", "color")}  # (label, column)
+    assert values == {"x": ["layout"], "color": [view.NO_COLOR]}
     assert [list(d.x) for d in panel.figure.data] == [["nhd", "vllm"]]
     two = runner.run("coalescing", {"layout": ["nhd", "vllm"], "kind": ["k", "v"], "block_size": [16]},
                      out=tmp_path / "two", progress=False)
     panel = sweep_panels.sweep_panel(two.json_path)
     assert {"at_layout", "at_kind"} <= set(panel.controls)
-    assert list(panel.controls["color"].options) == [view.NO_COLOR, "layout", "kind"]
+    assert [v for _, v in panel.controls["color"].options] == [view.NO_COLOR, "layout", "kind"]

@@ -107,3 +107,84 @@ def test_plot_view_module_carries_plotly_once_and_the_view():
     assert "Plotly.react" in module and "ResizeObserver" in module
     view = PlotView(go.Figure(go.Scatter(y=[3, 1, 2])))
     assert view.figure["data"][0]["y"] == [3, 1, 2]
+
+
+# ---- after Run All a panel shows its parameters cell's settings (issue 30, item 8) ------------------------------
+def _moves(panel):
+    """Every (control, value) a check cell could set: each option of a dropdown or toggle, a slider's range."""
+    import panel_controls
+
+    def values(c):
+        if isinstance(c, W.Checkbox):
+            return [True, False]
+        return [c.min, c.max] if isinstance(c, W.FloatSlider) else panel_controls.control_values(c)
+
+    return [(name, v) for name, c in panel.controls.items() for v in values(c)]
+
+
+@pytest.mark.parametrize("name", ALL_PANELS)
+def test_reset_puts_every_control_and_the_figure_back_after_random_moves(name):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    panel = ALL_PANELS[name]()
+    built, figure = dict(panel.values()), figure_json(panel.figure)
+    assert panel.initial == built
+    moves = _moves(panel)
+
+    @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.sampled_from(moves), min_size=1, max_size=4))
+    def check(seq):
+        for control, value in seq:
+            panel.controls[control].value = value
+        panel.reset()
+        assert panel.values() == built and panel.status.value == ""
+        assert figure_json(panel.figure) == figure and panel.view.figure == figure  # one redraw, the page's too
+
+    check()
+
+
+def test_reset_redraws_once_and_restores_a_subclass_state():
+    draws = []
+
+    class Counting(panels.Panel):
+        def _restore(self):
+            self.restored = True
+
+    sliders = {n: W.IntSlider(value=1, min=0, max=5) for n in "ab"}
+    panel = Counting(sliders, lambda a, b: (a, b), lambda r: draws.append(r) or go.Figure(go.Bar(y=list(r))))
+    sliders["a"].value, sliders["b"].value = 4, 5
+    draws.clear()
+    panel.reset()
+    assert draws == [(1, 1)] and panel.restored and panel.values() == {"a": 1, "b": 1}
+
+
+def _check_cells():
+    """(notebook, cell index, source) of every code cell that moves a panel's controls or presses its button."""
+    import re
+    from pathlib import Path
+
+    import nbformat
+
+    for path in sorted((Path(__file__).parents[1] / "notebooks").glob("[0-9]*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code" and re.search(r"\w+\.(controls\[[^]]+\]\.value\s*=|button\.click\()",
+                                                      cell.source.replace(", ", ",")):
+                yield path.stem, i, cell.source
+
+
+def test_every_check_cell_that_moves_a_panel_ends_by_resetting_it():
+    """A check cell that moved a panel's controls and left them there made Run All show the check's last state
+    (06: 3 samples at temperature 0, K/V layer 3 instead of KV_LAYER; 08: MHA at a 128-token prefix): each panel it
+    moves is reset after its last move."""
+    import re
+
+    cells = list(_check_cells())
+    assert len(cells) >= 20  # every notebook has such cells
+    for stem, i, source in cells:
+        lines = source.splitlines()
+        moved = set(re.findall(r"(\w+)\.controls\[", source)) | set(re.findall(r"(\w+)\.button\.click", source))
+        for name in moved:
+            last_move = max(n for n, line in enumerate(lines) if re.search(rf"\b{name}\.(controls\[|button)", line))
+            resets = [n for n, line in enumerate(lines) if re.match(rf"{name}\.reset\(\)", line)]
+            assert resets and resets[-1] > last_move, f"{stem} cell {i}: {name} is moved and not reset after"

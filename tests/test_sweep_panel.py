@@ -73,7 +73,7 @@ def test_panel_draws_a_file_the_command_wrote_and_the_live_grid_alike(written, m
     assert panel.status.value == ""
     assert [(d.name, list(d.x), list(d.y)) for d in panel.figure.data] == from_file
     panel.controls["x"].value = "kind"  # categorical x: grouped bars, block size now held
-    assert panel.figure.data[0].type == "bar" and "block_size=16" in panel.figure.layout.title.text
+    assert panel.figure.data[0].type == "bar" and "block size = 16 tokens" in panel.figure.layout.title.text
     assert panel.controls["at_block_size"].disabled is False and panel.controls["at_kind"].disabled is True
     panel.controls["at_block_size"].value = 64
     y = [r["tile_line_eff"] for r in written.rows if r["block_size"] == 64 and r["layout"] == "nhd"]
@@ -106,9 +106,9 @@ def test_a_held_value_only_another_file_has_empties_the_plot_and_says_so(written
     panel = sweep_panels.sweep_panel("coalescing")
     assert panel.controls["source"].value == str(written.json_path)  # the untagged file first
     panel.controls["at_pad"].value = 8  # only the pads file has it
-    assert panel.figure.data == () and "no points at pad=8" in panel.figure.layout.title.text
+    assert panel.figure.data == () and "no points at block stride padding = 8" in panel.figure.layout.title.text
     panel.controls["source"].value = str(other.json_path)
-    assert len(panel.figure.data) == 1 and "pad=8" in panel.figure.layout.title.text
+    assert len(panel.figure.data) == 1 and "padding = 8 elements" in panel.figure.layout.title.text
 
 
 def test_the_first_plot_is_the_first_sources_and_a_live_grid_brings_its_own_axes(written, tmp_path, monkeypatch):
@@ -122,7 +122,7 @@ def test_the_first_plot_is_the_first_sources_and_a_live_grid_brings_its_own_axes
     monkeypatch.setattr(store, "OUT", tmp_path / "none")
     assert sweep_panels.sweep_panel(written.json_path).figure.to_json() == with_extra  # it adds options only
     live = sweep_panels.sweep_panel(written.json_path, live={"pad": [0, 8, 32], "layout": "vllm"})  # a scalar: one
-    assert "pad" in live.controls["x"].options
+    assert "pad" in [value for _, value in live.controls["x"].options]
     live.controls["source"].value = sweep_panels.LIVE
     live.controls["x"].value = "pad"
     assert [list(d.x) for d in live.figure.data] == [[0, 8, 32]] * len(live.figure.data) and live.status.value == ""
@@ -130,3 +130,131 @@ def test_the_first_plot_is_the_first_sources_and_a_live_grid_brings_its_own_axes
         sweep_panels.sweep_panel("coalescing", live=[1, 2])
     with pytest.raises(ValueError, match="name_or_path: expected a sweep's name"):
         sweep_panels.sweep_panel(3)
+
+
+# ---- what a user reads off a sweep panel (issue 30, item 8) --------------------------------------------------------
+SNAKE = r"^[A-Za-z0-9]+(_[A-Za-z0-9]+)+$"  # a bare column name, as the axes read before
+
+
+def test_every_sweep_labels_its_parameters_and_columns_in_one_table():
+    """One table beside each sweep's parameters labels every parameter, every plotted column and every numeric
+    column of its committed files: no axis falls back to a column's name."""
+    for name in sweeps.names():
+        s = sweeps.get(name)
+        cols = [p.name for p in s.params] + list(s.y)
+        for path in store.files(name):
+            cols += view.numeric_columns(store.load(path).rows, s)
+        missing = [c for c in dict.fromkeys(cols) if s.column(c) is None]
+        assert not missing, f"sweep {name}: no label for {missing}"
+        for c in dict.fromkeys(cols):
+            col = s.column(c)
+            assert col.label and not __import__("re").match(SNAKE, col.label) and col.scale > 0, (name, c, col)
+
+
+def _sweep_panels():
+    from workbench.ui import sweep_panels
+
+    return {name: sweep_panels.sweep_panel(name) for name in sweeps.names() if store.files(name)}
+
+
+def test_no_axis_title_is_a_bare_column_name_and_the_y_range_fits_the_data():
+    """Every committed sweep, every column on y: the axes read labels and units; the y range holds every value, from
+    0 for a column with no negative value (a constant series sat on a -1..1 axis: a negative time)."""
+    import re
+
+    for name, panel in _sweep_panels().items():
+        for _, y in panel.controls["y"].options:
+            panel.controls["y"].value = y
+            lay = panel.figure.layout
+            for title in (lay.xaxis.title.text, lay.yaxis.title.text, lay.title.text.split("<br>")[0]):
+                assert title and not re.match(SNAKE, title), (name, y, title)
+                assert "_" not in y or y not in title, (name, y, title)  # no column name inside a title
+            ys = [v for d in panel.figure.data for v in d.y if v is not None and math.isfinite(v)]
+            if ys and lay.yaxis.range is not None:
+                lo, hi = lay.yaxis.range
+                assert lo <= min(ys) and max(ys) <= hi, (name, y, lay.yaxis.range)
+                assert lo >= 0 or min(ys) < 0 or lay.yaxis.ticktext, (name, y, lay.yaxis.range)  # yes/no: -0.3
+        panel.reset()
+
+
+def test_value_range_covers_the_values_from_zero_when_none_is_negative():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.one_of(st.floats(-1e6, 1e6), st.just(float("nan"))), max_size=8))
+    def check(values):
+        r = view.value_range(values)
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            assert r is None
+            return
+        lo, hi = r
+        assert lo <= min(finite) and max(finite) <= hi and hi > lo
+        assert (lo == 0) == (min(finite) >= 0)
+
+    check()
+    assert view.value_range([0.02, 0.02, 0.02]) == [0.0, pytest.approx(0.0216)]  # a constant: from 0, not -1..1
+    assert view.value_range([True, False], yes_no=True) == [-0.3, 1.3]
+
+
+def test_a_yes_no_column_is_markers_with_yes_no_ticks_not_a_line():
+    from workbench.ui import sweep_panels
+
+    panel = sweep_panels.sweep_panel("forks")  # 08's forks sweep: in_paper_range drew lines through 0.5
+    panel.controls["y"].value = "in_paper_range"
+    lay = panel.figure.layout
+    assert all(d.mode == "markers" for d in panel.figure.data) and lay.scattermode == "group"
+    assert list(lay.yaxis.tickvals) == [0, 1] and list(lay.yaxis.ticktext) == ["no", "yes"]
+    assert lay.xaxis.type == "category" and set(v for d in panel.figure.data for v in d.y) <= {0.0, 1.0}
+
+
+def test_series_that_coincide_stay_distinguishable():
+    """03: fp8_e4m3's bytes per token (384) hid under int8's: each series has its own marker and dash, and one that
+    repeats another says so in the legend."""
+    from workbench.ui import sweep_panels
+
+    panel = sweep_panels.sweep_panel("quant")
+    panel.controls["y"].value = "bytes_per_token"
+    data = {d.name: d for d in panel.figure.data}
+    assert "int8 (same as fp8_e4m3)" in data and list(data["fp8_e4m3"].y) == list(data["int8 (same as fp8_e4m3)"].y)
+    assert len({d.marker.symbol for d in data.values()}) == len(data) == len({d.line.dash for d in data.values()})
+    assert data["fp8_e4m3"].marker.size > data["int8 (same as fp8_e4m3)"].marker.size  # the one under shows round
+
+
+def test_duplicates_name_the_first_series_each_repeats():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=3), min_size=1, max_size=6))
+    def check(ys):
+        series = {f"s{i}": [(x, float(y)) for x, y in enumerate(pts)] for i, pts in enumerate(ys)}
+        v = view.View("quant", "outlier", "attn_err", "family", series)
+        same = v.duplicates()
+        for key, first in same.items():
+            assert series[key] == series[first] and list(series).index(first) < list(series).index(key)
+            assert first not in same
+        kept = [k for k in series if k not in same]
+        assert len({tuple(series[k]) for k in kept}) == len(kept)
+
+    check()
+
+
+def test_a_sweep_shows_its_times_in_its_panels_unit():
+    """05: the preemption panel draws milliseconds, its sweep drew seconds: the sweep's column table scales to ms,
+    so the two plots give the same numbers on the same axis unit."""
+    from workbench.sim.preemption_cost import BLOCK_SIZES
+    from workbench.ui import sweep_panels, tier_panels
+    from workbench.ui.tier_panels import preemption_panel
+
+    sweep = sweep_panels.sweep_panel("preemption")
+    sweep.controls["color"].value = view.NO_COLOR
+    sweep.controls["at_copies"].value = "layer"
+    assert "(ms)" in sweep.figure.layout.yaxis.title.text
+    panel = preemption_panel(block_sizes=BLOCK_SIZES)
+    assert "(ms)" in panel.figure.layout.yaxis.title.text
+    drawn = dict(zip(sweep.figure.data[0].x, sweep.figure.data[0].y, strict=True))
+    ref = dict(zip(panel.figure.data[0].x, panel.figure.data[0].y, strict=True))  # swap, block by block
+    assert drawn.keys() <= ref.keys() and all(drawn[b] == pytest.approx(ref[b]) for b in drawn)
+    assert tier_panels  # the panel and the sweep read the same committed link

@@ -7,6 +7,7 @@ by :mod:`workbench.sweeps.catalog` on first use, so importing this module costs 
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -82,10 +83,27 @@ class Param:
 
 
 @dataclass(frozen=True)
+class Column:
+    """How a column (a parameter or a result) reads on an axis: ``label`` in words, ``unit`` ("" for a count, a
+    ratio or a share) and ``scale``, the factor from the stored value to the unit (seconds stored, ms shown: 1e3).
+    A sweep's panel shows ``value * scale`` under ``title()``, so a sweep and its notebook panel agree on units."""
+
+    label: str
+    unit: str = ""
+    scale: float = 1.0
+
+    def title(self) -> str:
+        return f"{self.label} ({self.unit})" if self.unit else self.label
+
+
+@dataclass(frozen=True)
 class Sweep:
     """A named sweep: ``point(**params) -> dict`` of numbers (one tidy row per point, the parameters are added
     by the runner). ``needs_gpu(params)`` says whether a point needs a GPU (a Ray task then asks for one);
-    ``notebook`` and ``panel`` name where it is plotted; ``x``/``y``/``color`` are the panel's default axes."""
+    ``notebook`` and ``panel`` name where it is plotted; ``x``/``y``/``color`` are the panel's default axes.
+    ``columns`` labels every parameter and result column (name -> :class:`Column` or ``(label, unit[, scale])``;
+    a name with ``*`` matches a family of columns, ``{}`` in its label taking the matched part): what the panel
+    writes on its axes instead of the column's name."""
 
     name: str
     description: str
@@ -97,8 +115,11 @@ class Sweep:
     x: str | None = None
     color: str | None = None
     needs_gpu: Callable[[Mapping[str, Any]], bool] = field(default=lambda _params: False)
+    columns: Mapping[str, Column | tuple] = field(default_factory=dict)
 
     def __post_init__(self):
+        object.__setattr__(self, "columns", {k: c if isinstance(c, Column) else Column(*c)
+                                             for k, c in self.columns.items()})
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError(f"sweep {self.name!r}: parameter names repeat: {names}")
@@ -116,6 +137,18 @@ class Sweep:
                 return p
         raise ValueError(f"sweep {self.name!r} has no parameter {name!r}; its parameters: "
                          f"{', '.join(p.name for p in self.params)}")
+
+    def column(self, name: str) -> Column | None:
+        """The label and unit of column ``name`` (exact, else the first ``*`` pattern that matches), None if the
+        sweep's table has none."""
+        if name in self.columns:
+            return self.columns[name]
+        for pattern, c in self.columns.items():
+            if "*" in pattern and fnmatch.fnmatchcase(name, pattern):
+                head, _, tail = pattern.partition("*")
+                part = name[len(head): len(name) - len(tail)]
+                return Column(c.label.replace("{}", part), c.unit, c.scale)
+        return None
 
     def defaults(self) -> dict[str, Any]:
         return {p.name: p.default for p in self.params}

@@ -5,17 +5,46 @@ the two cannot be plotted differently.
     from workbench.sweeps import view
     v = view.select(rows, sweeps.get("quant"), x="outlier", y="attn_err", color="family")
     v.series  # {"int4": [(1, 0.12), (4, 0.13), ...], ...}
+    v.titles["y"]  # "attention-output error (relative, vs fp32)": the sweep's column table, never the bare name
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.sweeps.spec import Sweep, get
+from workbench.sweeps.spec import Column, Sweep, get
 
 NO_COLOR = "(none)"
+
+
+def column(sweep: Sweep, name: str) -> Column:
+    """``name``'s label and unit from the sweep's table; a column it lacks (a newer file's) reads as its words."""
+    return sweep.column(name) or Column(name.replace("_", " "))
+
+
+def shown_value(sweep: Sweep, name: str, value) -> str:
+    """A held parameter as a title says it: ``block size = 16 tokens``."""
+    c = column(sweep, name)
+    return f"{c.label} = {value}" + (f" {c.unit}" if c.unit and not isinstance(value, str) else "")
+
+
+def value_range(values: Sequence[float], yes_no: bool = False) -> list[float] | None:
+    """An axis range that fits ``values`` (non-finite ones left out): from 0 when none is negative (a constant or
+    non-negative quantity never gets a negative axis), padded by 8% of the span, or of the value when they are all
+    equal; ``[-0.3, 1.3]`` for yes/no. None when no value is finite."""
+    if yes_no:
+        return [-0.3, 1.3]
+    finite = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    if lo >= 0:
+        lo = 0.0
+    pad = 0.08 * (hi - lo) or 0.08 * abs(hi) or 1.0
+    return [lo if lo == 0 else lo - pad, hi + pad]
 
 
 def varying(rows: Sequence[Mapping], sweep: Sweep) -> dict[str, list]:
@@ -53,6 +82,8 @@ class View:
     held: dict[str, Any] = field(default_factory=dict)
     rows: int = 0
     absent: dict[str, Any] = field(default_factory=dict)  # held values asked for that no row has: nothing drawn
+    yes_no: bool = False  # y is a yes/no column (bools stored, drawn 0/1 with yes/no ticks)
+    titles: dict[str, str] = field(default_factory=dict)  # "x", "y", "color" and each held name -> its words
 
     @property
     def numeric_x(self) -> bool:
@@ -66,12 +97,28 @@ class View:
         return self.numeric_x and min(xs) > 0 and max(xs) / min(xs) >= 16
 
     def title(self) -> str:
+        """What the plot shows, in the sweep's words: ``y by x and colour``, and on a second line the held values
+        (or the held values no row has)."""
+        t = {"x": self.x, "y": self.y, "color": self.color, **self.titles}
         if self.absent:
-            absent = ", ".join(f"{k}={v}" for k, v in self.absent.items())
+            absent = ", ".join(t.get(f"={k}", f"{k}={v}") for k, v in self.absent.items())
             return f"{self.sweep}: no points at {absent} in these rows (another file may have them)"
-        held = ", ".join(f"{k}={v}" for k, v in self.held.items())
-        return f"{self.sweep}: {self.y} by {self.x}" + (f" and {self.color}" if self.color else "") + (
-            f" ({held})" if held else "")
+        held = ", ".join(t.get(f"={k}", f"{k}={v}") for k, v in self.held.items())
+        return f"{self.sweep}: {t['y']} by {t['x']}" + (f" and {t['color']}" if self.color else "") + (
+            f"<br>at {held}" if held else "")
+
+    def duplicates(self) -> dict[Any, Any]:
+        """Series whose points are another's, drawn over it: ``{key: the earlier key it repeats}`` (the figure
+        says so in the legend, so that no series hides unseen)."""
+        seen: dict[tuple, Any] = {}
+        out = {}
+        for key, pts in self.series.items():
+            sig = tuple(pts)
+            if sig in seen:
+                out[key] = seen[sig]
+            else:
+                seen[sig] = key
+        return out
 
 
 def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: str | None = None,
@@ -101,6 +148,7 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
     params = {p.name for p in sweep.params} - {x, color}
     absent = {k: v for k, v in held.items() if k in params and k in columns and all(r.get(k) != v for r in rows)}
     kept = [] if absent else [r for r in rows if all(r.get(k) == v for k, v in chosen.items())]
+    yes_no = bool(kept) and all(isinstance(r.get(y), bool) for r in kept)
     series: dict[Any, list] = {}
     for r in kept:
         series.setdefault(r.get(color) if color else y, []).append((r[x], _number(r[y])))
@@ -110,7 +158,11 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
     if color:
         order = varying(kept, sweep).get(color) or list(series)
         series = {k: series[k] for k in order if k in series}
-    return View(sweep.name, x, y, color, series, chosen, len(kept), absent)
+    titles = {"x": column(sweep, x).title(), "y": column(sweep, y).title()}
+    if color:
+        titles["color"] = column(sweep, color).label
+    titles.update({f"={k}": shown_value(sweep, k, v) for k, v in {**chosen, **absent}.items()})
+    return View(sweep.name, x, y, color, series, chosen, len(kept), absent, yes_no, titles)
 
 
 def _number(value) -> float:

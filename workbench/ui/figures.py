@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import textwrap
+
 import plotly.graph_objects as go
 
 BREAKDOWN_PARTS = ("token_states", "reservation", "internal_fragmentation")
 COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal_fragmentation": "#e76f51"}
+
+
+def wrap(text: str, chars: int) -> str:
+    """Plain ``text`` broken at word boundaries into lines of at most ``chars`` characters, joined by ``<br>``: a
+    plotly title does not wrap by itself, and a line wider than its figure is cut off at the edge."""
+    return "<br>".join(textwrap.wrap(text, chars, break_long_words=False, break_on_hyphens=False)) if text else ""
 
 
 def breakdown_bars(breakdowns: dict[str, dict[str, float]], unit: float = 2**30, unit_name: str = "GiB"):
@@ -127,9 +135,10 @@ def roofline(points, copy_gbps, peak_tflops=None):
     return fig
 
 
-def sweep_lines(rows, x, group, y="frac_copy_bw", model=None, x_title=None, model_title="model"):
+def sweep_lines(rows, x, group, y="frac_copy_bw", model=None, x_title=None, model_title="model", y_title=None):
     """One line per ``group`` value: ``y`` against ``x`` over sweep rows; ``model`` (a row key) adds the
-    coalescing model's prediction on a second axis titled ``model_title``."""
+    coalescing model's prediction on a second axis titled ``model_title``. The axes read ``x_title`` and ``y_title``
+    (default: the column's words, never its bare name)."""
     fig = go.Figure()
     for name in dict.fromkeys(r[group] for r in rows):
         rs = sorted((r for r in rows if r[group] == name), key=lambda r: r[x])
@@ -138,8 +147,9 @@ def sweep_lines(rows, x, group, y="frac_copy_bw", model=None, x_title=None, mode
             fig.add_scatter(x=[r[x] for r in rs], y=[r.get(model) for r in rs], mode="lines+markers", yaxis="y2",
                             name=f"{name}: {model_title}", line=dict(dash="dot"))
     xs = sorted({r[x] for r in rows})
-    fig.update_layout(xaxis=dict(title=x_title or x, type="category", categoryorder="array",
-                                 categoryarray=xs), yaxis=dict(title=y), height=360, margin=dict(t=30))
+    fig.update_layout(xaxis=dict(title=x_title or x.replace("_", " "), type="category", categoryorder="array",
+                                 categoryarray=xs), yaxis=dict(title=y_title or y.replace("_", " ")), height=360,
+                      margin=dict(t=30))
     if model:
         fig.update_layout(yaxis2=dict(title=model_title, overlaying="y", side="right", range=[0, 1.05]),
                           legend=dict(x=1.08))

@@ -79,8 +79,8 @@ class GenerationPanel(Panel):
                                tooltip="run the model with these settings", layout=W.Layout(width="140px"))
         self.button.on_click(lambda _b: self.generate())
         self.info = W.HTML()
-        # no side margin (it fits the panel); taller texts scroll
-        self.texts = W.HTML(layout=W.Layout(width="100%", margin="2px 0", max_height="110px", overflow="auto"))
+        # no side margin (it fits the panel); every sequence shown: an inner scroll box hid all but four
+        self.texts = W.HTML(layout=W.Layout(width="100%", margin="2px 0"))
         self._run({k: c.value for k, c in controls.items()})
         controls["step"].max = controls["step"].value = len(self.recorded.snapshots) - 1
         super().__init__(controls, self._compute, lambda r: model_figures.block_tables(**r), live=False)
@@ -88,7 +88,12 @@ class GenerationPanel(Panel):
         box = self.widget.children[0]
         row = W.HBox([self.button, self.info], layout=W.Layout(align_items="center", padding="2px 4px"))
         self.widget.children = (box, row, self.status, self.view, self.texts)
+        self._first = (self.recorded, self.run_values, self.runs)  # the run reset() shows again
         self._show_texts()
+
+    def _restore(self) -> None:
+        self.recorded, self.run_values, self.runs = self._first
+        self.controls["step"].max = len(self.recorded.snapshots) - 1
 
     # ---- runs ------------------------------------------------------------------------------------------------
     def prompts(self, text: str | None = None) -> list[list[int]]:
@@ -179,7 +184,7 @@ class GenerationPanel(Panel):
                 "setup": self._setup(values), "pending": self.pending(values)}
 
     def redraw(self) -> None:
-        if self._quiet:
+        if self._quiet or self._holding:
             return
         super().redraw()
         self._show_texts()

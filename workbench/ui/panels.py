@@ -4,7 +4,8 @@ A panel holds no logic of its own: on every change it calls ``compute`` (a funct
 ``draw`` (a figure builder in ``workbench.ui.figures``), keeps the result as ``panel.figure`` (a plain
 ``go.Figure``: what the browser shows, readable from Python) and sends it to its ``PlotView``. Setting
 ``panel.controls[name].value = x`` drives it without a browser (observers fire synchronously), which is how
-the notebooks test their panels under nbval; ``tests/browser`` moves the same controls in Chromium.
+the notebooks test their panels under nbval; ``tests/browser`` moves the same controls in Chromium. A check cell
+that moves them ends with ``panel.reset()``: after Run All every panel shows what its parameters cell set.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def arrange_controls(controls: dict[str, W.ValueWidget], live: bool = True) -> W
 class Panel:
     _ids = itertools.count()
     _live: weakref.WeakValueDictionary[int, Panel] = weakref.WeakValueDictionary()
+    _holding = False  # reset() sets every control before one redraw
 
     def __init__(self, controls: dict[str, W.ValueWidget], compute: Callable[..., Any],
                  draw: Callable[[Any], go.Figure], live: bool = True,
@@ -53,6 +55,7 @@ class Panel:
         self._enabled = enabled or {}
         self.compute = lambda: compute(**self.values())
         self._draw = draw
+        self.initial = self.values()  # what the panel was built with: reset() goes back to it
         self._update_enabled()
         self.figure: go.Figure = draw(self.compute())
         self.view = PlotView(self.figure)
@@ -78,7 +81,25 @@ class Panel:
         for name, rule in self._enabled.items():
             self.controls[name].disabled = not rule(**self.values())
 
+    def reset(self) -> None:
+        """Every control back to the value the panel was built with (the parameters cell's), then one redraw: how a
+        check cell that moved the controls leaves the panel, so that Run All shows the notebook's settings."""
+        self._holding = True
+        try:
+            self._restore()
+            for name, value in self.initial.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        self.redraw()
+
+    def _restore(self) -> None:
+        """A subclass's own state back to what it was built with (a panel that keeps a run: the run); before the
+        controls are set back."""
+
     def redraw(self) -> None:
+        if self._holding:
+            return
         self._update_enabled()
         try:
             fig = self._draw(self.compute())
@@ -202,10 +223,13 @@ def decode_results_panel(rows: list[dict]) -> Panel:
             return figures.decode_bars(data, graph=extra)
         if view == "roofline":
             return figures.roofline(data[0], data[1], results.H200_PEAK_TFLOPS_FP16)
+        y_title = f"fraction of the copy bandwidth ({'CUDA graph' if extra.endswith('_graph') else 'eager'})"
         if view == "layouts":
-            return figures.sweep_lines(data, "block_size", "series", y=extra, x_title="block size (tokens)")
+            return figures.sweep_lines(data, "block_size", "series", y=extra, x_title="block size (tokens)",
+                                       y_title=y_title)
         return figures.sweep_lines(data, "pad_bytes", "layout", y=extra, model="model_k_line_eff",
-                                   x_title="bytes added to the block stride", model_title="model: K tile line eff.")
+                                   x_title="bytes added to the block stride", model_title="model: K tile line eff.",
+                                   y_title=y_title)
 
     return Panel(controls, compute, draw)
 

@@ -15,10 +15,15 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from workbench.sweeps import runner, spec, store, view
+from workbench.ui.figures import wrap
 from workbench.ui.panels import Panel
 
 LIVE = "live"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8ab17d", "#9c6644", "#6d597a", "#f4a261", "#577590")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down", "pentagon")
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+# characters of a title line and of a smaller line under it before they wrap: a panel is ~850 px wide at 1280 px
+TITLE_CHARS, SOURCE_CHARS = 90, 130
 
 
 def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None
@@ -58,26 +63,54 @@ def _label(path: Path) -> str:
 
 
 def sweep_figure(v: view.View, source: str = "") -> go.Figure:
-    """Lines over a numeric x (log axis over a wide range), grouped bars over a categorical one."""
+    """Lines over a numeric x (log axis over a wide range), grouped bars over a categorical one, markers for a
+    yes/no column; axes in the sweep's labels and units (``Sweep.columns``, values times the unit's scale), the y
+    range from the data (from 0 when nothing is negative). Series that coincide keep apart: each has its own marker
+    and dash, and one that repeats another says so in the legend."""
+    sweep = spec.get(v.sweep)
+    scale = view.column(sweep, v.y).scale
+    same = v.duplicates()
     fig = go.Figure()
+    ys_all = []
     for i, (key, pts) in enumerate(v.series.items()):
-        name = f"{v.color}={key}" if v.color else v.y
+        name = str(key) if v.color else v.titles.get("y", v.y)
+        if key in same:
+            name += f" (same as {same[key]})"
         color = PALETTE[i % len(PALETTE)]
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        if v.numeric_x:
-            fig.add_scatter(x=xs, y=ys, name=name, mode="lines+markers", line_color=color)
+        xs, ys = [p[0] for p in pts], [p[1] * scale for p in pts]
+        ys_all += ys
+        marker = dict(color=color, symbol=SYMBOLS[i % len(SYMBOLS)], size=max(6, 14 - 3 * i),
+                      line=dict(color="white", width=1))
+        if v.yes_no:  # markers side by side in each category (scattermode group), never a line through 0.5
+            fig.add_scatter(x=[str(x) for x in xs], y=ys, name=name, mode="markers", marker={**marker, "size": 12})
+        elif v.numeric_x:
+            fig.add_scatter(x=xs, y=ys, name=name, mode="lines+markers", marker=marker,
+                            line=dict(color=color, dash=DASHES[i % len(DASHES)]))
         else:
             fig.add_bar(x=[str(x) for x in xs], y=ys, name=name, marker_color=color)
-    fig.update_layout(title=dict(text=v.title() + (f"<br><sup>{source}</sup>" if source else ""), font_size=14),
-                      xaxis_title=v.x, yaxis_title=v.y, height=400, margin=dict(t=70), barmode="group",
-                      legend_title_text=v.color or "")
+    head, _, held = v.title().partition("<br>")
+    below = "<br>".join(wrap(x, SOURCE_CHARS) for x in (held, source) if x)
+    fig.update_layout(title=dict(text=wrap(head, TITLE_CHARS) + (f"<br><sup>{below}</sup>" if below else ""),
+                                 font_size=14),
+                      xaxis_title=v.titles.get("x", v.x), yaxis_title=v.titles.get("y", v.y), height=420,
+                      margin=dict(t=100), barmode="group", legend_title_text=v.titles.get("color", ""))
+    fig.update_yaxes(range=view.value_range(ys_all, v.yes_no))
+    if v.yes_no:
+        fig.update_yaxes(tickvals=[0, 1], ticktext=["no", "yes"])
+        fig.update_layout(scattermode="group")
     if v.absent:
         fig.add_annotation(text="no points here: pick another value or another file under 'rows'", showarrow=False,
                            xref="paper", yref="paper", x=0.5, y=0.5, font_size=14)
-    if v.log_x:
+    if v.log_x and not v.yes_no:
         ticks = sorted({p[0] for pts in v.series.values() for p in pts})
         fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])  # 32768, not 32.768k
+    elif v.yes_no or not v.numeric_x:
+        fig.update_xaxes(type="category")
     return fig
+
+
+def _labelled(sweep: spec.Sweep, names) -> list[tuple[str, str]]:
+    return [(f"{view.column(sweep, n).label} [{n}]", n) for n in names]
 
 
 def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None) -> Panel:
@@ -114,14 +147,17 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
         # wide: its labels name the file, the points, the GPU and the commit
         "source": W.Dropdown(options=[(label, value) for value, label in sources.items()], description="rows",
                              layout=W.Layout(width="560px")),
-        "y": W.Dropdown(options=columns, value=sweep.y[0] if sweep.y[0] in columns else columns[0], description="y"),
-        "x": W.Dropdown(options=axes, value=x0, description="x"),
-        "color": W.Dropdown(options=[view.NO_COLOR, *held], value=c0, description="colour"),
+        # labelled as the axes are (the sweep's column table), the column name kept in brackets for code
+        "y": W.Dropdown(options=_labelled(sweep, columns), value=sweep.y[0] if sweep.y[0] in columns else columns[0],
+                        description="y"),
+        "x": W.Dropdown(options=_labelled(sweep, axes), value=x0, description="x"),
+        "color": W.Dropdown(options=[(view.NO_COLOR, view.NO_COLOR), *_labelled(sweep, held)], value=c0,
+                            description="colour"),
     }
     defaults = sweep.defaults()
     for name, values in held.items():
         controls[f"at_{name}"] = W.Dropdown(options=values, value=defaults[name] if defaults[name] in values
-                                            else values[0], description=name)
+                                            else values[0], description=view.column(sweep, name).label)
 
     def compute(source, y, x, color, **held):
         r = rows(source)

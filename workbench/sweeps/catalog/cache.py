@@ -24,6 +24,20 @@ def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_r
     return row
 
 
+# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column)
+MEMORY_COLUMNS = {
+    "model": ("model",), "kv_dtype": ("KV dtype",), "block_size": ("block size", "tokens"),
+    "max_len": ("maximum length", "tokens"), "num_requests": ("requests",), "seed": ("seed",),
+    "paged_token_share": ("paged: share of KV memory holding tokens",),
+    "contiguous_token_share": ("contiguous: share of KV memory holding tokens",),
+    "paged_gib": ("paged: KV memory", "GiB"), "contiguous_gib": ("contiguous: KV memory", "GiB"),
+    "saving": ("paged saves (share of contiguous memory)",),
+    "paged_internal_gib": ("paged: internal fragmentation", "GiB"),
+    "contiguous_internal_gib": ("contiguous: internal fragmentation", "GiB"),
+    "paged_reservation_gib": ("paged: reserved for future tokens", "GiB"),
+    "contiguous_reservation_gib": ("contiguous: reserved for future tokens", "GiB"),
+}
+
 register(Sweep(
     "memory", "contiguous reservation vs paged blocks: where a batch's KV memory goes", (
         Param("model", "str", "llama-7b", choices=tuple(sorted(model_spec.MODELS))),
@@ -33,7 +47,7 @@ register(Sweep(
         Param("num_requests", "int", 64, minimum=1, maximum=4096),
         Param("seed", "int", 0, minimum=0)),
     memory_point, notebook="00_tour", panel="memory_panel", x="block_size", color="max_len",
-    y=("paged_token_share", "contiguous_token_share", "paged_gib", "contiguous_gib", "saving")))
+    y=("paged_token_share", "contiguous_token_share", "paged_gib", "contiguous_gib", "saving"), columns=MEMORY_COLUMNS))
 
 
 def sharing_point(num_requests: int, system_len: int, samples: int, gen_len: int, block_size: int,
@@ -48,6 +62,15 @@ def sharing_point(num_requests: int, system_len: int, samples: int, gen_len: int
             "sequences": len(r.seq_ids)}
 
 
+SHARING_COLUMNS = {
+    "num_requests": ("requests",), "system_len": ("system prompt", "tokens"), "samples": ("samples per request",),
+    "gen_len": ("generated", "tokens"), "block_size": ("block size", "tokens"), "prefix_caching": ("prefix caching",),
+    "memory_saved": ("blocks saved by sharing (share)",), "blocks_used": ("blocks in use",),
+    "blocks_unshared": ("blocks without sharing",), "cow_copies": ("copy-on-write copies",),
+    "prefix_hits": ("blocks found in the prefix cache",), "tokens": ("token states, all sequences",),
+    "sequences": ("sequences",),
+}
+
 register(Sweep(
     "sharing", "a shared system prompt across requests that fork parallel samples: blocks saved", (
         Param("num_requests", "int", 4, minimum=1, maximum=256, grid=(1, 2, 4, 8, 12)),
@@ -57,7 +80,7 @@ register(Sweep(
         Param("block_size", "int", 16, choices=(1, 2, 4, 8, 16, 32, 64), grid=(4, 8, 16, 32)),
         Param("prefix_caching", "bool", True, grid=(True, False))),
     sharing_point, notebook="01_allocator_and_sharing", panel="sharing_panel", x="system_len", color="block_size",
-    y=("memory_saved", "blocks_used", "blocks_unshared", "cow_copies", "prefix_hits")))
+    y=("memory_saved", "blocks_used", "blocks_unshared", "cow_copies", "prefix_hits"), columns=SHARING_COLUMNS))
 
 
 def coalescing_point(layout: str, kind: str, block_size: int, head_dim: int, kv_dtype: str, pad: int, block_n: int,
@@ -70,6 +93,23 @@ def coalescing_point(layout: str, kind: str, block_size: int, head_dim: int, kv_
     return {k: v for k, v in row.items() if k not in ("layout", "kind", "block_size", "head_dim", "block_n")}
 
 
+COALESCING_COLUMNS = {
+    "layout": ("layout",), "kind": ("cache (K or V)",), "block_size": ("block size", "tokens"),
+    "head_dim": ("head dim", "elements"), "kv_dtype": ("element type",), "pad": ("block stride padding", "elements"),
+    "block_n": ("tile", "tokens"), "num_kv_heads": ("kv heads",),
+    "tile_line_eff": ("tile read: useful share of its 128-byte lines",),
+    "tile_sector_eff": ("tile read: useful share of its 32-byte sectors",),
+    "token_line_eff": ("token read: useful share of its 128-byte lines",),
+    "token_sector_eff": ("token read: useful share of its 32-byte sectors",),
+    "tile_lane_bytes": ("tile read: bytes a lane loads", "B"),
+    "token_lane_bytes": ("token read: bytes a lane loads", "B"),
+    "tile_lines_per_request": ("tile read: lines per warp request",), "tile_lines": ("tile read: 128-byte lines",),
+    "tile_sectors": ("tile read: 32-byte sectors",), "tile_requests": ("tile read: warp requests",),
+    "token_lines": ("token read: 128-byte lines",), "token_sectors": ("token read: 32-byte sectors",),
+    "elem_size": ("element size", "B"), "pad_bytes": ("block stride padding", "B"),
+    "aligned": ("block stride 128-byte aligned",),
+}
+
 register(Sweep(
     "coalescing", "128-byte lines and 32-byte sectors a warp's reads touch, by layout, block size and padding", (
         Param("layout", "str", "nhd", choices=("nhd", "hnd", "vllm"), grid=("nhd", "hnd", "vllm")),
@@ -81,7 +121,8 @@ register(Sweep(
         Param("block_n", "int", 64, choices=(1, 8, 16, 32, 64, 128), help="tokens per tile"),
         Param("num_kv_heads", "int", 8, minimum=1, maximum=128)),
     coalescing_point, notebook="02_layouts_and_kernels", panel="coalescing_panel", x="block_size", color="layout",
-    y=("tile_line_eff", "tile_sector_eff", "token_line_eff", "tile_lane_bytes", "tile_lines_per_request")))
+    y=("tile_line_eff", "tile_sector_eff", "token_line_eff", "tile_lane_bytes", "tile_lines_per_request"),
+    columns=COALESCING_COLUMNS))
 
 
 def fragmentation_point(trace: str, strategy: str, block_size: int, kv_gib: float, compact_every: int,
@@ -97,6 +138,21 @@ def fragmentation_point(trace: str, strategy: str, block_size: int, kv_gib: floa
     return row
 
 
+SHARE = "% of KV memory"  # the simulator's shares: percent of the KV budget
+FRAGMENTATION_COLUMNS = {
+    "trace": ("trace",), "strategy": ("strategy",), "block_size": ("block size", "tokens"),
+    "kv_gib": ("KV budget", "GiB"), "compact_every": ("compaction period (0: never)", "steps"),
+    "num_requests": ("requests",), "model": ("model",),
+    "share_token_states": ("token states", SHARE), "share_internal": ("internal fragmentation", SHARE),
+    "share_reservation": ("reservation", SHARE), "share_external": ("external fragmentation and free", SHARE),
+    "detail_token": ("detail: token states", SHARE), "detail_reservation": ("detail: reservation", SHARE),
+    "detail_internal": ("detail: internal fragmentation", SHARE), "detail_slack": ("detail: slack", SHARE),
+    "detail_external": ("detail: external fragmentation", SHARE), "detail_free": ("detail: free", SHARE),
+    "mean_batch": ("mean batch", "requests"), "throughput": ("throughput", "requests per step"),
+    "preemptions": ("preemptions",), "copied_tokens": ("tokens copied by compaction",), "steps": ("steps",),
+    "slots": ("KV slots", "tokens"),
+}
+
 register(Sweep(
     "fragmentation", "the serving simulator: where the memory goes per strategy and block size (vLLM Figure 2)", (
         Param("trace", "str", "sharegpt", choices=("sharegpt", "alpaca")),
@@ -109,4 +165,4 @@ register(Sweep(
         Param("model", "str", "llama-13b", choices=tuple(sorted(model_spec.MODELS)))),
     fragmentation_point, notebook="04_fragmentation_and_compaction", panel="fragmentation_panel", x="block_size",
     color="strategy", y=("share_token_states", "share_internal", "share_reservation", "share_external",
-                         "mean_batch", "throughput", "preemptions")))
+                         "mean_batch", "throughput", "preemptions"), columns=FRAGMENTATION_COLUMNS))

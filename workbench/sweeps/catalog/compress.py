@@ -54,6 +54,23 @@ def sparsification_point(policy: str, budget: float, window: int, sinks: int, bl
     return row
 
 
+ERR = "relative L2"
+# every column's label and unit on the panels' axes (workbench.sweeps.spec.Column)
+SPARSIFICATION_COLUMNS = {
+    "policy": ("policy",), "budget": ("budget (share of the prompt)",), "window": ("window", "tokens"),
+    "sinks": ("sink tokens",), "block_size": ("block size", "tokens"), "partial": ("partly dropped blocks",),
+    "prompt": ("prompt",), "layer": ("layer",),
+    "error": ("attention-output error, saved layers", ERR),
+    "layer_error": ("attention-output error, chosen layer", ERR),
+    "memory": ("memory kept (blocks held / full)",), "blocks_kept": ("blocks held",),
+    "attention_read": ("attention in the blocks read (share)",), "tokens": ("prompt", "tokens"),
+    "tokens_kept": ("tokens kept",), "chosen_tokens": ("tokens chosen",), "blocks_full": ("blocks of the full cache",),
+    "blocks_read": ("blocks read",), "freed": ("blocks freed",), "moved": ("tokens copied by compaction",),
+    "frees": ("frees real blocks",), "bytes_full": ("full cache", "KiB", 1 / 1024),
+    "bytes_kept": ("kept", "KiB", 1 / 1024), "held_out": ("queries scored as decode steps",),
+    "applied_budget": ("the policy's own budget",),
+}
+
 register(Sweep(
     "sparsification", "one sparsification policy on the real K/V: attention-output error against the blocks kept", (
         Param("policy", "str", "h2o", choices=POLICIES, grid=POLICIES),
@@ -67,7 +84,7 @@ register(Sweep(
         Param("prompt", "str", "chat_question", choices=PROMPTS),
         Param("layer", "int", 18, choices=LAYERS, help="the layer of layer_error and attention_read")),
     sparsification_point, notebook="07_compression", panel="sparsification_panel", x="budget", color="policy",
-    y=("error", "memory", "blocks_kept", "layer_error", "attention_read")))
+    y=("error", "memory", "blocks_kept", "layer_error", "attention_read"), columns=SPARSIFICATION_COLUMNS))
 
 
 def _quest_run(run: str) -> dict:
@@ -107,6 +124,19 @@ def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dic
     return row
 
 
+QUEST_COLUMNS = {
+    "page_size": ("page size", "tokens"), "share": ("page budget (share of the pages)",),
+    "batch": ("H200 run's batch",),
+    "quest_run": ("H200 run",), "recall": ("recall of the attention, one page set for all heads",),
+    "recall_per_head": ("recall, a page set per head",), "recall_oracle": ("recall of the best pages",),
+    "read": ("share of the keys read",), "pages": ("pages read",), "samples": ("(prompt, layer) samples",),
+    "speedup_graph": ("measured speedup over full decode, CUDA graph",),
+    "best_speedup_graph": ("best measured speedup, CUDA graph",), "speedup": ("measured speedup, eager",),
+    "bytes_ratio": ("bytes read: full / Quest",), "timed_page_size": ("timed page size", "tokens"),
+    "context": ("timed context", "tokens"), "timed_budget_tokens": ("timed budget", "tokens"),
+    "timed_share": ("timed budget (share)",), "best_budget_tokens": ("budget of the best speedup", "tokens"),
+}
+
 register(Sweep(
     "quest", "Quest's recall on the real activations by page size and budget, beside the H200's measured speedup", (
         Param("page_size", "int", 16, choices=QUEST_PAGE_SIZES, grid=QUEST_PAGE_SIZES),
@@ -116,4 +146,5 @@ register(Sweep(
         # not "run": every row is stamped with the sweep's run id under that name (store.META_KEYS)
         Param("quest_run", "str", "latest", help="latest, or a committed quest-*.json file name in data/results")),
     quest_point, notebook="07_compression", panel="quest_panel", x="share", color="page_size",
-    y=("recall", "recall_per_head", "recall_oracle", "read", "speedup_graph", "best_speedup_graph")))
+    y=("recall", "recall_per_head", "recall_oracle", "read", "speedup_graph", "best_speedup_graph"),
+    columns=QUEST_COLUMNS))

@@ -63,6 +63,17 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
     return row
 
 
+# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column); * : a storage format
+CONFORMANCE_COLUMNS = {
+    "impl": ("implementation",), "level": ("level",), "op": ("op",),
+    "pass_rate": ("cases passed (share)",), "cases": ("cases",), "passed_cases": ("cases passed",),
+    "failed_cases": ("cases failed",), "all_passed": ("every case passed",),
+    "worst_error": ("worst error (relative; write, copy: bytes that differ)",),
+    "worst_error_over_tol": ("worst error / its tolerance",), "non_finite_cases": ("cases with a non-finite output",),
+    "raised_cases": ("cases that raised",), "cases_*": ("cases, {}",), "failed_*": ("cases failed, {}",),
+    "worst_error_*": ("worst error, {} (-1: none finite)",),
+}
+
 register(Sweep(
     "conformance", "a registered kernel's conformance suite: cases passed and worst error against the tolerance", (
         Param("impl", "str", "reference", grid=BUILTIN,
@@ -71,4 +82,4 @@ register(Sweep(
                                                             "pair of axis values; full: for a GPU"),
         Param("op", "str", "decode", choices=OPS, help="the panel checks decode")),
     conformance_point, notebook="09_write_your_own_kernel", panel="conformance_panel", x="impl", color="level",
-    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol")))
+    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol"), columns=CONFORMANCE_COLUMNS))

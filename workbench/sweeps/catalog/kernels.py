@@ -107,6 +107,25 @@ def decode_point(workload: str, layout: str, block_size: int, kv_dtype: str, pad
                     baseline=baseline, rep_ms=rep_ms, graph=graph, seed=seed)
 
 
+# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column); x_*: a baseline's time / ours
+DECODE_COLUMNS = {
+    "workload": ("workload",), "layout": ("layout",), "block_size": ("block size", "tokens"),
+    "kv_dtype": ("KV dtype",), "pad": ("block stride padding", "elements"),
+    "block_n": ("tile (0: heuristic)", "tokens"),
+    "splits": ("KV splits (0: heuristic)",), "warps": ("warps (0: heuristic)",),
+    "stages": ("pipeline stages (0: heuristic)",), "baseline": ("baseline",), "rep_ms": ("time per measurement", "ms"),
+    "graph": ("CUDA graph timed",), "seed": ("seed",),
+    "frac_copy_bw": ("fraction of the copy bandwidth, eager",),
+    "frac_copy_bw_graph": ("fraction of the copy bandwidth, CUDA graph",), "time_us": ("time, eager", "µs"),
+    "time_us_graph": ("time, CUDA graph", "µs"), "x_baseline": ("baseline's time / ours",),
+    "x_*": ("{}'s time / ours",), "rel_err": ("error vs float32 (relative)",), "bytes": ("bytes moved", "MB", 1e-6),
+    "copy_gbps": ("copy bandwidth", "GB/s"), "gbps": ("bandwidth", "GB/s"), "BLOCK_N": ("tile used", "tokens"),
+    "num_splits": ("KV splits used",), "num_warps": ("warps used",), "num_stages": ("pipeline stages used",),
+    "use_dot": ("tensor-core dot",), "block_stride_pad": ("block stride padding", "elements"),
+    "baseline_time_us": ("baseline time, eager", "µs"), "baseline_time_us_graph": ("baseline time, CUDA graph", "µs"),
+    "baseline_rel_err": ("baseline error vs float32 (relative)",),
+}
+
 register(Sweep(
     "decode", "the paged decode kernel timed on a GPU against a baseline: fraction of copy bandwidth by layout", (
         Param("workload", "str", "W1", choices=WORKLOADS, help="docs/workloads.md (W1: 64 x 4k GQA)"),
@@ -124,4 +143,5 @@ register(Sweep(
         Param("seed", "int", 0, minimum=0, help="the cache's data and page permutation")),
     decode_point, notebook="02_layouts_and_kernels", panel="decode_results_panel", x="block_size", color="layout",
     y=("frac_copy_bw", "frac_copy_bw_graph", "time_us", "time_us_graph", "x_baseline", "rel_err"),
+    columns=DECODE_COLUMNS,
     needs_gpu=lambda p: True))

@@ -94,6 +94,20 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
             "ref_text": tok.decode(r["ref_tokens"]), "ops": ops, "note": r["note"]}
 
 
+# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column)
+AGREEMENT_COLUMNS = {
+    "scheme": ("KV scheme",), "prompt": ("prompt",), "new_tokens": ("new tokens",), "device": ("device",),
+    "equal_share": ("leading tokens equal to fp16's (share)",), "equal": ("leading tokens equal to fp16's",),
+    "first_divergence": ("first token that differs from fp16's",), "diverged": ("differs from fp16",),
+    "max_drift": ("largest log-prob drift before it", "nats"),
+    "mean_abs_drift": ("mean absolute log-prob drift", "nats"), "mean_drift": ("mean log-prob drift", "nats"),
+    "logprob_sum": ("log-prob of the tokens", "nats"), "ref_logprob_sum": ("fp16: log-prob of the tokens", "nats"),
+    "bytes_per_token": ("K+V of a token and layer", "B"),
+    "ref_bytes_per_token": ("fp16: K+V of a token and layer", "B"),
+    "bytes_ratio": ("bytes: scheme / fp16",), "prompt_tokens": ("prompt", "tokens"),
+    "quantized_tokens": ("tokens quantized",), "cached_tokens": ("tokens in the cache",),
+}
+
 register(Sweep(
     "agreement", "a quantized KV cache's greedy run on SmolLM2-135M against the fp16 cache's: tokens and log-probs", (
         Param("scheme", "str", "int4/token", choices=SCHEMES, grid=("fp8_e4m3/tensor", "int4/token", "int2/token"),
@@ -102,5 +116,5 @@ register(Sweep(
         Param("new_tokens", "int", 8, minimum=1, maximum=1024, help="greedy tokens of each run (the notebook: 48)"),
         Param("device", "str", "cpu", choices=("cpu", "cuda"), help="cuda: fp16 weights and the Triton kernels")),
     agreement_point, notebook="06_real_model", panel="agreement_panel", x="scheme", color="prompt",
-    y=("equal_share", "first_divergence", "max_drift", "mean_abs_drift", "bytes_ratio"),
+    y=("equal_share", "first_divergence", "max_drift", "mean_abs_drift", "bytes_ratio"), columns=AGREEMENT_COLUMNS,
     needs_gpu=lambda p: p["device"] == "cuda"))

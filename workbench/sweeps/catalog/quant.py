@@ -32,6 +32,21 @@ def quant_point(family: str, granularity: str, group: int, residual: int, key_mo
     return row
 
 
+ERR = "relative, vs fp32"
+# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column)
+QUANT_COLUMNS = {
+    "family": ("scheme family",), "granularity": ("scales (fp8, int8)",), "group": ("KIVI group", "tokens"),
+    "residual": ("fp16 residual", "tokens"), "key_mode": ("keys (int4, int2)",),
+    "outlier": ("key outlier channels", "x the others"), "num_layers": ("layers",), "num_tokens": ("tokens",),
+    "num_kv_heads": ("kv heads",), "head_dim": ("head dim", "elements"), "gqa_group": ("query heads per kv head",),
+    "num_queries": ("decode queries per layer",), "seed": ("seed",),
+    "attn_err": ("attention-output error", ERR), "attn_err_max": ("worst layer's attention-output error", ERR),
+    "k_err": ("key error", ERR), "v_err": ("value error", ERR), "topk": ("top-8 tokens still in the top 8 (share)",),
+    "bytes_per_token": ("K+V of a token and layer", "B"), "on_front": ("on the Pareto front",),
+    "front_size": ("schemes on the Pareto front",), "quantized_tokens": ("tokens quantized",),
+    "quantized": ("quantized (not a cast)",),
+}
+
 register(Sweep(
     "quant", "one K/V quantization scheme on synthetic K/V: bytes per token against key, value and attention error", (
         Param("family", "str", "int4", choices=FAMILIES, grid=("fp8_e4m3", "int8", "int4", "int2")),
@@ -49,4 +64,4 @@ register(Sweep(
         Param("num_queries", "int", 64, minimum=1, maximum=4096, help="decode queries per layer"),
         Param("seed", "int", 0, minimum=0)),
     quant_point, notebook="03_dtypes_and_quantization", panel="quant_panel", x="outlier", color="family",
-    y=("attn_err", "k_err", "v_err", "topk", "bytes_per_token", "on_front")))
+    y=("attn_err", "k_err", "v_err", "topk", "bytes_per_token", "on_front"), columns=QUANT_COLUMNS))

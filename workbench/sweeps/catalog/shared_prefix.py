@@ -46,6 +46,23 @@ def scenario_point(prefix: int, sharers: int, suffix: int, gqa: str, rows_per_ti
             "block_reads_cascade": sum(len(p["blocks"]) for p in cascade), "model_source": model.source}
 
 
+# every column's label and unit on the panels' axes (workbench.sweeps.spec.Column)
+STEP_MB = "MB a step, one layer"
+SCENARIO_COLUMNS = {
+    "prefix": ("shared prefix", "tokens"), "sharers": ("sequences sharing the prefix",),
+    "suffix": ("private suffix", "tokens"), "gqa": ("query / kv heads",), "rows_per_tile": ("tile rows",),
+    "groups": ("fork groups",), "timing": ("cost model timing",),
+    "predicted_speedup": ("predicted speedup of the cascade",), "plain_mb": ("plain decode reads", STEP_MB),
+    "cascade_mb": ("cascade reads", STEP_MB), "shared_mb": ("cascade: shared tiles read", STEP_MB),
+    "suffix_mb": ("cascade: suffixes read", STEP_MB), "plain_us": ("plain decode, predicted", "µs"),
+    "cascade_us": ("cascade, predicted", "µs"), "cascade_chosen": ("selector takes the cascade",),
+    "bytes_ratio": ("bytes read: plain / cascade",), "sequences": ("sequences",), "fork_groups": ("fork groups",),
+    "blocks": ("blocks",), "shared_runs": ("shared runs",), "segments": ("cascade segments",),
+    "programs_plain": ("programs, plain decode",), "programs_cascade": ("programs, cascade",),
+    "block_reads_plain": ("block reads, plain decode (one kv head)",),
+    "block_reads_cascade": ("block reads, cascade (one kv head)",),
+}
+
 register(Sweep(
     "scenario", "a shared-prefix batch: bytes and predicted time of plain decode and the cascade, and the pick", (
         Param("prefix", "int", 1024, choices=PREFIXES, grid=(128, 1024, 8192, 32768), help="shared prefix tokens"),
@@ -56,7 +73,8 @@ register(Sweep(
         Param("groups", "int", 1, choices=(1, 2, 4, 8), help="fork groups (at most sharers), each 256 tokens more"),
         Param("timing", "str", "graph", choices=("graph", "eager"), help="cost model fitted on CUDA graphs or eager")),
     scenario_point, notebook="08_shared_prefix", panel="scenario_panel", x="prefix", color="sharers",
-    y=("predicted_speedup", "plain_mb", "cascade_mb", "plain_us", "cascade_us", "cascade_chosen")))
+    y=("predicted_speedup", "plain_mb", "cascade_mb", "plain_us", "cascade_us", "cascade_chosen"),
+    columns=SCENARIO_COLUMNS))
 
 
 def forks_point(trace: str, mode: str, p_top: float, n: int, requests: int) -> dict:
@@ -71,6 +89,13 @@ def forks_point(trace: str, mode: str, p_top: float, n: int, requests: int) -> d
             "in_paper_range": low <= saving <= high}
 
 
+FORKS_COLUMNS = {
+    "trace": ("trace",), "mode": ("mode",), "p_top": ("beam: chance a child follows the best beam",),
+    "n": ("samples or beam width",), "requests": ("requests",),
+    "saving_pct": ("memory saved by sharing", "%"), "paper_low_pct": ("vLLM paper, low end", "%"),
+    "paper_high_pct": ("vLLM paper, high end", "%"), "in_paper_range": ("within the paper's range",),
+}
+
 register(Sweep(
     "forks", "memory saved by block sharing in parallel sampling and beam search, against the vLLM paper", (
         Param("trace", "str", "alpaca", choices=("alpaca", "sharegpt"), grid=("alpaca", "sharegpt")),
@@ -79,4 +104,4 @@ register(Sweep(
         Param("n", "int", 2, choices=WIDTHS, grid=WIDTHS, help="samples or beam width"),
         Param("requests", "int", 200, minimum=1, maximum=100000, help="the first requests of the trace")),
     forks_point, notebook="08_shared_prefix", panel="forks_panel", x="n", color="mode",
-    y=("saving_pct", "paper_low_pct", "paper_high_pct")))
+    y=("saving_pct", "paper_low_pct", "paper_high_pct"), columns=FORKS_COLUMNS))

@@ -53,6 +53,29 @@ def prefetch_point(pattern: str, strategy: str, device_blocks: int, host_blocks:
     return row
 
 
+MIB = 1 / 2**20
+# every column's label and unit on the panels' axes (workbench.sweeps.spec.Column): times in ms, as the panels show
+PREFETCH_COLUMNS = {
+    "pattern": ("attention pattern",), "strategy": ("prefetch strategy",), "device_blocks": ("device", "blocks"),
+    "host_blocks": ("host (0: every block)", "blocks"), "window": ("window", "tokens"),
+    "depth": ("prefetch depth", "blocks"), "compute_us": ("compute a step", "µs"), "path": ("copy path",),
+    "prompt_tokens": ("prompt", "tokens"), "steps": ("decode steps",), "block_size": ("block size", "tokens"),
+    "token_bytes": ("K+V of a token (one layer)", "B"), "topk": ("blocks read a step (top-k)",),
+    "drift": ("query drift a step",), "seed": ("seed",), "capture": ("captured prompt",),
+    "capture_layer": ("captured layer",), "capture_block_size": ("captured trace's block size", "tokens"),
+    "capture_topk": ("captured trace's top-k", "blocks"), "link": ("link model",),
+    "hit_rate": ("reads found on the device (share)",), "stall_s": ("stall", "ms", 1e3),
+    "demand_stall_s": ("stall on demand fetches", "ms", 1e3), "prefetch_stall_s": ("stall on prefetches", "ms", 1e3),
+    "total_s": ("run time", "ms", 1e3), "slowdown": ("run time / compute time",),
+    "prefetch_wasted": ("prefetched blocks never read",), "prefetched": ("blocks prefetched",),
+    "prefetch_used": ("prefetched blocks read",), "h2d_bytes": ("host to device", "MiB", MIB),
+    "d2h_bytes": ("device to host", "MiB", MIB), "disk_read_bytes": ("read from disk", "MiB", MIB),
+    "disk_write_bytes": ("written to disk", "MiB", MIB), "reads": ("block reads",),
+    "hits": ("reads found on the device",), "misses": ("reads missed",), "born": ("blocks born on the device",),
+    "trace_steps": ("steps replayed",), "final_blocks": ("blocks at the end",),
+    "reads_per_step": ("block reads a step",), "block_bytes": ("block", "KiB", 1 / 1024),
+}
+
 register(Sweep(
     "prefetch", "prefetch strategies on one sequence's decode over device, host and disk tiers: hit rate and stall", (
         Param("pattern", "str", "topk", choices=("full", "sliding_window", "topk", "capture"),
@@ -78,7 +101,8 @@ register(Sweep(
         Param("capture_topk", "int", 4, minimum=1, maximum=256),
         Param("link", "str", "latest", choices=LINKS, help="latest committed bench tiers run, or DESIGN.md")),
     prefetch_point, notebook="05_prefetch_and_tiers", panel="prefetch_panel", x="device_blocks", color="strategy",
-    y=("hit_rate", "stall_s", "slowdown", "demand_stall_s", "prefetch_stall_s", "prefetch_wasted", "h2d_bytes")))
+    y=("hit_rate", "stall_s", "slowdown", "demand_stall_s", "prefetch_stall_s", "prefetch_wasted", "h2d_bytes"),
+    columns=PREFETCH_COLUMNS))
 
 
 def preemption_point(model: str, copies: str, path: str, tokens: int, block_size: int, link: str) -> dict:
@@ -96,6 +120,18 @@ def preemption_point(model: str, copies: str, path: str, tokens: int, block_size
     return row
 
 
+PREEMPTION_COLUMNS = {
+    "model": ("model",), "copies": ("a block is copied",), "path": ("copy path",), "tokens": ("request", "tokens"),
+    "block_size": ("block size", "tokens"), "link": ("link model",),
+    "swap_per_block_s": ("swap out + in, copy by copy", "ms", 1e3),
+    "swap_batched_s": ("swap out + in, batched", "ms", 1e3), "recompute_s": ("recompute (prefill)", "ms", 1e3),
+    "per_block_vs_recompute": ("swap copy by copy / recompute",), "blocks": ("blocks",),
+    "block_bytes": ("block", "MiB", MIB), "transfer_bytes": ("one copy", "KiB", 1 / 1024),
+    "bytes_per_token": ("K+V of a token, all layers", "KiB", 1 / 1024), "transfers_per_block": ("copies per block",),
+    "prefill_tokens_per_s": ("prefill rate (assumed)", "tokens/s"),
+    "prefill_fixed_s": ("prefill fixed cost (assumed)", "ms", 1e3),
+}
+
 register(Sweep(
     "preemption", "swap (per block, batched) against recompute of a preempted request by block size (vLLM Fig. 19a)", (
         Param("model", "str", "llama-7b", choices=tuple(sorted(model_spec.MODELS))),
@@ -106,4 +142,4 @@ register(Sweep(
         Param("block_size", "int", 16, choices=BLOCK_SIZES, grid=BLOCK_SIZES),
         Param("link", "str", "latest", choices=LINKS, help="latest committed bench tiers run, or DESIGN.md")),
     preemption_point, notebook="05_prefetch_and_tiers", panel="preemption_panel", x="block_size", color="copies",
-    y=("swap_per_block_s", "swap_batched_s", "recompute_s", "per_block_vs_recompute")))
+    y=("swap_per_block_s", "swap_batched_s", "recompute_s", "per_block_vs_recompute"), columns=PREEMPTION_COLUMNS))
