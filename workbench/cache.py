@@ -153,8 +153,8 @@ class PagedKVCache:
         for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
             if static:
                 self.format.check_scale(name, sc, num_kv_heads)
-            if sc is not None and not (bool(torch.isfinite(sc).all()) and bool((sc > 0).all())):
-                raise ValueError(f"{name} must hold finite positive values, got {sc.tolist()}")
+            if sc is not None:
+                self.scheme.check_scale_values(name, sc)  # finite, > 0, a saturated code reads back finite
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)  # NaN/Inf the write kernels saw
         self._quantized: dict = {}  # seq_id -> tokens stored as codes (the rest is the fp16 residual)
         self._residual: dict = {}  # seq_id -> (k, v) [num_layers, n, heads, head_dim] fp16, the newest tokens
@@ -531,8 +531,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
             if self.head_dim > 1 and t.stride(3) != 1:
                 raise ValueError(f"{name} must have unit stride in head_dim (the last dim), got strides {t.stride()}")
-            if self.scheme.quantized and num_tokens:
-                quant.check_finite(name, t)  # the Python path refuses NaN/Inf before anything changes
+            if num_tokens:  # refuses what the scheme cannot store (NaN/Inf, beyond its range) before anything changes
+                self.scheme.check_input(name, t)
         if num_tokens:
             bs = self.pool_sizes[0]
             try:
@@ -577,7 +577,9 @@ class PagedKVCache:
         residual = None
         if self.scheme.packed:  # KIVI: the oldest whole groups go to the blocks, the newest tokens stay in fp16
             old = self._residual.get(seq)
-            new_k, new_v = k[:, first:].to(torch.float16), v[:, first:].to(torch.float16)
+            # the fp16 values, saturated at +-65504 (a plain cast made Inf, then NaN groups), as the residual holds
+            # them: a token is quantized from the same values whether it waited in the residual or not
+            new_k, new_v = quant.to_fp16(k[:, first:]), quant.to_fp16(v[:, first:])
             pend_k = torch.cat([old[0], new_k], 1) if old is not None else new_k  # tokens [done, total)
             pend_v = torch.cat([old[1], new_v], 1) if old is not None else new_v
             target = max(done, self.scheme.quantized_tokens(total))

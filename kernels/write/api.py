@@ -303,6 +303,8 @@ def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, 
     if validate and _check_slot_values(slot_mapping, num_blocks * block_size, k_cache):
         if scheme.packed and scheme.key_mode == "channel":
             check_group_slots(scheme, slot_mapping, block_size)
+        for name, t in (("key", key), ("value", value)):  # finite values the scheme cannot store (NaN is counted)
+            scheme.check_input(name, t, allow_nonfinite=True)
     write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, scheme, block_size, num_blocks, nonfinite,
                   validate, tokens_per_program, num_warps)
 

@@ -26,10 +26,15 @@ from .kernel import _quantize
 
 @triton.jit
 def _fp16_params(b_lo, b_hi, QMAX: tl.constexpr):
-    """Group scale and zero point, rounded to fp16 as they are stored (``workbench.quant.schemes``)."""
-    b_s = tl.math.div_rn(b_hi - b_lo, tl.full(b_hi.shape, QMAX, tl.float32)).to(tl.float16)
+    """Group scale and zero point, saturated and rounded to fp16 as they are stored (``workbench.quant.schemes``:
+    ``zero = clamp(lo, +-65504)``, ``scale = clamp((hi - zero) / QMAX, 0, 65504)``, 1 where 0); NaN stays NaN."""
+    b_z = tl.minimum(tl.maximum(b_lo, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
+                     propagate_nan=tl.PropagateNan.ALL)
+    b_s = tl.math.div_rn(b_hi - b_z, tl.full(b_hi.shape, QMAX, tl.float32))
+    b_s = tl.minimum(tl.maximum(b_s, 0.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
+                     propagate_nan=tl.PropagateNan.ALL).to(tl.float16)  # <= 0 becomes 1 below
     b_s = tl.where(b_s > 0, b_s, tl.full(b_s.shape, 1.0, tl.float16))
-    return b_s, b_lo.to(tl.float16)
+    return b_s, b_z.to(tl.float16)
 
 
 @triton.jit
@@ -91,14 +96,16 @@ def _write_dynamic_kernel(
     o_srow = i_blk * sc_blk + i_off * sc_tg  # [BLOCK_T] scale row of each token (token-group size 1)
     if MODE == 1:
         b_amax = tl.max(tl.abs(b_x), 1)  # [BLOCK_T]
-        b_s = tl.where(b_amax > 0, tl.math.div_rn(b_amax, tl.full(b_amax.shape, QMAX, tl.float32)), 1.0)
+        b_s = tl.math.div_rn(b_amax, tl.full(b_amax.shape, QMAX, tl.float32))
+        b_s = tl.where(b_s > 0, b_s, 1.0)  # amax == 0, or amax / QMAX underflowing: never a division by 0
         b_s = tl.where(b_amax == b_amax, b_s, b_amax)  # a NaN row keeps a NaN scale (counted above)
         b_q = _quantize(b_x, b_s[:, None], cache_ptr.dtype.element_ty, QUANT, QMIN, QMAX, MANT, EMIN, 0, SOFT)
         tl.store(p_sc + o_srow, b_s, mask=m_t)
     elif MODE == 2:
         b_lo = tl.min(tl.where(m, b_x, float("inf")), 1)
         b_hi = tl.max(tl.where(m, b_x, float("-inf")), 1)
-        b_s = tl.where(b_hi > b_lo, tl.math.div_rn(b_hi - b_lo, tl.full(b_hi.shape, QMAX, tl.float32)), 1.0)
+        b_s = tl.math.div_rn(b_hi - b_lo, tl.full(b_hi.shape, QMAX, tl.float32))
+        b_s = tl.where(b_s > 0, b_s, 1.0)  # a constant row or an underflow (NaN rows too: counted above)
         b_y = tl.math.div_rn(b_x - b_lo[:, None], b_s[:, None] + tl.zeros_like(b_x))
         b_q = _int_codes(b_y, QMAX).to(cache_ptr.dtype.element_ty)
         tl.store(p_sc + o_srow, b_s, mask=m_t)

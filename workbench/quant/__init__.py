@@ -9,7 +9,7 @@ The kernels (``workbench.kernels``) quantize on write and dequantize inside page
 from __future__ import annotations
 
 from .calibration import Calibrator
-from .schemes import NonFiniteError, Quantized, Scheme, check_finite, pack, unpack
+from .schemes import NonFiniteError, Quantized, Scheme, check_finite, pack, to_fp16, unpack
 
 
 def _registry() -> dict[str, Scheme]:
@@ -77,4 +77,4 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
 
 
 __all__ = ["ALIASES", "SCHEMES", "Calibrator", "NonFiniteError", "Quantized", "Scheme", "check_finite", "get", "pack",
-           "resolve", "unpack"]
+           "resolve", "to_fp16", "unpack"]

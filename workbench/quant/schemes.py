@@ -16,11 +16,19 @@ code) and the accounting (bytes per token, scales and zero points counted). The 
 
 Exact arithmetic (the kernels reproduce it bit for bit; all fp32, IEEE division):
 
-- symmetric: ``scale = amax / qmax`` (1 where ``amax == 0``); fp8 ``code = fp8(clamp(x / scale, -max, max))``
-  (vLLM's convention, saturating, round to nearest even); int ``code = round_half_even(clamp(x / scale, qmin, qmax))``.
-- asymmetric: ``scale = (max - min) / qmax`` (1 where ``max == min``), ``code = round_half_even(clamp((x - min)
-  / scale, 0, qmax))``, read back as ``code * scale + min``. Groups (KIVI) round ``scale`` and ``min`` to fp16
-  first and quantize with the rounded values (a zero fp16 scale becomes 1).
+- symmetric: ``scale = amax / qmax`` (1 where that is 0: ``amax == 0`` or an underflow); fp8
+  ``code = fp8(clamp(x / scale, -max, max))`` (vLLM's convention, saturating, round to nearest even); int
+  ``code = round_half_even(clamp(x / scale, qmin, qmax))``.
+- asymmetric: ``scale = (max - min) / qmax`` (1 where that is 0), ``code = round_half_even(clamp((x - min)
+  / scale, 0, qmax))``, read back as ``code * scale + min``. Groups (KIVI) store ``zero = clamp(min, +-65504)`` and
+  ``scale = clamp((max - zero) / qmax, 0, 65504)`` (fp32, then rounded to fp16: saturated, never Inf; a zero fp16
+  scale becomes 1) and quantize with the rounded values; the fp16 residual saturates at +-65504 too, and the cache
+  quantizes K/V as that residual holds them (fp16, saturated), whether a token waited there or not.
+
+What a scheme cannot store is refused before anything is written (:meth:`Scheme.check_input`): NaN/Inf in a
+quantized scheme, finite values beyond :attr:`Scheme.input_limit` (a cast's storage range; ``2**126`` for the
+asymmetric per-token scheme, whose fp32 ``max - min`` and ``code * scale + min`` must not overflow). Every other
+finite input quantizes to finite codes and scales and reads back finite.
 - packing (``group``): byte ``j`` of a token-head row (``0 <= j < D * bits / 8``) holds channel
   ``j + k * D * bits / 8`` in bits ``[k * bits, (k + 1) * bits)``, so each ``k`` is a contiguous slice of
   channels (the decode kernel unpacks a slice with one shift and one mask).
@@ -28,11 +36,16 @@ Exact arithmetic (the kernels reproduce it bit for bit; all fp32, IEEE division)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from workbench import formats
+
+F16_MAX = 65504.0  # fp16's largest finite value: group scales, zero points and the residual saturate there
+FP32_MAX = float(torch.finfo(torch.float32).max)
+ASYM_LIMIT = 2.0**126  # asymmetric fp32 scales: max - min and code * scale + min stay finite below it
 
 
 class NonFiniteError(ValueError):
@@ -57,13 +70,24 @@ class Quantized:
     residual: torch.Tensor | None = None
 
 
+def _first(x: torch.Tensor, bad: torch.Tensor) -> str:
+    """Where the first bad element is, its index named by the axes ``[(layer,) token, head, dim]``."""
+    where = tuple(int(i) for i in bad.nonzero()[0])
+    axes = ["layer", "token", "head", "dim"][-x.dim():] if 0 < x.dim() <= 4 else ["index"] * x.dim()
+    return f"first at [{', '.join(axes)}] = {list(where)}: {float(x[where])}"
+
+
 def check_finite(name: str, x: torch.Tensor) -> None:
-    """Raise :class:`NonFiniteError` naming ``name`` and the first bad (token, head, channel)."""
+    """Raise :class:`NonFiniteError` naming ``name`` and the first bad element."""
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise NonFiniteError(f"{name} holds {int(bad.sum())} NaN/Inf values (first at [token, head, dim] = "
-                             f"{list(where)}: {float(x[where])}); quantizing would spread them")
+        raise NonFiniteError(f"{name} holds {int(bad.sum())} NaN/Inf values ({_first(x, bad)}); quantizing would "
+                             f"spread them")
+
+
+def to_fp16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp16, saturated at +-65504 (a plain cast makes Inf of anything beyond); NaN stays NaN."""
+    return x.float().clamp(-F16_MAX, F16_MAX).to(torch.float16)
 
 
 def _round_even(x: torch.Tensor) -> torch.Tensor:
@@ -125,6 +149,42 @@ class Scheme:
     @property
     def qmax(self) -> float:
         return self.format.qmax
+
+    @property
+    def input_limit(self) -> float:
+        """The largest ``|x|`` stored with finite codes, scales and read-back (module docstring): a cast's storage
+        range (fp32: inf), ``2**126`` for the asymmetric per-token scheme, else any finite fp32 (saturating)."""
+        if not self.quantized:
+            return math.inf if self.format.storage == torch.float32 else float(torch.finfo(self.format.storage).max)
+        return ASYM_LIMIT if self.granularity == "token" and not self.symmetric else FP32_MAX
+
+    def check_input(self, name: str, x: torch.Tensor, *, allow_nonfinite: bool = False) -> None:
+        """Raise ValueError naming ``name`` if ``x`` holds values this scheme cannot store: NaN/Inf in a quantized
+        scheme (:class:`NonFiniteError`; a cast passes them through, as the cast does, and so does any scheme with
+        ``allow_nonfinite``: the write kernels count them) and finite values beyond :attr:`input_limit`. One
+        reduction (one device sync) when all is well; nothing where no finite value can be beyond the limit."""
+        limit = self.input_limit
+        if self.quantized and not allow_nonfinite:
+            over = ~(x.abs().float() <= limit)  # NaN, Inf and too large, in one pass (fp32: limit exact)
+        elif limit >= FP32_MAX or not x.is_floating_point() or float(torch.finfo(x.dtype).max) <= limit:
+            return
+        else:
+            a = x.abs().float()
+            over = (a > limit) & (a != math.inf)
+        if not bool(over.any()):
+            return
+        if self.quantized and not allow_nonfinite:
+            check_finite(name, x)
+        why = (f"{self.format_name} holds |x| <= {limit:g}" if not self.quantized else
+               "its fp32 range max - min and read-back code * scale + min must stay finite: |x| <= 2**126")
+        raise ValueError(f"{name} holds {int(over.sum())} values {self.name} cannot store ({why}); {_first(x, over)}")
+
+    def check_scale_values(self, name: str, scale) -> None:
+        """A static scale must be finite and > 0, with ``qmax * scale`` finite (what a saturated code reads back)."""
+        s = torch.as_tensor(scale, dtype=torch.float32)
+        if not bool(((s > 0) & torch.isfinite(s * self.qmax)).all()):
+            raise ValueError(f"{name} of {self.name} must hold finite values > 0 whose {self.qmax:g}-fold is finite "
+                             f"(fp32), got {s.flatten()[:8].tolist()}")
 
     def title(self) -> str:
         """A short name for plots."""
@@ -199,38 +259,38 @@ class Scheme:
         check_finite("x", x)
         a = x.float().abs()
         amax = a.amax() if self.granularity == "tensor" else a.amax(dim=(0, 2))
-        return torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+        return _nonzero(amax / self.qmax)
 
     # ---- quantize / dequantize ------------------------------------------------------
     def quantize(self, x: torch.Tensor, kind: str = "k", scale: torch.Tensor | None = None) -> Quantized:
         """Codes (and scales) of ``x`` ``[T, H, D]`` as K (``kind="k"``) or V.
 
         ``scale``: the static scale of a ``tensor`` / ``head`` scheme (default: :meth:`calibrate` on ``x``).
-        In a quantized scheme NaN/Inf raise :class:`NonFiniteError` (a cast passes them through, as the
-        cast does); values beyond a static scale's range saturate.
+        What the scheme cannot store raises ValueError (:meth:`check_input`: NaN/Inf in a quantized scheme,
+        finite values beyond :attr:`input_limit`); values beyond a static scale's range saturate.
         """
         if kind not in ("k", "v"):
             raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"x must be a [tokens, heads, head_dim] tensor, got {getattr(x, 'shape', type(x))}")
         fmt = self.format
+        self.check_input("x", x)
         if not self.quantized:
             return Quantized(x.to(fmt.storage))
-        check_finite("x", x)
         xf = x.float()
         if self.static:
             s = self.calibrate(x) if scale is None else scale.float().reshape(-1)
             if s.numel() not in (1, x.shape[1]):
                 raise ValueError(f"scale of {self.name} must hold 1 or {x.shape[1]} values, got {s.numel()}")
+            self.check_scale_values("scale", s)
             sb = s.reshape(()) if self.granularity == "tensor" or s.numel() == 1 else s.reshape(1, -1, 1)
             return Quantized(self._codes(xf / sb), s.reshape(()) if self.granularity == "tensor" else s)
         if self.granularity == "token":
             if self.symmetric:
-                amax = xf.abs().amax(dim=-1)  # [T, H]
-                s = torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+                s = _nonzero(xf.abs().amax(dim=-1) / self.qmax)  # [T, H]
                 return Quantized(self._codes(xf / s[..., None]), s)
             lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
-            s = torch.where(hi > lo, (hi - lo) / self.qmax, torch.ones_like(hi))
+            s = _nonzero((hi - lo) / self.qmax)
             return Quantized(self._codes((xf - lo[..., None]) / s[..., None]), s, lo)
         return self._quantize_groups(xf, kind)
 
@@ -243,7 +303,7 @@ class Scheme:
         T, H, D = xf.shape
         self.check_shape(H, D)
         tq = self.quantized_tokens(T)
-        body, residual = xf[:tq], xf[tq:].to(torch.float16)
+        body, residual = xf[:tq], to_fp16(xf[tq:])
         if kind == "k" and self.key_mode == "channel":
             g = body.reshape(tq // self.group, self.group, H, D)
             lo, hi = g.amin(dim=1), g.amax(dim=1)  # [Tq // G, H, D]
@@ -284,10 +344,18 @@ class Scheme:
         return self.dequantize(self.quantize(x, kind, scale), kind)
 
 
+def _nonzero(s: torch.Tensor) -> torch.Tensor:
+    """A computed scale, 1 where it is 0 (a constant row, or ``amax / qmax`` underflowing): never a division by 0."""
+    return torch.where(s > 0, s, torch.ones_like(s))
+
+
 def _fp16_params(lo: torch.Tensor, hi: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
-    s16 = ((hi - lo) / qmax).to(torch.float16)
+    """A group's fp16 scale and zero point, saturated (module docstring); equal to a plain fp16 rounding of
+    ``((hi - lo) / qmax, lo)`` wherever that is finite."""
+    z = lo.clamp(-F16_MAX, F16_MAX)
+    s16 = ((hi - z) / qmax).clamp(0, F16_MAX).to(torch.float16)
     s16 = torch.where(s16 > 0, s16, torch.ones_like(s16))  # a constant group (or an fp16 underflow)
-    return s16, lo.to(torch.float16)
+    return s16, z.to(torch.float16)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
