@@ -1,6 +1,7 @@
 """workbench.compress.delta (lossless delta + zstd coding of K/V, and its lossy variant after quantization) and the
 break-even arithmetic of workbench.compress.delta_study. Small tensors, one torch thread: a few seconds."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -150,7 +151,8 @@ def test_truncated_extended_and_mismatched_payloads():
     fields = (enc.dtype, enc.shape, enc.delta, enc.shuffle, enc.order, enc.rle, enc.level)
 
     def with_payload(p, checksum=None):
-        return dz.Encoded(*fields, p, dz.xxhash.xxh3_64_intdigest(p) if checksum is None else checksum)
+        e = dz.Encoded(*fields, p, 0)
+        return dz.Encoded(*fields, p, e.digest() if checksum is None else checksum)
 
     for cut in (1, len(enc.payload) // 2, len(enc.payload) - 1):  # checksum recomputed: the frames must catch it
         with pytest.raises(ValueError, match="enc payload"):
@@ -170,6 +172,59 @@ def test_truncated_extended_and_mismatched_payloads():
                        (blob[:dz._HEAD.size + 3], "truncated"), ("text", "blob must be bytes")]:
         with pytest.raises(ValueError, match=match):
             dz.Encoded.from_bytes(bad)
+
+
+def decode_blob(blob: bytes) -> torch.Tensor:
+    return dz.decode(dz.Encoded.from_bytes(blob))
+
+
+def flipped_outcome(blob: bytes, bit: int, x: torch.Tensor) -> str:
+    """``"refused"`` (a ValueError naming what is wrong), ``"same"`` (decodes to ``x`` bit for bit) or ``"silent"``
+    (decodes to something else without an error: the bug)."""
+    bad = bytearray(blob)
+    bad[bit // 8] ^= 1 << (bit % 8)
+    try:
+        got = decode_blob(bytes(bad))
+    except ValueError as e:
+        assert str(e).startswith(("blob ", "enc ")), e
+        return "refused"
+    same = got.dtype == x.dtype and got.shape == x.shape and torch.equal(bits(got), bits(x))
+    return "same" if same else "silent"
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(delta="xor", order="channel"), dict(delta=False, rle=True),
+                                  dict(shuffle=False)], ids=str)
+def test_every_flipped_bit_of_a_small_encoding_is_refused(opts):
+    """Issue 30 item 6: the header was outside the checksum, so a flipped delta or order bit decoded to other values
+    without an error. Now every bit of the blob (header, checksum, shape, payload) is covered: none decodes."""
+    x = special_tensor(torch.float16, (5, 2, 3), seed=4)
+    blob = dz.encode(x, **opts).to_bytes()
+    outcomes = {bit: flipped_outcome(blob, bit, x) for bit in range(8 * len(blob))}
+    assert [b for b, o in outcomes.items() if o != "refused"] == []
+
+
+def test_the_header_flags_are_in_the_checksum():
+    """The reproductions: the delta and order flags (and the level, shape) of an in-memory encoding changed."""
+    x = special_tensor(torch.bfloat16, (6, 2, 4), seed=5)
+    enc = dz.encode(x)
+    for changed in (dict(delta="xor"), dict(delta="none"), dict(order="channel"), dict(level=1), dict(shape=(6, 8))):
+        with pytest.raises(ValueError, match="enc payload or header is corrupted"):
+            dz.decode(dataclasses.replace(enc, **changed))
+    old = dz._HEAD.pack(dz._MAGIC, 1, 2, 1, 1, 3, 3, 0) + enc.to_bytes()[dz._HEAD.size:]
+    with pytest.raises(ValueError, match="format version 1, this reader knows 2"):
+        dz.Encoded.from_bytes(old)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 999), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+       rle=st.booleans(), delta=st.sampled_from(["sub", "xor", "none"]))
+def test_random_flipped_bits_of_a_large_encoding_are_refused(seed, dtype, rle, delta):
+    x = special_tensor(dtype, (64, 4, 64), seed=seed)
+    blob = dz.encode(x, rle=rle, delta=delta).to_bytes()
+    g = np.random.default_rng(seed)
+    header = range(8 * (dz._HEAD.size + 24))  # every header bit, and a sample of the payload's
+    sample = [*header, *g.integers(8 * (dz._HEAD.size + 24), 8 * len(blob), 150).tolist()]
+    assert [b for b in sample if flipped_outcome(blob, b, x) != "refused"] == []
 
 
 # ---- argument checks ---------------------------------------------------------------------------------------------
@@ -232,6 +287,36 @@ def test_lossy_all_tokens_in_the_residual():
     qe = dz.encode_quantized(x, "int4/kivi", kind="k")
     assert qe.codes is None and qe.residual is not None
     assert torch.equal(dz.decode_quantized(qe), quant.get("int4/kivi").roundtrip(x, "k"))
+
+
+PACKED = ["int4/kivi", "int4/token", "int2/kivi", "int2/token"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(PACKED), group=st.sampled_from([1, 2, 4, 8, 16, 64]),
+       value_group=st.sampled_from([4, 8, 16, 32, 64]), residual=st.integers(0, 70),
+       key_mode=st.sampled_from(["channel", "token"]), kind=st.sampled_from(["k", "v"]), t=st.integers(1, 90),
+       seed=st.integers(0, 999))
+def test_lossy_round_trip_with_any_scheme_parameters(name, group, value_group, residual, key_mode, kind, t, seed):
+    """Issue 30 item 6: decode_quantized rebuilt the scheme from its name, so non-default parameters failed (or
+    decoded wrong); the encoding now carries them."""
+    s = quant.get(name, group=group, value_group=value_group, residual=residual, key_mode=key_mode)
+    x = torch.randn(t, 2, 64, generator=torch.Generator().manual_seed(seed)).cumsum(0) * 0.1
+    qe = dz.encode_quantized(x, s, kind=kind)
+    assert qe.spec == s and dict(qe.params)["residual"] == residual
+    assert torch.equal(dz.decode_quantized(qe), s.roundtrip(x, kind))
+
+
+def test_lossy_round_trip_with_a_scheme_outside_the_registry():
+    s = quant.Scheme("my_int8", "int8", "token", label="mine")
+    x = torch.randn(20, 2, 16)
+    qe = dz.encode_quantized(x, s, kind="v")
+    assert torch.equal(dz.decode_quantized(qe), s.roundtrip(x, "v"))
+    for params, match in [((("name", "int4/kivi"),), "not a quantization scheme"),
+                          (qe.params[:1] + (("format_name", "int3"),) + qe.params[2:], "not a quantization scheme"),
+                          (tuple((k, "int4/kivi" if k == "name" else v) for k, v in qe.params), "the encoding says")]:
+        with pytest.raises(ValueError, match=match):
+            dz.decode_quantized(dataclasses.replace(qe, params=params))
 
 
 # ---- the study: break-even arithmetic and rows -------------------------------------------------------------------

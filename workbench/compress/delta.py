@@ -5,7 +5,7 @@ delta-codes quantized codes.
     assert torch.equal(decode(enc).view(torch.int16), k.view(torch.int16))   # bit for bit, NaN payloads too
     enc.ratio, enc.nbytes, enc.stages    # raw bytes / stored bytes; ("delta:sub", "shuffle:token", "zstd:3")
     blob = enc.to_bytes(); Encoded.from_bytes(blob)                          # self-describing, checked on read
-    qe = encode_quantized(k, "int8/token", kind="k"); decode_quantized(qe)   # the scheme's dequantized values
+    qe = encode_quantized(k, "int8/token", kind="k"); decode_quantized(qe)   # the scheme's values (delta_quant)
 
 Stages of the lossless path (each optional, recorded in :class:`Encoded`):
 
@@ -25,9 +25,10 @@ Stages of the lossless path (each optional, recorded in :class:`Encoded`):
    default, kept as an option with its measurement: zstd's LZ already codes a run as one match at offset 1, and on
    the real K/V the run stream costs more than it saves (fp16 1.164x with RLE vs 1.168x without, bf16 1.399x vs
    1.414x) while encoding 3-5x slower.
-5. **zstd** (``level`` -7..22), one frame per segment with its content size; an xxh3_64 checksum of the whole
-   payload (``xxhash``, at memory speed) is checked before decoding, and every frame's size against the shape, so a
-   corrupted or truncated payload fails loudly (:class:`ValueError`), never as garbage.
+5. **zstd** (``level`` -7..22), one frame per segment with its content size; an xxh3_64 checksum of the header
+   (every byte but the checksum: dtype, shape, delta, flags, level) and the whole payload (``xxhash``, at memory
+   speed) is checked before decoding, and every frame's size against the shape, so a corrupted or truncated
+   encoding fails loudly (:class:`ValueError`), never as garbage: a flipped delta or order bit too.
 
 Why zstandard: a well-kept library (python-zstandard over Meta's reference C zstd; wheels everywhere; already a
 dependency) that is fast C on both sides, streams, and trades speed for ratio with one ``level`` (levels 1 and 3
@@ -56,7 +57,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -87,9 +88,9 @@ MIN_LEVEL, MAX_LEVEL = -7, zstandard.MAX_COMPRESSION_LEVEL  # zstd's fast levels
 RUN = 256  # zeros per RLE marker at most (the run-length byte holds ``len - 1``)
 
 _MAGIC = b"KVDZ"
-_VERSION = 1
-_HEAD = struct.Struct("<4sBBBBbBQ")  # magic, version, dtype code, delta, flags (shuffle, rle, order), level, ndim,
-#                                       xxh3_64 of the payload
+_VERSION = 2  # 1: the checksum covered the payload only (no committed data holds version 1)
+_META = struct.Struct("<4sBBBBbB")  # magic, version, dtype code, delta, flags (shuffle, rle, order), level, ndim
+_HEAD = struct.Struct("<4sBBBBbBQ")  # _META, then the xxh3_64 of _META + shape + payload
 _DELTA_CODE = {"none": 0, "sub": 1, "xor": 2}
 _CODE_DELTA = {v: k for k, v in _DELTA_CODE.items()}
 
@@ -112,7 +113,8 @@ class Encoded:
         level: the zstd level it was compressed at.
         payload: zstd frames, one per segment (a byte plane; with ``rle`` its literals, then its run lengths),
             each with its content size.
-        checksum: xxh3_64 of ``payload``, checked before decoding (:func:`decode`).
+        checksum: xxh3_64 of the header (every field above, as :meth:`to_bytes` writes them) and ``payload``
+            (:meth:`digest`), checked before decoding (:func:`decode`).
     """
 
     dtype: torch.dtype
@@ -160,6 +162,20 @@ class Encoded:
     def header_nbytes(self) -> int:
         return _HEAD.size + 8 * len(self.shape)
 
+    def _meta(self) -> bytes:
+        """The header's bytes but the checksum: what decoding depends on, besides the payload."""
+        flags = int(self.shuffle) | int(self.rle) << 1 | (self.order == "channel") << 2
+        meta = _META.pack(_MAGIC, _VERSION, _DTYPES[self.dtype][2], _DELTA_CODE[self.delta], flags, self.level,
+                          len(self.shape))
+        return meta + struct.pack(f"<{len(self.shape)}Q", *self.shape)
+
+    def digest(self) -> int:
+        """xxh3_64 of the header (but the checksum) and the payload: what :attr:`checksum` must be."""
+        h = xxhash.xxh3_64()
+        h.update(self._meta())
+        h.update(self.payload)
+        return h.intdigest()
+
     @property
     def nbytes(self) -> int:
         """Stored bytes: the payload plus the header :meth:`to_bytes` writes (dtype, shape, stages)."""
@@ -172,10 +188,8 @@ class Encoded:
 
     def to_bytes(self) -> bytes:
         """A self-describing blob (header + payload) that :meth:`from_bytes` reads back; ``len() == nbytes``."""
-        flags = int(self.shuffle) | int(self.rle) << 1 | (self.order == "channel") << 2
-        head = _HEAD.pack(_MAGIC, _VERSION, _DTYPES[self.dtype][2], _DELTA_CODE[self.delta], flags, self.level,
-                          len(self.shape), self.checksum)
-        return head + struct.pack(f"<{len(self.shape)}Q", *self.shape) + bytes(self.payload)
+        meta = self._meta()
+        return meta[:_META.size] + struct.pack("<Q", self.checksum) + meta[_META.size:] + bytes(self.payload)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Encoded:
@@ -199,8 +213,11 @@ class Encoded:
         if len(blob) < end:
             raise ValueError(f"blob is truncated: {len(blob)} bytes, its header takes {end}")
         shape = struct.unpack_from(f"<{ndim}Q", blob, _HEAD.size)
-        return cls(_BY_CODE[dcode], tuple(int(s) for s in shape), _CODE_DELTA[delta], bool(flags & 1),
-                   "channel" if flags & 4 else "token", bool(flags & 2), level, blob[end:], checksum)
+        try:
+            return cls(_BY_CODE[dcode], tuple(int(s) for s in shape), _CODE_DELTA[delta], bool(flags & 1),
+                       "channel" if flags & 4 else "token", bool(flags & 2), level, blob[end:], checksum)
+        except ValueError as e:  # an empty shape, ...
+            raise ValueError(f"blob has a corrupted header: {e}") from None
 
 
 # ---- argument checks ---------------------------------------------------------------------------------------------
@@ -366,17 +383,18 @@ def encode(x: torch.Tensor, *, delta: bool | str = True, shuffle: bool = True, o
         segments = [c[0] for c in coded] + [c[1] for c in coded]  # literals of every plane, then their runs
     cctx = _compressor(level)
     payload = b"".join(cctx.compress(s.data) for s in segments)  # one frame (its own Huffman table) per segment
-    return Encoded(x.dtype, tuple(x.shape), mode, shuffle, order, rle, level, payload,
-                   xxhash.xxh3_64_intdigest(payload))
+    enc = Encoded(x.dtype, tuple(x.shape), mode, shuffle, order, rle, level, payload, 0)
+    return replace(enc, checksum=enc.digest())
 
 
 def _frames(enc: Encoded, sizes: list[int | None], at_most: int) -> list[np.ndarray]:
     """The payload's frames (checksum verified): ``len(sizes)`` of them, frame ``i`` holding ``sizes[i]`` bytes
     (``None``: any number up to ``at_most`` in all)."""
     rest = bytes(enc.payload)
-    if xxhash.xxh3_64_intdigest(rest) != enc.checksum:
-        raise ValueError(f"enc payload is corrupted: its xxh3_64 is {xxhash.xxh3_64_intdigest(rest):#018x}, "
-                         f"the encoder recorded {enc.checksum:#018x} ({len(rest)} bytes)")
+    got = enc.digest()
+    if got != enc.checksum:
+        raise ValueError(f"enc payload or header is corrupted: their xxh3_64 is {got:#018x}, the encoder recorded "
+                         f"{enc.checksum:#018x} ({len(rest)} payload bytes, {enc.stages}, {list(enc.shape)})")
     out, total = [], 0
     for i, want in enumerate(sizes):
         try:
@@ -456,99 +474,17 @@ def entropy_ratio(x: torch.Tensor, *, delta: bool | str = True) -> float:
     return math.inf if bits == 0 else 8 * _DTYPES[x.dtype][0].itemsize / bits
 
 
-# ---- lossy: quantize, then delta-code the codes ------------------------------------------------------------------
-@dataclass(frozen=True)
-class QuantEncoded:
-    """``x`` quantized with a ``workbench.quant`` scheme, its codes delta-coded, scales and zero points raw.
-
-    Attributes:
-        scheme: the scheme's name (``workbench.quant.get``); ``kind``: ``"k"`` or ``"v"``.
-        shape: ``x``'s shape ``[T, H, D]``.
-        codes: the codes, :class:`Encoded` (packed ``group`` codes unpacked to one byte per channel first, so the
-            delta runs per channel); ``None`` when every token is in the residual.
-        scale, zero: the scheme's scales / zero points as stored (raw; ``None`` where it has none).
-        residual: the ``group`` schemes' fp16 newest tokens, :class:`Encoded` losslessly (``None``: none).
-    """
-
-    scheme: str
-    kind: str
-    shape: tuple[int, ...]
-    codes: Encoded | None
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
-    residual: Encoded | None
-
-    @property
-    def nbytes(self) -> int:
-        """Stored bytes: coded codes, raw scales and zero points, coded residual."""
-        raw = sum(t.numel() * t.element_size() for t in (self.scale, self.zero) if t is not None)
-        return sum(e.nbytes for e in (self.codes, self.residual) if e is not None) + raw
-
-    @property
-    def ratio(self) -> float:
-        """fp16 bytes of the original over :attr:`nbytes`."""
-        return 2 * math.prod(self.shape) / self.nbytes
+# ---- lossy: workbench.compress.delta_quant (it quantizes first), its names reachable from here too ---------------
+_LOSSY = ("QuantEncoded", "decode_codes", "decode_quantized", "encode_quantized")
 
 
-def encode_quantized(x: torch.Tensor, scheme="int8/token", *, kind: str = "k", scale: torch.Tensor | None = None,
-                     delta: bool | str = True, shuffle: bool = True, order: str = "token", rle: bool = False,
-                     level: int = 3) -> QuantEncoded:
-    """Quantize ``x`` ``[T, H, D]`` with ``scheme`` (``workbench.quant.resolve``: ``"int8/token"``,
-    ``"int4/token"``, ``"int4/kivi"``, ``"fp8_e4m3/token"``, ...), then :func:`encode` the codes.
+def __getattr__(name: str):
+    if name in _LOSSY:  # imported on first use: delta_quant imports this module
+        from . import delta_quant
 
-    Args:
-        x: ``[T, H, D]`` finite values (a quantized scheme refuses NaN/Inf).
-        scheme: a scheme name or :class:`~workbench.quant.Scheme`.
-        kind: ``"k"`` or ``"v"`` (KIVI quantizes keys per channel).
-        scale: a static scheme's scale (default: calibrated on ``x``).
-        delta, shuffle, order, rle, level: as :func:`encode`, for the codes.
-    """
-    from workbench import quant
-
-    s = quant.resolve(scheme, "scheme")
-    x = _check_tensor(x)
-    if x.dim() != 3 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating [tokens, heads, head_dim] tensor, got {_dtype_name(x.dtype)} "
-                         f"{list(x.shape)}")
-    _check_choice("kind", kind, ("k", "v"))
-    qz = s.quantize(x.detach().cpu(), kind, scale)
-    codes = quant.unpack(qz.codes, s.bits) if s.packed else qz.codes
-    opts = dict(delta=delta, shuffle=shuffle, order=order, rle=rle, level=level)
-    res = qz.residual if qz.residual is not None and qz.residual.numel() else None
-    return QuantEncoded(s.name, kind, tuple(x.shape), encode(codes, **opts) if codes.numel() else None, qz.scale,
-                        qz.zero, encode(res, **opts) if res is not None else None)
+        return getattr(delta_quant, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def decode_codes(qe: QuantEncoded):
-    """The scheme's :class:`~workbench.quant.Quantized` (codes re-packed), exactly as it quantized them."""
-    from workbench import quant
-
-    if not isinstance(qe, QuantEncoded):
-        raise ValueError(f"qe must be a QuantEncoded (from encode_quantized()), got {type(qe).__name__}")
-    s = quant.get(qe.scheme)
-    T, H, D = qe.shape
-    tq = s.quantized_tokens(T)
-    if qe.codes is None:
-        codes = torch.zeros(0, H, D * s.bits // 8 if s.packed else D, dtype=s.format.storage)
-    else:
-        codes = decode(qe.codes)
-        if s.packed:
-            codes = quant.pack(codes, s.bits)
-    residual = decode(qe.residual) if qe.residual is not None else None
-    if residual is None and s.packed:
-        residual = torch.zeros(0, H, D, dtype=torch.float16)
-    if (residual.shape[0] if residual is not None else 0) + tq != T:
-        raise ValueError(f"qe is inconsistent: {tq} quantized + residual tokens do not make {T}")
-    return quant.Quantized(codes, qe.scale, qe.zero, residual)
-
-
-def decode_quantized(qe: QuantEncoded) -> torch.Tensor:
-    """The dequantized values, fp32 ``[T, H, D]``: ``scheme.roundtrip(x)``, bit for bit."""
-    from workbench import quant
-
-    qz = decode_codes(qe)
-    return quant.get(qe.scheme).dequantize(qz, qe.kind)
-
-
-__all__ = ["DELTAS", "DTYPES", "Encoded", "QuantEncoded", "decode", "decode_codes", "decode_quantized", "encode",
-           "encode_quantized", "entropy_bits", "entropy_ratio", "plane_entropy", "rle_decode", "rle_encode"]
+__all__ = ["DELTAS", "DTYPES", "Encoded", "decode", "encode", "entropy_bits", "entropy_ratio", "plane_entropy",
+           "rle_decode", "rle_encode"]  # and delta_quant's lossy names, on first use
