@@ -213,6 +213,30 @@ def test_quant_bench_smoke_rows(device, tmp_path):
         "heuristic", "w2-BLOCK_N64-stages3"}
 
 
+def test_quant_bench_rows_survive_unmeasurable_timings(monkeypatch, device):
+    """Issue 30 item 2: on the H200 the smoke rows divided by a copy bandwidth of 0 (a smoke run measures none) and
+    by timings that round to 0: ZeroDivisionError. A ratio with such a denominator is now None, with a note."""
+    from workbench.bench import quant_decode
+    from workbench.bench.workloads import Workload
+
+    assert quant_decode.rates(1000, 0.0, 100.0, 5.0, speedup=True) == {
+        "bw_fraction": None, "speedup_vs_fp16": None, "note": "time 0.0 us not measurable: no rates"}
+    got = quant_decode.rates(1000, 2.0, 0.0, 0.0, speedup=True)
+    assert got["bw_fraction"] is None and got["speedup_vs_fp16"] is None and "copy bandwidth" in got["note"]
+    assert quant_decode.rates(1000, 2.0, 1.0, 4.0, speedup=True) == {"bw_fraction": 0.5, "speedup_vs_fp16": 2.0}
+    assert quant_decode.rates(1000, float("nan"), 1.0)["bw_fraction"] is None
+    for fake in (0.0, 1.0):  # every timing 0 (then 1 us) on the CPU, no copy bandwidth: rows, never a crash
+        monkeypatch.setattr(quant_decode.harness, "time_us", lambda fn, fake=fake, **kw: fake)
+        monkeypatch.setattr(quant_decode.harness, "time_us_graph", lambda fn, fake=fake, **kw: fake)
+        w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
+        rows = quant_decode.run_decode(w, 0.0, ["fp16", "int4/kivi"], 10, False, str(device), timed=True)
+        rows += quant_decode.run_write(0.0, ["int2/kivi"], 10, str(device), tokens=32, heads=2, head_dim=64,
+                                       timed=True)
+        assert [r.get("error") for r in rows] == [None] * 3
+        assert all(r["bw_fraction"] is None and "not measur" in r["note"] for r in rows)
+        assert [r.get("speedup_vs_fp16", "-") for r in rows] == ([None, None, "-"] if fake == 0 else [1.0, 1.0, "-"])
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3/tensor", "fp8_e5m2/head", "int8/tensor"])
 def test_static_scales_saturate_on_the_kernel_path(name, device):
     """Values beyond ``qmax * scale`` (a calibration that missed them) store the largest code, never NaN or a wrap."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -102,7 +103,36 @@ def tune_variants(scheme: quant.Scheme, base: dict, quick: bool = False) -> list
     return out
 
 
-def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, only: tuple = ()) -> list[dict]:
+def rates(nbytes: int, t_us: float | None, copy_gbps: float | None, t_fp16: float | None = None, *,
+          speedup: bool = False) -> dict:
+    """``bw_fraction`` (bytes over ``t_us`` as a fraction of the copy bandwidth) and, with ``speedup``,
+    ``speedup_vs_fp16`` (``t_fp16 / t_us``) of a row. A ratio whose denominator is 0, missing or not finite (a tiny
+    smoke case's time rounds to 0 on the GPU; a smoke run measures no copy bandwidth) is None, and ``note`` says why:
+    a row, never a ZeroDivisionError."""
+    def ok(x) -> bool:
+        return x is not None and math.isfinite(x) and x > 0
+
+    out, notes = {}, []
+    gbps = nbytes / (t_us * 1e-6) / 1e9 if ok(t_us) else None
+    if gbps is None:
+        notes.append(f"time {t_us} us not measurable: no rates")
+    elif not ok(copy_gbps):
+        notes.append(f"copy bandwidth {copy_gbps} GB/s not measured: no bw_fraction")
+    out["bw_fraction"] = gbps / copy_gbps if gbps is not None and ok(copy_gbps) else None
+    if speedup:
+        out["speedup_vs_fp16"] = t_fp16 / t_us if gbps is not None and ok(t_fp16) else None
+        if gbps is not None and t_fp16 is not None and not ok(t_fp16):
+            notes.append(f"fp16 time {t_fp16} us not measurable: no speedup")
+    if notes:
+        out["note"] = "; ".join(notes)
+    return out
+
+
+def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, only: tuple = (),
+               timed: bool | None = None) -> list[dict]:
+    """Decode rows of workload ``w`` for each scheme (and launch variant); timed on the GPU (``timed``: default
+    ``device == "cuda"``; a test times on the CPU with fake timers)."""
+    timed = device == "cuda" if timed is None else timed
     rows = []
     p = build_paged(w, layout="nhd", block_size=PAGE, kv_dtype=torch.float16, device=device)
     k32, v32 = contiguous_kv(p, torch.float32)
@@ -138,15 +168,14 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                 row.update(kernel_stats(before))
                 row["rel_err"] = harness.rel_err(out, ref)
                 row["quant_err"] = harness.rel_err(out, truth)
-                if device == "cuda":
+                if timed:
                     fn = functools.partial(plan.run, q, k_cache, v_cache, out)
                     row["time_us"] = min(harness.time_us(fn, rep_ms=rep_ms) for _ in range(2))
                     row["time_us_graph"] = harness.time_us_graph(fn, rep_ms=rep_ms)
                     t = row["time_us_graph"]
-                    row["bw_fraction"] = nbytes / (t * 1e-6) / 1e9 / copy_gbps
                     if scheme.name == "fp16" and variant == "heuristic":
                         t_fp16 = t
-                    row["speedup_vs_fp16"] = t_fp16 / t if t_fp16 else None
+                    row.update(rates(nbytes, t, copy_gbps, t_fp16, speedup=True))
             except Exception as e:  # noqa: BLE001  (a variant out of shared memory is a row, not a crash)
                 root = e  # Triton wraps a compile error in several layers: the innermost one says what broke
                 while root.__cause__ is not None or root.__context__ is not None:
@@ -166,9 +195,11 @@ WRITE_VARIANTS = [("default", {})] + [(f"bt{bt}-w{w}", {"tokens_per_program": bt
 
 
 def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32768, heads: int = 8,
-              head_dim: int = 128, tune: bool = False) -> list[dict]:
+              head_dim: int = 128, tune: bool = False, timed: bool | None = None) -> list[dict]:
     """Quantize-on-write of one prefill chunk (``tokens`` tokens, 16-token pages, fp16 source); ``tune``: every
-    program shape of :data:`WRITE_VARIANTS` for the schemes whose scales are computed on write."""
+    program shape of :data:`WRITE_VARIANTS` for the schemes whose scales are computed on write; ``timed`` as
+    :func:`run_decode`."""
+    timed = device == "cuda" if timed is None else timed
     rows = []
     nb = tokens // PAGE
     g = torch.Generator(device=device).manual_seed(3)
@@ -198,9 +229,9 @@ def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32
             row = {"section": "write", "scheme": scheme.name, "variant": variant, "tokens": tokens, "bytes": nbytes,
                    "copy_gbps": copy_gbps,
                    "identical": all(torch.equal(a, b) for a, b in zip(written, reference, strict=True))}
-            if device == "cuda":
+            if timed:
                 t = harness.time_us_graph(fn, rep_ms=rep_ms)
-                row.update(time_us_graph=t, bw_fraction=nbytes / (t * 1e-6) / 1e9 / copy_gbps)
+                row.update(time_us_graph=t, **rates(nbytes, t, copy_gbps))
             rows.append(row)
             tqdm.write(_fmt(row))
         del caches
@@ -278,7 +309,7 @@ def kernel_stats(before: dict) -> dict:
 def _fmt(row: dict) -> str:
     keep = ("section", "workload", "scheme", "variant", "quant_math", "time_us_graph", "speedup_vs_fp16",
             "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "identical", "differ", "exact_midpoints",
-            "not_midpoints", "error", "error_cause")
+            "not_midpoints", "note", "error", "error_cause")
     return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
                      for k in keep if row.get(k) is not None)
 
