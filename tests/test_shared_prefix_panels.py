@@ -101,3 +101,82 @@ def test_every_control_changes_the_figure(make):
         assert panel.status.value == "", (name, panel.status.value)
         if name not in ("run",):  # one committed run of each kind: the same figure
             assert panel.figure.to_json() != before, name
+
+
+# ---- what a user reads off the panels (issue 30, item 8) -------------------------------------------------------------
+def _title_lines(text):
+    import re
+
+    return [re.sub(r"<[^>]+>", "", line) for line in text.split("<br>")]
+
+
+def test_scenario_maps_say_what_they_leave_out_and_end_at_their_data():
+    """08: with fork groups the title ran off the right edge; the maps showed 24 of 64 sequences without saying so, on
+    an x axis to the pool's last block (4,095) while the rows shown end near 1,450; '1 heads'; 'all layers' one'."""
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+
+    from workbench.ui import shared_prefix_panels as spp
+
+    panel = spp.scenario_panel()
+    c = panel.controls
+
+    @settings(max_examples=12, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no slow shrink
+    @given(st.sampled_from(c["prefix"].options), st.sampled_from(c["sharers"].options), st.sampled_from(
+        c["suffix"].options), st.sampled_from(c["gqa"].options), st.sampled_from(c["groups"].options))
+    def check(prefix, sharers, suffix, gqa, groups):
+        for k, v in dict(prefix=prefix, sharers=sharers, suffix=suffix, gqa=gqa, groups=groups).items():
+            c[k].value = v
+        fig, r = panel.figure, panel.compute()
+        lay, maps = fig.layout, [d for d in fig.data if d.type == "heatmap"]
+        assert all(len(line) <= 120 for line in _title_lines(lay.title.text)), lay.title.text  # wrapped, not cut
+        assert lay.margin.t >= 20 * (lay.title.text.count("<br>") + 1)
+        assert "all layers' one" not in lay.yaxis.title.text and "one layer" in lay.yaxis.title.text
+        for path, row in (("plain", 2), ("shared", 3)):
+            reads, heat = r[path], maps[row - 2]
+            labels = list(getattr(lay, f"yaxis{row}").ticktext)
+            assert len(labels) == len(reads) and not any(" 1 heads" in t for t in labels)  # every row labelled
+            more = [p for p in reads if p["kind"] == "more"]
+            title = fig.layout.annotations[row - 1].text
+            if more:
+                total = len(reads) - 1 + more[0]["programs"]
+                assert f"{len(reads) - 1} of {total} shown" in title and labels[-1].startswith("+")
+            else:
+                assert "shown" not in title
+            last = max(b for p in (*r["plain"], *r["shared"]) for b in p["blocks"])
+            lo, hi = getattr(lay, f"xaxis{row}").range
+            width = heat.x[1] - heat.x[0] if len(heat.x) > 1 else 1  # blocks a column (binned past 240 columns)
+            at = last // width * width  # where the last block read is drawn
+            assert lo < 0 <= at <= hi <= at + width and heat.x[-1] == at
+        panel.reset()
+
+    check()
+
+
+def test_crossover_numbers_read_on_their_cells_and_picks_frame_them():
+    """08: circles sat on the numbers, dark text on dark blue, and the blank one-sharer column was unexplained."""
+    from workbench.ui import shared_prefix_figures as spf
+    from workbench.ui import shared_prefix_panels as spp
+
+    panel = spp.crossover_panel()
+    for gqa in panel.controls["gqa"].options:
+        panel.controls["gqa"].value = gqa
+        fig = panel.figure
+        heat, text = fig.data[0], fig.data[1]
+        assert heat.texttemplate is None and text.mode == "text"  # the numbers are a text trace of their own
+        cells = dict(zip(zip(text.x, text.y, strict=True), zip(text.text, text.textfont.color, strict=True),
+                         strict=True))
+        for i, p in enumerate(heat.y):
+            for j, s in enumerate(heat.x):
+                z = heat.z[i][j]
+                label, colour = cells[(s, p)]
+                if z is None:
+                    assert "no<br>sharing" == label  # one sharer shares nothing: said, not blank
+                else:
+                    depth = z / spf.ZMAX if z > 0 else z / spf.ZMIN
+                    assert colour == ("white" if depth > 0.45 else "#222"), (p, s, z, colour)
+        on_map = [d for d in fig.data if d.xaxis in (None, "x")]
+        assert not any(getattr(d, "mode", None) == "markers" for d in on_map) and fig.layout.shapes  # frames
+        for shape in fig.layout.shapes:
+            assert shape.x1 - shape.x0 < 1 and shape.y1 - shape.y0 < 1  # inside its cell, around the number
+    panel.reset()

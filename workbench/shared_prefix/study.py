@@ -82,7 +82,7 @@ def program_reads(sc: Scenario, path: str, max_programs: int = 48) -> list[dict]
     ``[{"program", "kind", "blocks", "rows"}]`` (``rows``: query heads the program serves). Plain decode: one
     program per sequence (its whole table); the cascade: one per shared tile (the segment's blocks, for up to
     ``rows_per_tile`` stacked heads), then one per sequence for its suffix. At most ``max_programs`` listed (the
-    rest summed in the last entry's ``more``)."""
+    rest summed in the last entry: ``more`` blocks read by ``programs`` programs)."""
     if path not in ("plain", "shared"):
         raise ValueError(f"path must be 'plain' or 'shared', got {path!r}")
     bs, G = sc.geo.block_size, sc.geo.group
@@ -102,8 +102,9 @@ def program_reads(sc: Scenario, path: str, max_programs: int = 48) -> list[dict]
             out.append({"program": f"seq {i}", "kind": "suffix", "blocks": t[s0: -(-n // bs)], "rows": G})
     if len(out) > max_programs:
         more = sum(len(p["blocks"]) for p in out[max_programs - 1:])
-        out = out[: max_programs - 1] + [{"program": f"+{len(out) - max_programs + 1} more", "kind": "more",
-                                          "blocks": [], "rows": 0, "more": more}]
+        rest = len(out) - max_programs + 1
+        out = out[: max_programs - 1] + [{"program": f"+{rest} more", "kind": "more", "blocks": [], "rows": 0,
+                                          "more": more, "programs": rest}]
     return out
 
 

@@ -17,6 +17,7 @@ from workbench.shared_prefix import study
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
 from workbench.ui import shared_prefix_figures as spf
+from workbench.ui.figures import wrap
 from workbench.ui.panels import Panel
 
 PREFIXES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -81,10 +82,11 @@ def crossover_panel(runs: Sequence[dict] | None = None) -> Panel:
         cmap = measured.crossover(doc, gqa, suffix, timing)
         curves = measured.times_by_sharers(doc, gqa, prefix, suffix, timing)
         word = "CUDA-graph replay" if timing == "graph" else "eager launches"
+        sub = wrap(f"{run}; framed: the selector takes the cascade (fitted on this run; red dashes would be a wrong "
+                   "pick)", spf.SUB_CHARS)
         return {"cmap": cmap, "curves": curves, "prefix": prefix,
                 "title": f"Shared-prefix decode on the H200, {gqa} heads, {suffix}-token suffixes ({word})"
-                         f"<br><sup>{run}; circles: the selector's picks (fitted on this run; an x would be a wrong "
-                         f"pick)</sup>"}
+                         f"<br><sup>{sub}</sup>"}
 
     return Panel(controls, compute, lambda r: spf.crossover_figure(r["cmap"], r["curves"], r["prefix"], r["title"]))
 

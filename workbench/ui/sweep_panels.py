@@ -23,7 +23,7 @@ PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8ab17d", "#9c6644", "#6
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down", "pentagon")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # characters of a title line and of a smaller line under it before they wrap: a panel is ~850 px wide at 1280 px
-TITLE_CHARS, SOURCE_CHARS = 90, 130
+TITLE_CHARS, SOURCE_CHARS = 90, 120
 
 
 def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None
