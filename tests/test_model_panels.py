@@ -277,6 +277,12 @@ def test_kv_stats_panel_follows_layer_head_and_source(ui):
     p.controls["source"].value = "x"
     assert list(p.figure.data[6].y) == [2.0 * (c + 2) for c in range(D)] and "(10 tokens)" in \
         p.figure.layout.title.text
+    lay = p.figure.layout  # 06: the 'ch 26' label ran into the legend that sat inside the channel plot
+    for name in ("legend", "legend2", "legend3"):
+        leg = lay[name]
+        inside = [a for a in ("yaxis", "yaxis2", "yaxis3") if lay[a].domain[0] <= leg.y <= lay[a].domain[1]
+                  and lay["x" + a[1:]].domain[0] <= leg.x <= lay["x" + a[1:]].domain[1]]
+        assert not inside, f"{name} sits inside the plot of {inside}"
 
 
 # ---- the notebook's claims about SmolLM2-135M ----------------------------------------------------------------------

@@ -188,3 +188,46 @@ def test_every_check_cell_that_moves_a_panel_ends_by_resetting_it():
             last_move = max(n for n, line in enumerate(lines) if re.search(rf"\b{name}\.(controls\[|button)", line))
             resets = [n for n, line in enumerate(lines) if re.match(rf"{name}\.reset\(\)", line)]
             assert resets and resets[-1] > last_move, f"{stem} cell {i}: {name} is moved and not reset after"
+
+
+def test_quant_speed_heatmap_frames_the_scheme_chosen_or_says_it_was_not_timed():
+    """03: 'int2 K/tok R128' framed int2/token, which keeps no fp16 residual: the frame goes to the measured scheme
+    equal to the choice in every parameter, or to none, and the heatmap's title says the choice was not timed."""
+    import dataclasses
+
+    from hypothesis import Phase, given, settings
+    from hypothesis import strategies as st
+
+    from workbench import quant
+    from workbench.quant import study
+    from workbench.ui.quant_panels import measured_scheme, quant_panel
+
+    timed = ["fp16", "fp8_e4m3/tensor", "int8/token", "int4/kivi", "int4/token", "int2/kivi", "int2/token"]
+    rows = [{"section": "decode", "workload": "W1", "scheme": s, "time_us": 10.0 + i, "speedup_vs_fp16": 1.0,
+             "bytes_per_token": 100 - i} for i, s in enumerate(timed)]
+    panel = quant_panel(num_layers=1, num_tokens=64, num_kv_heads=1, head_dim=64, group=1, num_queries=4,
+                        decode_rows=rows)
+    c = panel.controls
+
+    def params(s):
+        return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("name", "label")}
+
+    @settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+    @given(st.sampled_from(study.FAMILIES), st.sampled_from(["tensor", "head", "token"]), st.sampled_from(
+        [8, 32, 128]), st.sampled_from([0, 128]), st.sampled_from(["channel", "token"]))
+    def check(family, granularity, group, residual, key_mode):
+        for k, v in dict(family=family, granularity=granularity, group=group, residual=residual,
+                         key_mode=key_mode).items():
+            c[k].value = v
+        chosen = study.scheme_for(family, granularity, group, residual, key_mode, head_dim=64)
+        name = measured_scheme(chosen, timed)
+        assert name is None or params(quant.get(name)) == params(chosen)
+        heat = next(d for d in panel.figure.data if d.type == "heatmap")
+        framed = [heat.y[round((s.y0 + s.y1) / 2)] for s in panel.figure.layout.shapes]
+        assert framed == ([name] if name else [])
+        assert ("not timed" in panel.figure.layout.annotations[1].text) == (name is None)
+
+    check()
+    c["family"].value, c["residual"].value, c["key_mode"].value = "int2", 128, "token"  # the issue's example
+    assert measured_scheme(study.scheme_for("int2", "tensor", 32, 128, "token"), timed) is None
+    panel.reset()

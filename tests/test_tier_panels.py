@@ -211,13 +211,44 @@ def test_prefetch_panel_greys_out_depth_and_falls_back_without_scores(panels):
     c["pattern"].value = "full"
     assert c["depth"].disabled and p.status.value == ""
     r = p.compute()
-    assert r["chosen"] == "none" and "score" not in [x["strategy"] for x in r["rows"]]
+    assert r["replayed"] == "none" and "score" not in [x["strategy"] for x in r["rows"]]
     assert "no prefetch shown" in p.figure.layout.annotations[2].text
+    assert r["chosen"] == "score" and _ringed(p) == []  # not the 'none' bar: the user did not choose it
     c["pattern"].value = "sliding_window"
     assert c["depth"].disabled
     c["pattern"].value = "capture"
     assert not c["depth"].disabled and {i.step for i in p.compute()["timeline"]} == set(range(16))
     c["pattern"].value = "topk"
+
+
+def _ringed(panel) -> list[str]:
+    """The bars the prefetch panel rings (its hit-rate bars' outlines), by their axis names."""
+    bars = panel.figure.data[0]
+    return [x for x, colour in zip(bars.x, bars.marker.line.color, strict=True) if colour != "rgba(0,0,0,0)"]
+
+
+def test_prefetch_panel_rings_the_chosen_strategy_or_none(panels):
+    """05: sliding window while 'score-guided' was chosen ringed the 'none' bar. For any pattern and strategy, the
+    ringed bar is the strategy chosen, or nothing when the trace cannot run it."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import strategies as st
+
+    from workbench.ui.tier_panels import SHORT
+
+    p = panels["prefetch"]
+    c = p.controls
+    patterns, strategies = [v for _, v in c["pattern"].options], [v for _, v in c["strategy"].options]
+
+    @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=(Phase.explicit, Phase.reuse, Phase.generate))
+    @given(st.sampled_from(patterns), st.sampled_from(strategies))
+    def check(pattern, strategy):
+        c["pattern"].value, c["strategy"].value = pattern, strategy
+        ran = [x["strategy"] for x in p.compute()["rows"]]
+        assert _ringed(p) == ([SHORT[strategy]] if strategy in ran else []), (pattern, strategy)
+
+    check()
+    p.reset()
 
 
 def test_preemption_panel_follows_the_curve(panels):

@@ -270,17 +270,18 @@ def kv_stats(layers: list[dict], layer: int, head: int, source: str) -> go.Figur
                      range=[-0.7, D - 0.3], dtick=4, row=2, col=1)
     top = max(max(d[key]["absmax"][head]) for key in ("k_pre", "k"))
     fig.update_yaxes(title_text="absmax over tokens", range=[0, 1.18 * top], row=2, col=1)
-    # one legend per plot, each under its plot's axis title (the bottom one inside its plot, top left)
+    # one legend per plot, each under its plot's axis title (the bottom one too: inside its plot, the top channels'
+    # labels ran into it)
     top_row = fig.layout.yaxis.domain[0]
     below = dict(orientation="h", yanchor="top", y=top_row - 0.12, font_size=11)
     fig.update_layout(
-        barmode="group", height=680, margin=dict(t=112, r=10, l=70, b=45),
+        barmode="group", height=710, margin=dict(t=112, r=10, l=70, b=75),
         title=dict(font_size=14, x=0.01, xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=26), text=(
             f"layer {layer}, kv head {head}: largest key channel {d['k_pre']['ratio'][head]:.1f}x the median before "
             f"RoPE, {d['k']['ratio'][head]:.1f}x after;<br>{d['sink0']:.2f} of the last query's attention on token 0"
             f"<br><sup>{html.escape(source)}</sup>")),
         legend=dict(x=fig.layout.xaxis.domain[0], xanchor="left", **below),
         legend2=dict(x=fig.layout.xaxis2.domain[0], xanchor="left", **below),
-        legend3=dict(x=0.005, xanchor="left", y=fig.layout.yaxis3.domain[1] - 0.005, yanchor="top", orientation="h",
-                     bgcolor="rgba(255,255,255,0.85)", font_size=11))
+        legend3=dict(x=fig.layout.xaxis3.domain[0], xanchor="left", y=-0.09, yanchor="top", orientation="h",
+                     font_size=11))
     return fig

@@ -28,7 +28,7 @@ def _hover(r: dict) -> str:
 
 
 def quant_overview(selected: dict, layers: list[dict], schemes: list[dict], front: list[dict],
-                   decode: list[dict], decode_scheme: str, setup: dict) -> go.Figure:
+                   decode: list[dict], decode_scheme: str | None, setup: dict) -> go.Figure:
     """The study on one page.
 
     Args:
@@ -37,7 +37,8 @@ def quant_overview(selected: dict, layers: list[dict], schemes: list[dict], fron
         schemes: the summary rows of every scheme of the registry (fp32, the reference, left out).
         front: the Pareto front of ``schemes`` plus ``selected`` (``study.pareto_front``).
         decode: measured decode rows (``quant-decode-*.json``), possibly empty.
-        decode_scheme: the registry name whose decode row stands for the chosen scheme.
+        decode_scheme: the registry name whose decode rows are the chosen scheme's (framed), None when the run has
+            none (the heatmap's title says so).
         setup: ``{data, layers, tokens, heads, head_dim, stored, note}`` for the title (``data`` names the K/V,
             ``stored`` says how they are stored, ``note`` a third line, may be empty).
 
@@ -103,7 +104,8 @@ def quant_overview(selected: dict, layers: list[dict], schemes: list[dict], fron
         fig.update_xaxes(type="category", side="bottom", row=2, col=1)
         r0 = decode[0]
         fig.layout.annotations[1].text = (f"decode on {str(r0.get('gpu', 'GPU')).replace('NVIDIA ', '')} "
-                                          f"({str(r0.get('date', ''))[:10]}): speed-up over fp16")
+                                          f"({str(r0.get('date', ''))[:10]}): speed-up over fp16" + (
+                                              "" if decode_scheme in order else "<br>(your choice was not timed)"))
     else:
         fig.update_xaxes(visible=False, row=2, col=1)
         fig.update_yaxes(visible=False, row=2, col=1)

@@ -6,6 +6,7 @@ Like ``workbench.ui.panels``, it holds no logic: ``workbench.quant.study`` compu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import ipywidgets as W
@@ -49,6 +50,19 @@ def best_decode_rows(rows: list[dict]) -> list[dict]:
         if key not in best or r["time_us"] < best[key]["time_us"]:
             best[key] = r
     return list(best.values())
+
+
+def measured_scheme(scheme, names) -> str | None:
+    """The name among ``names`` (a benchmark's schemes) of the registry scheme that is ``scheme`` in every parameter
+    (format, scales, symmetry, groups, fp16 residual, key mode), None when none is: a KIVI scheme with a residual
+    or a group size the benchmark did not time has no row to stand for it (int2 K/tok R128 is not int2/token, R0)."""
+    from workbench import quant
+
+    def params(s) -> dict:
+        return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("name", "label")}
+
+    want = params(scheme)
+    return next((n for n in names if n in quant.SCHEMES and params(quant.get(n)) == want), None)
 
 
 def quant_panel(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 3, head_dim: int = 64,
@@ -100,8 +114,7 @@ def quant_panel(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 
         selected = study.summarize(layers)[0]
         front = study.pareto_front([*rows, selected] if selected["title"] not in {r["title"] for r in rows}
                                    else rows)
-        decode_scheme = (f"{family}/{'kivi' if key_mode == 'channel' else 'token'}"
-                         if family in study.GROUP_FAMILIES else s.name)
+        decode_scheme = measured_scheme(s, dict.fromkeys(r["scheme"] for r in decode))
         note = ""
         if family in study.GROUP_FAMILIES:
             vg = s.value_group

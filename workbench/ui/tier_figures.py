@@ -129,7 +129,8 @@ def prefetch_overview(rows: Sequence[dict], chosen: str, timeline: Sequence, set
         rows: :func:`workbench.tiers.replay.compare` rows (``strategy``, ``label``, ``hit_rate``, ``hits``,
             ``misses``, ``demand_stall_s``, ``prefetch_stall_s``, ``slowdown``, ``prefetched``, ``prefetch_wasted``;
             ``name``, optional: a short name for the axis, default ``label``).
-        chosen: the ``strategy`` of the row whose timeline is drawn (ringed in the bars).
+        chosen: the ``strategy`` chosen (ringed in the bars; none is when no row has it: a strategy the trace
+            cannot run).
         timeline: its :class:`workbench.tiers.replay.Interval` list, the first steps.
         setup: ``{"title", "subtitle", "timeline_title"}``: the trace, the tiers and the timeline, in words.
 

@@ -156,9 +156,11 @@ def prefetch_panel(prompt_tokens: int = 2048, steps: int = 128, block_size: int 
             "timeline_title": f"{label}: the first {n_show} steps" if shown == strategy else
                               f"no prefetch shown (score-guided needs a trace with scores): the first {n_show} steps"}
         timeline = [i for i in result.timeline if i.step < n_show]
-        return {"rows": rows, "chosen": shown, "timeline": timeline, "setup": setup}
+        # the bars ring the strategy chosen, or none when this trace cannot run it (not the 'none' replayed instead)
+        return {"rows": rows, "chosen": strategy, "replayed": shown, "timeline": timeline, "setup": setup}
 
-    return Panel(controls, compute, lambda r: tier_figures.prefetch_overview(**r), enabled={
+    return Panel(controls, compute, lambda r: tier_figures.prefetch_overview(
+        r["rows"], r["chosen"], r["timeline"], r["setup"]), enabled={
         "depth": lambda pattern, **_: pattern in ("topk", "capture")})
 
 
