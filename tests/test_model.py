@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import workbench
 from workbench.model.gguf_weights import model_available
 
 why = model_available()
@@ -25,6 +26,8 @@ if why is not None:
 
 from workbench.cache import PagedKVCache  # noqa: E402
 from workbench.model import ContiguousKV, PagedKV, Runner, load_smollm2  # noqa: E402
+
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_tokens.json"
 HF_FIXTURE = Path(__file__).parent / "fixtures" / "smollm2_hf_greedy.json"
@@ -52,7 +55,7 @@ def prompts(smol):
 def cache_for(model, scheme="fp32", ops="torch", num_pages=32, **kw):
     cfg = model.config
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_pages, page_tokens=16,
-                        kv_dtype=scheme, device="cpu", ops=ops, **kw)
+                        kv_dtype=scheme, device=model.device, ops=ops, **kw)  # one device: the model's
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +125,9 @@ def test_kernel_path_equals_torch_ops_on_the_real_model(smol):
     model, tok = smol
     short = tok.encode("def fibonacci(n):")
     ref = Runner(model, PagedKV(cache_for(model, num_pages=4))).generate([short], 3, keep_logits=True)
-    g = Runner(model, PagedKV(cache_for(model, ops="kernels", num_pages=4))).generate([short], 3, keep_logits=True)
+    dev = workbench.device()  # the kernels read where the cache is: a GPU when compiled
+    on_dev = model if dev.type == "cpu" else load_smollm2(device=dev)[0]
+    g = Runner(on_dev, PagedKV(cache_for(on_dev, ops="kernels", num_pages=4))).generate([short], 3, keep_logits=True)
     assert g.tokens == ref.tokens
     diff = (torch.stack(g.logits[(0, 0)]) - torch.stack(ref.logits[(0, 0)])).abs().max()
     assert float(diff) < 1e-3

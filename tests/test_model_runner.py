@@ -9,13 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocator import snapshot
 
+import workbench
 from workbench.cache import PagedKVCache
 from workbench.model import SMOLLM2_135M, ContiguousKV, Llama, PagedKV, Runner, random_weights
 from workbench.model.gguf_weights import unpermute
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 CFG = SMOLLM2_135M.with_layers(2)
 SYSTEM = list(range(300, 320))  # 20 shared tokens: one full block of 16 is a prefix hit for the second prompt
 PROMPTS = [SYSTEM + [5, 6, 7], SYSTEM + [9, 10], list(range(40, 51))]
+DEV = workbench.device()  # where the kernels read (compiled on a GPU: CUDA memory only); the torch ops run on the CPU
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,13 +33,23 @@ def model():
 
 
 @pytest.fixture(scope="module")
+def models(model):
+    """The model per ops: on the CPU for the torch ops, on the kernels' device for the kernels (the same weights)."""
+    on_dev = model if DEV.type == "cpu" else Llama(CFG, random_weights(CFG, seed=1), device=DEV)
+    return {"torch": model, "kernels": on_dev}
+
+
+@pytest.fixture(scope="module")
 def baseline(model):
     return Runner(model, ContiguousKV(CFG.num_hidden_layers)).generate(PROMPTS, 5, keep_logits=True)
 
 
 def paged(scheme="fp32", ops="torch", num_pages=24, page_tokens=16, **kw):
+    """A cache for the test model: on the CPU for the torch ops, on :data:`DEV` for the kernels (a CPU cache with
+    compiled kernels is refused: the H200 run failed inside Triton on CPU pointers)."""
     return PagedKVCache(CFG.num_hidden_layers, CFG.num_key_value_heads, CFG.head_dim, num_pages,
-                        page_tokens=page_tokens, kv_dtype=scheme, device="cpu", ops=ops, **kw)
+                        page_tokens=page_tokens, kv_dtype=scheme, device=DEV if ops == "kernels" else "cpu", ops=ops,
+                        **kw)
 
 
 def max_logit_diff(a, b) -> float:
@@ -68,9 +82,9 @@ def test_a_prefill_made_before_gives_the_same_generation(model):
 
 
 @pytest.mark.parametrize("ops", ["torch", "kernels"])
-def test_paged_fp32_equals_contiguous_with_prefix_reuse(model, baseline, ops):
+def test_paged_fp32_equals_contiguous_with_prefix_reuse(models, baseline, ops):
     cache = paged(ops=ops)
-    g = Runner(model, PagedKV(cache)).generate(PROMPTS, 5, keep_logits=True, free=False)
+    g = Runner(models[ops], PagedKV(cache)).generate(PROMPTS, 5, keep_logits=True, free=False)
     assert g.tokens == baseline.tokens
     assert max_logit_diff(g, baseline) < 1e-4
     assert g.prefix_hit_tokens == {0: 0, 1: 16, 2: 0}  # the second prompt reused the shared block
@@ -79,17 +93,18 @@ def test_paged_fp32_equals_contiguous_with_prefix_reuse(model, baseline, ops):
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "int8/token"])
-def test_kernels_and_torch_ops_agree_on_a_scheme(model, scheme):
+def test_kernels_and_torch_ops_agree_on_a_scheme(models, scheme):
     """The same blocks written and read by the Triton kernels (interpreter) and by their PyTorch references."""
     out = {}
     for ops in ("torch", "kernels"):
         cache = paged(scheme, ops)
-        out[ops] = (Runner(model, PagedKV(cache)).generate(PROMPTS[:2], 4, keep_logits=True, free=False), cache)
+        out[ops] = (Runner(models[ops], PagedKV(cache)).generate(PROMPTS[:2], 4, keep_logits=True, free=False),
+                    cache)
     (a, ca), (b, cb) = out["torch"], out["kernels"]
     assert a.tokens == b.tokens
     assert max_logit_diff(a, b) < 5e-3  # fp16 queries and outputs on the kernel path
     n = len(PROMPTS[0])  # the prompt's K/V (prefill is PyTorch on both paths; decode K differs by attention's rounding)
-    ka, kb = ca.read((0, 0))[0][:, :n], cb.read((0, 0))[0][:, :n]
+    ka, kb = ca.read((0, 0))[0][:, :n].cpu(), cb.read((0, 0))[0][:, :n].cpu()
     step = ka.abs().amax(-1, keepdim=True) / 127 if scheme == "int8/token" else torch.zeros_like(ka)  # one code
     diff = (ka - kb).abs()
     assert bool((diff <= step * 1.01 + 1e-7).all()), float(diff.max())  # a rounding midpoint may differ by one code

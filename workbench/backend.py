@@ -65,6 +65,34 @@ def is_interpreted() -> bool:
     return BACKEND.interpreted
 
 
+def kernel_device_problem(devices, interpreted: bool | None = None) -> str | None:
+    """Why tensors on ``devices`` (``{argument name: torch.device}``) cannot all go to one Triton launch, or None.
+
+    Compiled kernels read GPU memory only (a CPU tensor fails inside Triton with "Pointer argument ... cannot be
+    accessed from Triton (cpu tensor?)"), and one launch runs on one GPU; the interpreter (numpy) takes any device,
+    but still one. ``interpreted``: the backend to judge for (default: this process's)."""
+    interpreted = is_interpreted() if interpreted is None else interpreted
+    devs = {name: torch.device(d) for name, d in devices.items()}
+    if len({(d.type, d.index or 0) for d in devs.values()}) > 1:  # "cuda" is "cuda:0" (the current device)
+        where = ", ".join(f"{n} on {d}" for n, d in devs.items())
+        return f"one kernel launch needs its tensors on one device, got {where}"
+    off = [n for n, d in devs.items() if d.type != "cuda"]
+    if off and not interpreted:
+        d = devs[off[0]]
+        return (f"{', '.join(off)} on {d}: compiled Triton kernels read GPU memory only (device='cuda', "
+                f"workbench.device(); or the PyTorch ops, ops='torch'; or WORKBENCH_BACKEND=interpreter)")
+    return None
+
+
+def check_kernel_devices(what: str, interpreted: bool | None = None, **tensors) -> None:
+    """ValueError naming ``what`` and the arguments when ``tensors`` (tensors or devices) cannot be one Triton
+    launch's arguments (:func:`kernel_device_problem`); None values are skipped."""
+    devs = {n: t.device if isinstance(t, torch.Tensor) else t for n, t in tensors.items() if t is not None}
+    why = kernel_device_problem(devs, interpreted)
+    if why is not None:
+        raise ValueError(f"{what}: {why}")
+
+
 def describe() -> dict[str, str]:
     """Device, backend and versions, as printed by ``python -m workbench info``."""
     import triton  # after the decision above, so the interpreter setting holds

@@ -109,6 +109,10 @@ class PagedKVCache:
         self.format = self.scheme.format  # workbench.formats: what the kernels and references ask
         self.dtype = self.format.storage
         self.device = torch.device(device) if device is not None else workbench.device()
+        if ops == "kernels":  # every kernel this cache launches reads its pool: refused here, not inside Triton
+            from workbench.backend import check_kernel_devices
+
+            check_kernel_devices(f"ops='kernels' with device={self.device}", device=self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
         static = self.scheme.static

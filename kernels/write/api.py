@@ -9,6 +9,7 @@ import torch
 import triton
 
 from workbench import formats
+from workbench.backend import kernel_device_problem
 from workbench.layout import Layout, addressing
 
 from .. import common
@@ -95,6 +96,9 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != device:
             raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
+    why = kernel_device_problem({"k_cache": device})  # a CPU cache under compiled Triton
+    if why is not None:
+        raise ValueError(why)
     num_blocks, block_size = shapes["k_cache"]
     return block_size, num_blocks
 

@@ -36,6 +36,7 @@ class ContiguousKV:
     """Each sequence's K/V as one growing tensor per layer, attention in plain PyTorch: the baseline."""
 
     name = "contiguous"
+    device = None  # follows its inputs
 
     def __init__(self, num_layers: int, dtype: torch.dtype = torch.float32):
         self.num_layers, self.dtype = num_layers, dtype
@@ -91,6 +92,7 @@ class PagedKV:
 
     def __init__(self, cache, q_dtype: torch.dtype | None = None):
         self.cache = cache
+        self.device = cache.device  # where the runner's model must compute K/V and queries
         self.num_layers = cache.num_layers
         self.q_dtype = q_dtype or (torch.float32 if cache.dtype == torch.float32 else
                                    cache.dtype if cache.dtype in (torch.float16, torch.bfloat16) else torch.float16)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workbench.backend import kernel_device_problem
 from workbench.model.llama import Llama, causal_attention
 
 
@@ -46,6 +47,11 @@ class Runner:
     def __init__(self, model: Llama, kv, *, observe: Callable | None = None, capture: Callable | None = None):
         if kv.num_layers != model.num_layers:
             raise ValueError(f"kv stores {kv.num_layers} layers, the model has {model.num_layers}")
+        kv_device = getattr(kv, "device", None)
+        if kv_device is not None and kernel_device_problem({"kv": kv_device, "model": model.device},
+                                                           interpreted=True):  # one device (any: torch ops run)
+            raise ValueError(f"kv keeps K/V on {kv_device} but the model computes on {model.device}: one device for "
+                             f"both (Llama(..., device=cache.device)), so every tensor a kernel sees is on it")
         self.model, self.kv = model, kv
         self.observe, self.capture = observe, capture
 
