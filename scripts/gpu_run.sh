@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # One batched GPU session (run from the repo root on the GPU machine, which has no network and
-# no .git): install the core offline, check every kernel compiled against its reference, then
-# run the named benchmarks. Results and logs go to $OUT (default ./out).
+# no .git): install the core offline, run every test that launches a kernel, compiled, then the
+# named benchmarks. Results and logs go to $OUT (default ./out).
 #   WORKBENCH_COMMIT=$(git rev-parse --short=12 HEAD) scripts/gpu_run.sh tests cache_kernels decode
+# tests: every test marked `kernels` (pytest -m kernels: tests/kernel_launches.py fails any unmarked
+# test that launches a kernel, so the list is complete by rule), no -x, in the files that carry the
+# marker; $OUT/gpu_tests.json holds the counts and the failures' ids, stamped (workbench.gpu_tests).
+# GPU_TESTS="tests/test_a.py ..." runs those files only (a run split over calls: give every
+# call's gpu_tests*.xml to python -m workbench.gpu_tests); GPU_TEST_WORKERS=N uses pytest-xdist
+# where it is installed (Triton compiles on the CPU: N processes compile N kernels at once).
+# A test module needing a package the machine lacks is reported skipped (WORKBENCH_SKIP_MISSING).
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -13,13 +20,17 @@ status=0
 for step in "$@"; do
   echo "=== $step"
   case $step in
-    tests) python -m pytest -q -x -p no:cacheprovider tests/test_gather.py tests/test_write_copy.py \
-             tests/test_decode.py tests/test_cache.py tests/test_compaction.py \
-             tests/test_kernel_validation.py tests/test_api_boundary.py tests/test_quant_kernels.py \
-             tests/test_quant_cache.py tests/test_tiers_cache.py tests/test_tiers_disk.py tests/test_shared_prefix.py \
-             tests/test_conformance_pytest.py \
-             tests/test_bench_decode.py::test_vllm_probe_script_smoke 2>&1 | tail -5 \
-             | tee "$OUT/gpu_tests.log"; [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
+    tests) files=${GPU_TESTS:-$(grep -l "pytest.mark.kernels" tests/test_*.py | tr '\n' ' ')}
+           workers=()
+           if [ -n "${GPU_TEST_WORKERS:-}" ] && python -c "import xdist" 2>/dev/null; then
+             workers=(-n "$GPU_TEST_WORKERS")
+           fi
+           tag=${GPU_TESTS_TAG:-}
+           WORKBENCH_SKIP_MISSING=1 python -m pytest -q -m kernels -p no:cacheprovider -o junit_family=xunit1 \
+             "${workers[@]}" --junitxml="$OUT/gpu_tests$tag.xml" $files 2>&1 | tee "$OUT/gpu_tests$tag.log" | tail -40
+           [ "${PIPESTATUS[0]}" = 0 ] || status=1
+           python -m workbench.gpu_tests "$OUT/gpu_tests$tag.json" "$OUT/gpu_tests$tag.xml" \
+             --command "pytest -m kernels ${GPU_TESTS:-(every marked file)}" || status=1 ;;
     *) python -m workbench bench "$step" --out "$OUT" 2>&1 | tee "$OUT/$step.log"
        [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;
   esac

@@ -5,6 +5,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from kernel_launches import (  # noqa: F401  (hooks: a test that launches a kernel must be marked 'kernels')
+    pytest_configure,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+)
 
 import workbench
 from workbench.bench.harness import rel_err  # noqa: F401  (the one definition: ||out - ref|| / ||ref||, float64)

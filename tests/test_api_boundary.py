@@ -20,6 +20,8 @@ from workbench import compaction
 from workbench.allocator import AllocatorError, BlockManager, BlockPool, SequenceExists, UnknownSequence
 from workbench.cache import PagedKVCache
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 DEV = workbench.device()
 
 

@@ -2,7 +2,11 @@
 
 import json
 
+import pytest
+
 from workbench.bench import cache_kernels
+
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 
 REQUIRED = ["workload", "impl", "layout", "block_size", "kv_dtype", "time_us", "time_us_graph", "gbps",
             "frac_copy_bw", "rel_err", "ok", "variant", "gpu", "commit"]

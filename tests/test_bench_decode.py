@@ -8,6 +8,8 @@ import torch
 from workbench.bench import decode
 from workbench.bench.workloads import WORKLOADS, build_paged, bytes_moved
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 
 def test_bench_decode_smoke(tmp_path):
     assert decode.main(["--smoke", "--out", str(tmp_path)]) == 0

@@ -16,6 +16,8 @@ from workbench.allocator import ByExpectedLength, OutOfBlocks
 from workbench.cache import ALIGN, PagedKVCache
 from workbench.layout import Layout
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 LAYERS, HEADS, DIM = 2, 2, 16
 VOCAB, MAX_POS = 4, 96
 

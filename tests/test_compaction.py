@@ -16,6 +16,8 @@ from workbench.cache import PagedKVCache
 from workbench.compaction import Plan, StalePlan
 from workbench.layout import Layout
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 LAYERS, HEADS, DIM = 1, 1, 16
 VOCAB, MAX_POS = 4, 64
 SYSTEM = [1, 2, 3, 0, 1, 2, 3, 0]

@@ -19,6 +19,8 @@ from workbench.compress.evicting_kv import EvictingKV
 from workbench.layout import Layout
 from workbench.model import SMOLLM2_135M, ContiguousKV, Llama, PagedKV, Runner, random_weights
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 L, H, HQ, D = 2, 2, 4, 32
 TOKEN_AXIS = {Layout.NHD: 1, Layout.HND: 2, Layout.VLLM: 3}
 

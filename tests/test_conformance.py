@@ -27,7 +27,8 @@ from workbench.conformance.formats import CAST, SUITE_FORMATS
 from workbench.conformance.starter import MISTAKES, starter_decode
 from workbench.layout import to_nhd
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # small tensors on a busy 2-core CPU: one torch thread
+# small tensors on a busy 2-core CPU: one torch thread; runs Triton kernels (scripts/gpu_run.sh runs it compiled)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]
 
 OPS = ("decode", "shared_prefix", "write", "copy")
 LAYOUTS = ("nhd", "hnd", "vllm")

@@ -10,7 +10,7 @@ from workbench import conformance as C
 from workbench.__main__ import main
 from workbench.conformance import exchange
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]
 
 CASE = "decode/nhd/bs8/d80/hkv2/g4/bf16/lens=16,8/pad3/seed2"  # the case that caught the gqa starter on the H200
 

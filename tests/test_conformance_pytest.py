@@ -9,7 +9,7 @@ from workbench import conformance as C
 from workbench.conformance.starter import starter_decode
 from workbench.conformance.testing import assert_conforms, cases_of
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]
 
 
 @cases_of("starter", level="smoke")

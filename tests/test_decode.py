@@ -9,6 +9,8 @@ from workbench.kernels.reference import paged_decode_ref
 from workbench.layout import from_nhd
 from workbench.pairwise import pairwise
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 

@@ -12,6 +12,8 @@ from workbench.kernels.decode import api as decode_mod
 from workbench.kernels.decode import kernel as decode_kernels
 from workbench.kernels.reference import merge_states_ref, paged_decode_ref
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 LENS = [37, 0, 150, 1]  # ragged (a partial last tile at 37 and 150), one empty, one token; under the interpreter
 # each sequence costs its programs (heads x splits), so four, not more
 

@@ -13,6 +13,8 @@ from workbench.cache import PagedKVCache
 from workbench.fragmentation import CACHED, FREE, SHARED, TOKEN, UNCARVED, UNUSED
 from workbench.sim import sweeps
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 
 def two_sizes():
     """Page 0: small blocks (2 + 1 tokens of 's'); pages 1-2: 'l' in large blocks (8 + 2); page 3 uncarved."""

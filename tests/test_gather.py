@@ -8,6 +8,8 @@ from workbench.kernels.reference import paged_gather_ref
 
 from workbench.layout import Layout, block_shape, from_nhd, to_nhd
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 
 def random_paged(num_blocks, block_size, heads, head_dim, dtype, seq_lens, device, seed):
     """A random NHD cache and a random (fragmented) block table for ``seq_lens``."""

@@ -17,6 +17,8 @@ from workbench.kernels.validate import check_block_table
 from workbench.layout import Layout, block_shape, block_view
 from workbench.pairwise import pairwise
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 NAN_BYTE = {torch.float8_e4m3fn: 0x7F, torch.float8_e5m2: 0xFF}  # bit patterns that decode as NaN
 

@@ -9,6 +9,8 @@ from workbench.bench import harness
 from workbench.sharing import adaptive_blocks, fork_checks, format_adaptive, format_fork_checks, shared_prompt
 from workbench.sim import sweeps
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 
 # ------------------------------------------------------------------------------------------------ 00: memory
 def test_max_len_rows_are_the_contiguous_breakdown_of_the_same_requests():

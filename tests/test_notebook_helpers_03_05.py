@@ -16,6 +16,8 @@ from workbench.tiers.tiered import describe_stats, move_rows
 from workbench.tiers.transfer import block_bytes
 from workbench.ui import quant_panels
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 
 # ---- notebook 03 ------------------------------------------------------------------------------------------------
 def test_bytes_table_and_ratios():

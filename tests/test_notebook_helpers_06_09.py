@@ -19,6 +19,8 @@ from workbench.model.capture import PROMPTS, prompts_by_name
 from workbench.model.runner import Generation
 from workbench.ui import conformance_figures as cf
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

@@ -15,6 +15,8 @@ from workbench import compaction, quant
 from workbench.allocator import ByExpectedLength
 from workbench.cache import PagedKVCache
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 SCHEMES = ["fp8_e4m3/token", "int8_asym/token", "int4/token", "int4/kivi"]
 L, H, D = 1, 2, 64
 

@@ -18,6 +18,8 @@ from workbench import quant
 from workbench.layout import to_nhd
 from workbench.quant import blocks as qblocks
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 DYNAMIC = ["fp8_e4m3/token", "fp8_e5m2/token", "int8/token", "int8_asym/token", "int4/token", "int4/kivi",
            "int2/kivi"]
 LAYOUTS = ["nhd", "hnd", "vllm"]

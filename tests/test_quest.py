@@ -22,6 +22,8 @@ from workbench.compress.quest import (
     select_pages,
 )
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 L, H, D, PAGE = 2, 2, 32, 16
 
 

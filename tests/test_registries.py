@@ -14,6 +14,8 @@ from workbench.compress import policies as sparsity
 from workbench.sim import strategies
 from workbench.tiers import prefetch
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 REGISTRIES = [
     pytest.param(policies.BLOCK_SIZE_POLICIES, policies.get, id="block-size-policies"),
     pytest.param(strategies.STRATEGIES, strategies.get, id="serving-strategies"),

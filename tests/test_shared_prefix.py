@@ -30,6 +30,8 @@ from workbench.shared_prefix import (
     step_bytes_of_batches,
 )
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 # a batch's sharing, as a tree: (blocks of this node, [children] or the number of private tokens of a leaf)
 TREES = {
     "none": [(0, [37]), (0, [1]), (0, [70]), (0, [16])],

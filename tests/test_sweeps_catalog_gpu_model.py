@@ -13,7 +13,8 @@ import pytest
 from workbench import sweeps
 from workbench.sweeps import runner
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one torch thread on a busy CPU
+# conftest: small tensors, one torch thread on a busy CPU; runs Triton kernels (scripts/gpu_run.sh runs it compiled)
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]
 MODEL_SWEEP_POINT_TOKENS = 4  # new tokens of the model points run here (the sweep's default is 8)
 
 

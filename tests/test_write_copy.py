@@ -25,6 +25,8 @@ from workbench.bench.cache_kernels import block_stride, layer_views, make_pool
 from workbench.layout import Layout, block_shape, to_nhd
 from workbench.pairwise import cover
 
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 # values that sit exactly between two codes of some storage format (times a power-of-two scale)
