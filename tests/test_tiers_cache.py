@@ -16,6 +16,8 @@ from workbench.tiers.host import HostPool, contiguous_runs
 from workbench.tiers.tiered import TieredCache
 from workbench.tiers.transfer import block_bytes
 
+pytestmark = pytest.mark.kernels  # TieredCache moves small batches with the SM-copy kernel
+
 L, H, D = 2, 2, 32
 DEV = workbench.device()  # CPU here and in CI; the H200 run checks the same on CUDA (pinned host, two streams)
 

@@ -165,12 +165,14 @@ def plan(target, *, rehome: bool = True, pack: str | None = "dense", cached: str
 
 
 def _unwrap(target) -> tuple[BlockManager, object]:
-    if isinstance(target, BlockManager):
-        return target, None
-    manager = getattr(target, "manager", None)
-    if isinstance(manager, BlockManager) and hasattr(target, "copy_blocks"):
-        return manager, target
-    raise ValueError(f"target must be a PagedKVCache or a BlockManager, got {type(target).__name__}")
+    target = getattr(target, "cache", target)  # a TieredCache: its device tier, refused below
+    manager, cache = (target, None) if isinstance(target, BlockManager) else (getattr(target, "manager", None), target)
+    if not isinstance(manager, BlockManager) or not (cache is None or hasattr(cache, "copy_blocks")):
+        raise ValueError(f"target must be a PagedKVCache or a BlockManager, got {type(target).__name__}")
+    if manager.pool.evicted is not None:  # a tier below keys its blocks by the ids compaction would rename
+        raise ValueError("target has a tier below it (workbench.tiers.TieredCache): compaction is not supported "
+                         "there; close() the TieredCache first")
+    return manager, cache
 
 
 def _page_blocks(pool: BlockPool, bs: int, page: int) -> range:

@@ -2,8 +2,10 @@
 
 - :mod:`~workbench.tiers.tiered`: :class:`TieredCache`, a ``PagedKVCache`` whose evicted prefix blocks are
   demoted (device -> host -> disk) and promoted back on a prefix hit, with preemption by swap.
+- :mod:`~workbench.tiers.swap`: preemption by swap, a batch down and back with its sharing kept (a shared block
+  travels once and comes back shared), all or nothing.
 - :mod:`~workbench.tiers.lower`: the host and disk pools as one store of blocks keyed by digest (what moves down,
-  in which order, and back).
+  in which order, and back; a corrupt disk block dropped and counted).
 - :mod:`~workbench.tiers.transfer`: batched device <-> host moves, the copy-engine (staging + one DMA) and the
   SM-copy paths, with accounting; :mod:`~workbench.tiers.host` the pinned pool; :mod:`~workbench.tiers.disk`
   the crash-safe disk pool; :mod:`~workbench.tiers.eviction` LRU / LFU / priority; :mod:`~workbench.tiers.errors`.

@@ -432,7 +432,7 @@ class DiskPool:
                         n = os.preadv(fd, [mv[got:]], e.offset + got)
                         if n == 0:
                             raise CorruptBlock(f"block {key.hex()} in {path} at offset {e.offset}: the file ends "
-                                               f"after {got} of its {e.nbytes} bytes")
+                                               f"after {got} of its {e.nbytes} bytes", key)
                         got += n
                         self._io["bytes_read"] += n
                 except OSError as err:
@@ -440,7 +440,7 @@ class DiskPool:
                                     f"({err})") from err
                 if checksum(mv) != e.checksum:
                     raise CorruptBlock(f"block {key.hex()} in {path} at offset {e.offset} ({e.nbytes} bytes) does "
-                                       "not match its checksum")
+                                       "not match its checksum", key)
         finally:
             if fd is not None:
                 os.close(fd)

@@ -26,7 +26,12 @@ class DiskFull(TierFull):
 
 
 class CorruptBlock(TierError):
-    """A block read back does not match the checksum it was written with (or its file is cut short)."""
+    """A block read back does not match the checksum it was written with (or its file is cut short); ``key``
+    names it (None when unknown), so a tier above can drop that entry and go on."""
+
+    def __init__(self, message: str, key: bytes | None = None):
+        super().__init__(message)
+        self.key = key
 
 
 class NotInTier(TierError, KeyError):

@@ -9,18 +9,19 @@ What lives where:
 
 - *device*: the :class:`~workbench.cache.PagedKVCache`, unchanged. Its allocator evicts cached prefix blocks
   (free, ref count 0) when it needs memory; the cache hands them to :meth:`TieredCache._on_evict` before their
-  bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* to the host tier in one batch
-  instead of dropped.
+  bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* in one batch instead of
+  dropped: to the host, and what the host cannot hold straight to disk.
 - *host* and *disk* (``workbench.tiers.lower``): a :class:`~workbench.tiers.lower.LowerEntry` per block, keyed
   by its *digest*, a chained BLAKE2b hash of the tokens of every block up to it (and the sequence's
   ``extra_key``, salted with the cache's geometry), so a block's identity does not depend on the device
-  allocator's entry ids, which die with the device copy. A host
-  tier that is full pushes entries to disk by the eviction policy (``workbench.tiers.eviction``: LRU, LFU,
-  priority); a full disk drops them. Entries are *inclusive*: a promoted block keeps its lower copy, so evicting
-  it again costs no copy.
-- A *swapped-out* sequence (:meth:`TieredCache.swap_out`) keeps its tokens and, per block, a digest (the chain
-  digest for a published block, a private one for its partly filled tail); its entries are *pinned* (moved to
-  disk if need be, never dropped). :meth:`TieredCache.block_table` gives every block's tier and place.
+  allocator's entry ids, which die with the device copy. A host tier that is full pushes entries to disk by the
+  eviction policy (``workbench.tiers.eviction``: LRU, LFU, priority); a full disk drops them. Entries are
+  *inclusive*: a promoted block keeps its lower copy, so evicting it again costs no copy. A disk block that fails
+  its checksum is dropped and counted (``stats()["corrupt"]``): the prompt is computed again.
+- A *swapped-out* sequence (:meth:`TieredCache.swap_out`, ``workbench.tiers.swap``) keeps its tokens and, per
+  block, a key; a block shared by sequences swapped together travels once and comes back shared. Its entries
+  are *pinned* (moved to disk if need be, never dropped). :meth:`TieredCache.block_table` gives every block's
+  tier and place.
 
 Promotion reuses the allocator: the promoted blocks are allocated as a short-lived sequence holding just that
 prefix, filled from host or disk in one batch, published (so the device prefix map knows them) and released, so
@@ -28,7 +29,7 @@ the following :meth:`PagedKVCache.add` finds them as ordinary device hits and co
 
 Every method checks its arguments and the room it needs before it changes anything; a move that fails (a tier
 full, a corrupt disk block) raises and leaves every sequence where it was. Not supported with tiers: compaction
-(it renames device blocks under the digests).
+(it renames device blocks under the digests; ``workbench.compaction`` refuses a cache with a tier below).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.allocator.errors import OutOfBlocks, token_ids
-from workbench.tiers.errors import NotResident, TierFull
+from workbench.allocator.errors import SequenceExists, hashable, positive, token_ids
+from workbench.tiers import swap
+from workbench.tiers.errors import CorruptBlock, NotResident
 from workbench.tiers.lower import LowerEntry, LowerTiers
 from workbench.tiers.transfer import Transfer
 
@@ -60,21 +62,8 @@ class BlockRef:
 
 
 @dataclass
-class _Swapped:
-    tokens: list[int]
-    block_size: int
-    extra_key: object
-    prompt_len: int
-    digests: list[bytes]
-    private: list[bytes]  # digests made for this sequence alone (its tail, unpublished blocks): dropped on return
-    quantized: int | None
-    residual: tuple | None = None  # KIVI's fp16 residual, on the host
-    priority: int = 0
-
-
-@dataclass
 class _Counters:
-    demoted: int = 0  # device -> host blocks (prefix evictions)
+    demoted: int = 0  # device -> below blocks (prefix evictions)
     demote_skipped: int = 0  # evicted blocks already below (inclusive copies)
     dropped: int = 0  # evicted blocks with nowhere to go
     swapped_out: int = 0  # sequences
@@ -87,9 +76,9 @@ class TieredCache:
 
     Args:
         cache: the device tier.
-        host_bytes: size of the pinned host pool.
+        host_bytes: size of the pinned host pool (at least one block of the cache).
         disk_path: a directory for the disk pool (None: no disk tier).
-        disk_bytes: the disk pool's capacity.
+        disk_bytes: the disk pool's capacity (with a ``disk_path`` only).
         eviction: ``"lru"``, ``"lfu"``, ``"priority"`` (or a config): which lower entry moves down first.
         path: ``"dma"``, ``"sm"`` or ``"auto"`` (``workbench.tiers.transfer``).
         sm_programs: grid cap of the SM copy.
@@ -108,16 +97,22 @@ class TieredCache:
             raise ValueError("cache already has a tier below it (one TieredCache per PagedKVCache)")
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss must be one of {ON_MISS}, got {on_miss!r}")
-        if disk_path is not None and (isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int)
-                                      or disk_bytes < 1):
-            raise ValueError(f"disk_bytes must be a positive int with a disk_path, got {disk_bytes!r}")
+        if disk_path is not None and not isinstance(disk_path, (str, os.PathLike)):
+            raise ValueError(f"disk_path must be None or a directory path, got {type(disk_path).__name__}")
+        if disk_path is not None:
+            positive("disk_bytes", disk_bytes)
+        elif disk_bytes != 0:
+            raise ValueError(f"disk_bytes needs a disk_path (no disk tier without one), got disk_bytes={disk_bytes!r}")
+        if not isinstance(fsync, bool):
+            raise ValueError(f"fsync must be a bool, got {fsync!r}")
         self.cache, self.on_miss = cache, on_miss
         self.lower = LowerTiers(cache, host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
                                 eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync)
-        self._swapped: dict[object, _Swapped] = {}
+        self._swapped: dict[object, swap.Swapped] = {}
         self._chain: dict[object, list[bytes]] = {}  # seq -> digests of its published blocks, in order
         self._entry_digest: dict[int, tuple[bytes, int]] = {}  # device entry id -> (digest, priority), for eviction
         self._priority: dict[object, int] = {}
+        self._protect: set = set()  # keys an operation in flight reads: a demotion meanwhile leaves them be
         self._temp_ids = itertools.count()
         self.counters = _Counters()
         c = cache
@@ -135,10 +130,16 @@ class TieredCache:
     def digests(self, tokens: Sequence[int], block_size: int, extra_key: object = None,
                 n: int | None = None) -> list[bytes]:
         """Chain digests of the first ``n`` (default all) full blocks of ``tokens``."""
+        tokens = token_ids("tokens", tokens)
+        if block_size not in self.cache.pool_sizes:
+            raise ValueError(f"block_size must be one of the cache's {self.cache.pool_sizes}, got {block_size!r}")
+        hashable("extra_key", extra_key)
+        full = len(tokens) // block_size
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= full):
+            raise ValueError(f"n must be None or an int in [0, {full}] (the full blocks of tokens), got {n!r}")
         out, prev = [], self._salt + block_size.to_bytes(4, "little")
         extra = repr(extra_key).encode()
-        full = len(tokens) // block_size if n is None else n
-        for i in range(full):
+        for i in range(full if n is None else n):
             h = hashlib.blake2b(prev, digest_size=16)
             h.update(torch.tensor(tokens[i * block_size:(i + 1) * block_size], dtype=torch.int64).numpy().tobytes())
             h.update(extra)
@@ -160,15 +161,39 @@ class TieredCache:
                 old = self._entry_digest.get(e)
                 self._entry_digest[e] = (d, max(priority, old[1]) if old else priority)
 
+    # ---- checks before anything changes ---------------------------------------------------
+    def _new_id(self, name: str, seq_id) -> None:
+        hashable(name, seq_id)
+        if seq_id in self._swapped:
+            raise SequenceExists(f"sequence {seq_id!r} already exists (swapped out: swap_in it, or free it)")
+        if seq_id in self.cache.manager:
+            raise SequenceExists(f"sequence {seq_id!r} already exists")
+
+    def _known(self, seq_ids: Sequence) -> None:
+        for s in seq_ids:
+            if hashable("seq_id", s) not in self._swapped:
+                self.cache.manager.num_tokens(s)  # UnknownSequence
+
+    @staticmethod
+    def _check_prompt(tokens, expected_len) -> list[int]:
+        tokens = token_ids("tokens", tokens)
+        if not tokens:
+            raise ValueError("tokens must hold at least one token")
+        if expected_len is not None and (isinstance(expected_len, bool) or not isinstance(expected_len, int)
+                                         or expected_len < 1):
+            raise ValueError(f"expected_len must be None or a positive int (prompt plus expected new tokens), "
+                             f"got {expected_len!r}")
+        return tokens
+
     # ---- the cache's operations, with the tiers' bookkeeping ---------------------------
     def add(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor, *, expected_len: int | None = None,
             extra_key: object = None, priority: int = 0):
         """:meth:`PagedKVCache.add`, after promoting the longest run of the prompt's prefix found below the
         device (host or disk) back into device blocks; ``priority`` marks its blocks for the priority policy."""
-        tokens = token_ids("tokens", tokens)
+        self._new_id("seq_id", seq_id)
+        tokens = self._check_prompt(tokens, expected_len)
+        hashable("extra_key", extra_key)
         self._check_priority(priority)
-        if seq_id in self._swapped:
-            raise ValueError(f"sequence {seq_id!r} is swapped out (swap_in it, or free it)")
         self.cache._check_kv(k, v, len(tokens))
         self.promote_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
         placement = self.cache.add(seq_id, tokens, k, v, expected_len=expected_len, extra_key=extra_key)
@@ -180,12 +205,20 @@ class TieredCache:
         return placement
 
     def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
+        self._known([seq_id])
+        self.cache._check_kv(k, v, len(token_ids("tokens", tokens)))
         self._resident([seq_id])
         placement = self.cache.append(seq_id, tokens, k, v)
         self._note(seq_id)
         return placement
 
     def append_batch(self, seq_ids: Sequence, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
+        seq_ids = self._distinct("seq_ids", seq_ids)
+        self._known(seq_ids)
+        tokens = token_ids("tokens", tokens)
+        if len(tokens) != len(seq_ids):
+            raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
+        self.cache._check_kv(k, v, len(seq_ids))
         self._resident(seq_ids)
         placements = self.cache.append_batch(seq_ids, tokens, k, v)
         for s in seq_ids:
@@ -194,27 +227,36 @@ class TieredCache:
 
     def decode(self, q: torch.Tensor, seq_ids: Sequence, layer: int, **kw):
         """:meth:`PagedKVCache.decode`; every sequence must be resident (swapped ones come back, or NotResident)."""
-        self._resident(seq_ids)
+        if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Sequence) or not seq_ids:
+            raise ValueError(f"seq_ids must be a non-empty list of sequence ids, got {seq_ids!r}")
+        self._known(seq_ids)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.cache.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.cache.num_layers}), got {layer!r}")
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != len(seq_ids) \
+                or q.shape[2] != self.cache.head_dim:
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"q must be a tensor [{len(seq_ids)} sequences, heads, {self.cache.head_dim}], got {got}")
+        self._resident(list(dict.fromkeys(seq_ids)))
         return self.cache.decode(q, seq_ids, layer, **kw)
 
     def read_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None, extra_key: object = None):
         """:meth:`PagedKVCache.read_prefix` after promoting the lower tiers' part of the prefix."""
-        tokens = token_ids("tokens", tokens)
+        tokens = self._check_prompt(tokens, expected_len)
         self.promote_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
         return self.cache.read_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
 
     def fork(self, parent_id, child_id) -> None:
+        self._known([parent_id])
+        self._new_id("child_id", child_id)
         self._resident([parent_id])
-        if child_id in self._swapped:
-            raise ValueError(f"sequence {child_id!r} already exists (swapped out)")
         self.cache.fork(parent_id, child_id)
         self._chain[child_id] = list(self._chain.get(parent_id, []))
         self._priority[child_id] = self._priority.get(parent_id, 0)
 
     def free(self, seq_id) -> None:
         """Release a sequence, resident or swapped out (its private lower blocks are dropped, the rest unpinned)."""
-        if seq_id in self._swapped:
-            self._release_swapped(self._swapped.pop(seq_id))
+        if hashable("seq_id", seq_id) in self._swapped:
+            self.lower.unpin(self._swapped.pop(seq_id).keys)
             self.counters.extra["freed_swapped"] = self.counters.extra.get("freed_swapped", 0) + 1
             return
         self.cache.free(seq_id)
@@ -230,17 +272,17 @@ class TieredCache:
 
     # ---- residency -------------------------------------------------------------------
     def is_resident(self, seq_id) -> bool:
-        if seq_id in self._swapped:
+        if hashable("seq_id", seq_id) in self._swapped:
             return False
         self.cache.manager.num_tokens(seq_id)  # validates
         return True
 
     def block_table(self, seq_id) -> list[BlockRef]:
         """Every logical block's tier and place (device ids for a resident sequence)."""
-        if seq_id not in self._swapped:
+        if hashable("seq_id", seq_id) not in self._swapped:
             return [BlockRef("device", b) for b in self.cache.manager.block_table(seq_id)]
         out = []
-        for d in self._swapped[seq_id].digests:
+        for d in self._swapped[seq_id].keys:
             e = self.lower.entries[d]
             out.append(BlockRef(e.tier, e.host_start if e.tier == "host" else None, d))
         return out
@@ -258,138 +300,67 @@ class TieredCache:
                               + "; ".join(where))
         self.swap_in(missing).wait()
 
-    # ---- swapping (preemption) -----------------------------------------------------------
+    # ---- swapping (preemption): workbench.tiers.swap ----------------------------------------
     def swap_out(self, seq_ids: Sequence) -> Transfer:
         """Move sequences' blocks below the device in one batch per size class and free their device blocks.
 
-        Blocks already below (inclusive copies of published prefix blocks) are not copied again. Raises
-        :class:`HostFull` (nothing changed) when the host tier, after pushing entries to disk, has no room."""
-        seq_ids = self._distinct("seq_ids", seq_ids)
-        m = self.cache.manager
-        self.cache.flush_evictions()
-        for s in seq_ids:
-            if s in self._swapped:
-                raise ValueError(f"sequence {s!r} is swapped out already")
-            m.num_tokens(s)  # validates
-        plans = []
-        for s in seq_ids:
-            bs, table = m.block_size(s), m.block_table(s)
-            published = len(m.published(s))
-            if self.cache.scheme.packed:  # KIVI: only wholly quantized blocks are complete
-                published = min(published, self.cache.quantized_tokens(s) // bs)
-            chain = self.digests(m.tokens(s), bs, m.extra_key(s), published)
-            private = [hashlib.blake2b(os.urandom(16), digest_size=16).digest() for _ in range(len(table) - published)]
-            plans.append((s, bs, table, chain + private, private))
-        copies = {}  # block size -> [(device block, digest)] not yet below
-        seen = set()
-        for _s, bs, table, digests, _ in plans:
-            for b, d in zip(table, digests, strict=True):
-                if d not in self.lower.entries and d not in seen:
-                    copies.setdefault(bs, []).append((b, d))
-                    seen.add(d)
-        to_disk = self.lower.plan_room(copies)  # HostFull / DiskFull here: nothing changed
-        transfer = Transfer("device", "host", 0, 0, self.lower.mover.path, 0)
-        for bs, pairs in copies.items():
-            host_part = pairs[:len(pairs) - to_disk.get(bs, 0)]
-            if host_part:
-                transfer = self.lower.store(bs, host_part, pinned=False)
-            if len(host_part) < len(pairs):
-                transfer = self.lower.store_disk(bs, pairs[len(host_part):])
-        cache = self.cache
-        for s, bs, _table, digests, private in plans:
-            for d in digests:
-                self.lower.entries[d].pins += 1
-            residual = cache.residual(s)
-            host_res = tuple(t.to("cpu") for t in residual) if residual is not None else None
-            self._swapped[s] = _Swapped(m.tokens(s), bs, m.extra_key(s), m.prompt_len(s), digests, private,
-                                        cache._quantized.get(s), host_res, self._priority.pop(s, 0))
-            cache.manager.free(s, observe=False)
-            cache._quantized.pop(s, None)
-            cache._residual.pop(s, None)
-            self._chain.pop(s, None)
-            self.counters.swapped_out += 1
-        return transfer
+        A block several of them share goes once and comes back shared; blocks already below (inclusive copies of
+        published prefix blocks) are not copied again; what the host cannot take goes straight to disk. All or
+        nothing: :class:`HostFull` / :class:`DiskFull` (or an I/O error) leave the sequences resident and nothing
+        of theirs below."""
+        return swap.swap_out(self, self._distinct("seq_ids", seq_ids))
 
     def swap_in(self, seq_ids: Sequence) -> Transfer:
         """Bring swapped-out sequences back: device prefix hits where their published blocks are still cached,
-        the rest filled from host or disk in one batch. All or nothing (``OutOfBlocks`` when the device is short)."""
-        seq_ids = self._distinct("seq_ids", seq_ids)
-        for s in seq_ids:
-            if s not in self._swapped:
-                raise ValueError(f"sequence {s!r} is not swapped out")
-        m, pool = self.cache.manager, self.cache.manager.pool
-        by_size: dict[int, int] = {}
-        for s in seq_ids:
-            sw = self._swapped[s]
-            by_size[sw.block_size] = by_size.get(sw.block_size, 0) + len(sw.digests)
-        for bs, n in by_size.items():  # conservative: device hits would need fewer
-            if n > pool.free_blocks(bs):
-                raise OutOfBlocks(f"swapping in {seq_ids} needs up to {n} blocks of {bs} tokens, "
-                                  f"{pool.free_blocks(bs)} available")
-        fills: dict[int, list[tuple[int, bytes]]] = {}
-        for s in seq_ids:
-            sw = self._swapped[s]
-            placement = m.add(s, sw.tokens, extra_key=sw.extra_key, publish=False, block_size=sw.block_size)
-            table = m.block_table(s)
-            hits = placement.first // sw.block_size
-            fills.setdefault(sw.block_size, []).extend(zip(table[hits:], sw.digests[hits:], strict=True))
-        self.cache.flush_evictions()  # blocks the allocation evicted go down before they are overwritten
-        transfer = Transfer("host", "device", 0, 0, self.lower.mover.path, 0)
-        for bs, pairs in fills.items():
-            transfer = self.lower.load(bs, pairs)
-        cache = self.cache
-        for s in seq_ids:
-            sw = self._swapped.pop(s)
-            if sw.quantized is not None:
-                cache._quantized[s] = sw.quantized
-            if sw.residual is not None:
-                cache._residual[s] = tuple(t.to(cache.device) for t in sw.residual)
-            m.publish(s, upto=cache.quantized_tokens(s))
-            self._priority[s] = sw.priority
-            self._release_swapped(sw)
-            self._note(s)
-            self.counters.swapped_in += 1
-        return transfer
-
-    def _release_swapped(self, sw: _Swapped) -> None:
-        for d in sw.digests:
-            e = self.lower.entries.get(d)
-            if e is not None:
-                e.pins -= 1
-        self.lower.drop([d for d in sw.private if d in self.lower.entries])
+        the rest filled from host or disk in one batch each, the blocks they shared shared again. All or nothing
+        (``OutOfBlocks`` when the device is short, :class:`CorruptBlock` when a block of theirs failed its
+        checksum: free those and compute them again)."""
+        return swap.swap_in(self, self._distinct("seq_ids", seq_ids))
 
     # ---- prefix promotion --------------------------------------------------------------
     def promote_prefix(self, tokens: Sequence[int], *, expected_len: int | None = None,
                        extra_key: object = None) -> int:
         """Bring the part of ``tokens``' cached prefix that lies below the device back into device blocks (one
         batch from host, one from disk) and make it findable there. Returns the blocks promoted (0 when the
-        device lacks free blocks for them: the prompt is then computed, as on a miss)."""
+        device lacks free blocks for them: the prompt is then computed, as on a miss). A disk block that fails
+        its checksum is dropped (counted in ``stats()["corrupt"]``) and the run stops before it."""
+        tokens = self._check_prompt(tokens, expected_len)
         m = self.cache.manager
+        pool = m.pool
         self.cache.flush_evictions()  # blocks evicted since the last write (PagedKVCache.evict, say) go down first
         bs, hits = m.cached_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
         eligible = (len(tokens) - 1) // bs  # the block with the last prompt token is never a hit
         if eligible <= len(hits):
             return 0
         digests = self.digests(tokens, bs, extra_key, eligible)
-        run = 0
-        for d in digests[len(hits):]:
-            e = self.lower.entries.get(d)
-            if e is None or e.block_size != bs:
+        room = pool.free_blocks(bs) - sum(1 for b in hits if pool.ref_count(bs, b) == 0)
+        while True:
+            run = 0
+            for d in digests[len(hits):]:
+                e = self.lower.entries.get(d)
+                if e is None or e.corrupt or run >= room:
+                    break
+                run += 1
+            if not run:
+                return 0
+            keys = digests[len(hits):len(hits) + run]
+            on_disk = [d for d in keys if self.lower.entries[d].tier == "disk"]
+            try:
+                fetched = (on_disk, self.lower.fetch(on_disk))  # read and checked before the device changes
                 break
-            run += 1
-        if not run:
-            return 0
-        end = (len(hits) + run) * bs
+            except CorruptBlock:
+                continue  # that entry is gone (or marked): the run now stops before it
         temp = ("__tiers_promote__", next(self._temp_ids))
-        try:
-            placement = m.add(temp, tokens[:end], extra_key=extra_key, publish=False, block_size=bs)
-        except OutOfBlocks:
-            return 0
+        placement = m.add(temp, tokens[:(len(hits) + run) * bs], extra_key=extra_key, publish=False, block_size=bs)
         try:
             table = m.block_table(temp)
             first = placement.first // bs
-            self.cache.flush_evictions()
-            self.lower.load(bs, list(zip(table[first:], digests[first:len(hits) + run], strict=True)))
+            self._protect = set(keys)
+            try:
+                self.cache.flush_evictions()
+            finally:
+                self._protect = set()
+            self.lower.load(bs, list(zip(table[first:], keys, strict=True)), fetched)
             m.publish(temp)
             for e, d in zip(m.published(temp), digests, strict=False):
                 self._entry_digest[e] = (d, self.lower.entries[d].priority if d in self.lower.entries else 0)
@@ -399,33 +370,36 @@ class TieredCache:
 
     # ---- moves between tiers ---------------------------------------------------------------
     def _on_evict(self, batch: list[tuple[int, int, int]]) -> None:
-        """The allocator evicted these cached device blocks: demote the ones not below yet, in one batch per size."""
+        """The allocator evicted these cached device blocks: demote the ones not below yet, in one batch per size
+        (the host's share, and what it cannot hold straight to disk); a corrupt copy below is replaced."""
         todo: dict[int, list[tuple[int, bytes]]] = {}
+        heal: dict[int, list[tuple[int, bytes]]] = {}
         priorities = {}
         for bs, bid, entry in batch:
             d, priorities[bid] = self._entry_digest.pop(entry, (None, 0))
+            e = self.lower.entries.get(d) if d is not None else None
             if d is None:
                 self.counters.dropped += 1  # published outside this TieredCache: no digest to keep it under
-            elif d in self.lower.entries:
-                self.lower.entries[d].last_access = next(self.lower.clock)
+            elif e is not None and e.corrupt:
+                heal.setdefault(bs, []).append((bid, d))
+            elif e is not None:
+                e.last_access = next(self.lower.clock)
                 self.counters.demote_skipped += 1
             else:
                 todo.setdefault(bs, []).append((bid, d))
+        for bs, pairs in heal.items():
+            self.lower.heal(bs, pairs, self._protect)
         for bs, pairs in todo.items():
-            units = self.lower.mover.units(bs) * len(pairs)
-            try:
-                self.lower.make_host_room(units, protect=set())
-            except TierFull:
-                self.counters.dropped += len(pairs)  # every entry below is pinned: this prefix is forgotten
-                continue
-            self.lower.store(bs, pairs, pinned=False)
-            for bid, d in pairs:
+            stored = self.lower.demote(bs, pairs, self._protect)
+            for bid, d in stored:
                 self.lower.entries[d].priority = priorities[bid]
-            self.counters.demoted += len(pairs)
+            self.counters.demoted += len(stored)
+            self.counters.dropped += len(pairs) - len(stored)  # nowhere to go: this prefix is forgotten
 
     # ---- reports -----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Occupancy per tier, the moves (bytes, blocks, batches, copy calls, seconds per direction) and counters."""
+        """Occupancy per tier, the moves (bytes, blocks, batches, copy calls, seconds per direction) and counters
+        (``corrupt``: disk blocks that failed their checksum, dropped)."""
         self.cache.flush_evictions()
         pool = self.cache.manager.pool
         c, low = self.counters, self.lower.counters
@@ -436,7 +410,8 @@ class TieredCache:
             "moves": self.lower.moves(),
             "demoted": c.demoted, "demote_skipped": c.demote_skipped, "dropped": c.dropped, "to_disk": low.to_disk,
             "disk_dropped": low.disk_dropped, "promoted_host": low.promoted_host, "promoted_disk": low.promoted_disk,
-            "swapped_out": c.swapped_out, "swapped_in": c.swapped_in, "swapped_now": len(self._swapped),
+            "corrupt": low.corrupt, "swapped_out": c.swapped_out, "swapped_in": c.swapped_in,
+            "swapped_now": len(self._swapped),
         }
 
     def close(self) -> None:
@@ -452,6 +427,8 @@ class TieredCache:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
             raise ValueError(f"{name} must be a non-empty list of sequence ids, got {ids!r}")
         ids = list(ids)
+        for s in ids:
+            hashable(f"{name} entry", s)
         if len(set(map(repr, ids))) != len(ids):
             raise ValueError(f"{name} must not repeat a sequence, got {ids!r}")
         return ids
@@ -462,16 +439,13 @@ class TieredCache:
             raise ValueError(f"priority must be an int, got {priority!r}")
 
     def check_invariants(self) -> None:
-        """The lower tiers' accounting; pins == the swapped sequences holding each entry; the allocator's own."""
-        self.lower.check()
-        pins: dict[bytes, int] = {}
-        for sw in self._swapped.values():
-            for d in sw.digests:
-                assert d in self.entries, "a swapped sequence lost a block"
-                pins[d] = pins.get(d, 0) + 1
-        for d, e in self.entries.items():
-            assert e.pins == pins.get(d, 0), f"entry {d.hex()}: pins {e.pins} != {pins.get(d, 0)}"
+        """The allocator's invariants, the lower tiers' accounting and the tier state (``swap.check``): a
+        swapped-out sequence is not on the device and its blocks have entries pinned once per holder, a private
+        entry is held, bookkeeping names only live sequences and device entries."""
         self.cache.manager.check_invariants()
+        self.lower.check()
+        swap.check(self)
+        assert not self._protect, "an operation left keys protected"
 
 
 def describe_stats(stats: dict) -> str:
