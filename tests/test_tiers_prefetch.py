@@ -15,15 +15,20 @@ import pytest
 from workbench.tiers import prefetch
 from workbench.tiers.access import (
     AccessTrace,
+    capture_summary,
     full_trace,
+    pattern_traces,
     recall,
     sliding_window_trace,
     topk_trace,
     trace_from_capture,
+    trace_rows,
+    window_blocks,
 )
-from workbench.tiers.link import LinkModel
+from workbench.tiers.host import HostPool, contiguous_runs
+from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import PREFETCH, FutureAccessError, PrefetchContext, PrefetchState, TraceView
-from workbench.tiers.replay import DIRECTIONS, compare, replay
+from workbench.tiers.replay import DIRECTIONS, compare, compare_traces, replay
 
 MS = 1e-3
 FLAT = LinkModel({("dma", "h2d"): ((1, 1.0),), ("dma", "d2h"): ((1, 1.0),),
@@ -384,6 +389,29 @@ class BadOrder(PrefetchState):
     (lambda: prefetch.get("window", window_tokens=0), "window_tokens"),
     (lambda: prefetch.HotSet("mru"), "policy"),
     (lambda: prefetch.get("sequential", nope=1), "no option"),
+    # issue 30 item 4: every public argument of workbench.tiers named in its error
+    (lambda: FLAT.seconds("1 MB"), "nbytes"),
+    (lambda: FLAT.gbps(-1), "nbytes"),
+    (lambda: FLAT.batch_seconds(0, 3), "block_bytes"),
+    (lambda: FLAT.batch_seconds(10, -1), "blocks"),
+    (lambda: FLAT.batch_seconds(10, 2, batched="no"), "batched"),
+    (lambda: latest_link_model(3), "results_dir"),
+    (lambda: window_blocks(-1, 4, 8, 0), "tokens"),
+    (lambda: window_blocks(10, 0, 8, 0), "block_size"),
+    (lambda: window_blocks(10, 4, 0, 0), "window_tokens"),
+    (lambda: window_blocks(10, 4, 8, -2), "sink_tokens"),
+    (lambda: pattern_traces(10, 3, topk=0, capture=None), "topk"),
+    (lambda: pattern_traces(10, 3, capture_topk=0), "capture_topk"),
+    (lambda: SMALL.tokens(len(SMALL)), "step"),
+    (lambda: recall(3), "trace"),
+    (lambda: trace_rows([SMALL]), "traces"),
+    (lambda: capture_summary("trace"), "trace"),
+    (lambda: compare(SMALL, 3, device_blocks=2, **CFG), "strategies"),
+    (lambda: compare_traces({"a": SMALL}, {"none": "none"}, token_bytes=0, device_blocks=2), "token_bytes"),
+    (lambda: compare_traces([SMALL], {"none": "none"}, token_bytes=1, device_blocks=2), "traces"),
+    (lambda: HostPool(640, 64, pin=False).allocate("ab"), "sizes"),
+    (lambda: HostPool(640, 64, pin=False).view(9, 2), "start and units"),
+    (lambda: contiguous_runs([0, 1], [1, 1, 1]), "sizes"),
 ])
 def test_bad_arguments_name_the_argument(call, argument):
     with pytest.raises(ValueError, match=argument):

@@ -119,6 +119,8 @@ class AccessTrace:
 
     def tokens(self, step: int) -> int:
         """The context length (tokens) at ``step``."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 0 <= step < len(self.steps):
+            raise ValueError(f"step must be an int in [0, {len(self.steps)}), got {step!r}")
         if self.prompt_tokens is None:
             return self.num_blocks[step] * self.block_size
         return self.prompt_tokens + step + 1
@@ -131,6 +133,10 @@ class AccessTrace:
 def window_blocks(tokens: int, block_size: int, window_tokens: int, sink_tokens: int) -> list[int]:
     """StreamingLLM's blocks for a context of ``tokens`` tokens: those holding the first ``sink_tokens`` tokens
     and those overlapping the last ``window_tokens`` (sorted). Shared by the trace and the ``window`` prefetcher."""
+    _non_negative("tokens", tokens)
+    _positive("block_size", block_size)
+    _positive("window_tokens", window_tokens)
+    _non_negative("sink_tokens", sink_tokens)
     n_blocks = -(-tokens // block_size)
     sinks = range(min(-(-sink_tokens // block_size), n_blocks))
     recent = range(max(0, tokens - window_tokens) // block_size, n_blocks)
@@ -262,6 +268,7 @@ def trace_from_capture(capture, layer: int, block_size: int, k: int, *, mass: fl
 
 def recall(trace: AccessTrace) -> np.ndarray:
     """Per step, the share of the ``needed`` blocks (true attention) that the step reads (1.0 when none needed)."""
+    _check_trace(trace)
     if trace.needed is None:
         raise ValueError(f"trace {trace.name!r} has no needed blocks (only capture traces record them)")
     pairs = zip(trace.steps, trace.needed, strict=True)
@@ -275,6 +282,8 @@ def pattern_traces(prompt_tokens: int, steps: int, block_size: int = 16, *, wind
     (``window_tokens`` + 4 sinks), ``top-k`` (``topk`` blocks, query ``drift``) and ``SmolLM2`` (the captured
     prompt and layer ``capture``, top-``capture_topk`` blocks of ``capture_block_size``; left out when ``capture``
     is None). A missing capture raises ``FileNotFoundError`` (:func:`trace_from_capture`)."""
+    for name, v in (("topk", topk), ("capture_block_size", capture_block_size), ("capture_topk", capture_topk)):
+        _positive(name, v)  # named here: the traces call them k and block_size
     traces = {"full": full_trace(prompt_tokens, steps, block_size),
               "sliding window": sliding_window_trace(prompt_tokens, steps, block_size, window_tokens=window_tokens),
               "top-k": topk_trace(prompt_tokens, steps, block_size, topk, drift=drift)}
@@ -286,6 +295,10 @@ def pattern_traces(prompt_tokens: int, steps: int, block_size: int = 16, *, wind
 def trace_rows(traces: Mapping[str, AccessTrace]) -> list[dict]:
     """One table row per trace: ``{pattern (the key), trace (its name), steps, reads_per_step, blocks (at the
     end), block_size}``."""
+    if not isinstance(traces, Mapping):
+        raise ValueError(f"traces must be a mapping of labels to AccessTrace, got {type(traces).__name__}")
+    for tr in traces.values():
+        _check_trace(tr)
     return [{"pattern": label, "trace": tr.name, "steps": len(tr), "reads_per_step": tr.total_reads / len(tr),
              "blocks": tr.num_blocks[-1], "block_size": tr.block_size} for label, tr in traces.items()]
 
@@ -294,6 +307,7 @@ def capture_summary(trace: AccessTrace) -> dict[str, float]:
     """How well a capture trace's selection matches the true attention (means over steps): ``covered`` (the share
     of the attention mass in the blocks read), ``block_share`` (the share of the blocks read) and ``recall`` (of
     the blocks holding ``mass`` of it, :func:`recall`). ``ValueError`` for a trace without them."""
+    _check_trace(trace)
     if trace.covered is None or trace.needed is None:
         raise ValueError(f"trace {trace.name!r} has no true attention (only capture traces record it)")
     return {"covered": sum(trace.covered) / len(trace), "block_share": trace.total_reads / sum(trace.num_blocks),
@@ -331,6 +345,11 @@ def _decode_blocks(prompt_tokens: int, steps: int, block_size: int) -> tuple[int
     _positive("steps", steps)
     _positive("block_size", block_size)
     return tuple(-(-(prompt_tokens + t + 1) // block_size) for t in range(steps))
+
+
+def _check_trace(trace: object) -> None:
+    if not isinstance(trace, AccessTrace):
+        raise ValueError(f"trace must be an AccessTrace, got {type(trace).__name__}")
 
 
 def _positive(name: str, value: object) -> None:

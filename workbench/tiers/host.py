@@ -67,6 +67,10 @@ class HostPool:
 
     def view(self, start: int, units: int) -> torch.Tensor:
         """Units ``start .. start + units - 1`` as one contiguous uint8 tensor ``[units * unit_bytes]``."""
+        if not (type(start) is int and type(units) is int and 0 <= start and units >= 1
+                and start + units <= self.num_units):
+            raise ValueError(f"start and units must be ints with 0 <= start, units >= 1, start + units <= "
+                             f"{self.num_units}, got start={start!r}, units={units!r}")
         return self.buffer[start:start + units].view(-1)
 
     # ---- allocation ----------------------------------------------------------------
@@ -75,6 +79,9 @@ class HostPool:
 
         The whole batch goes in one run when a free run is long enough (the first such, by address), in order;
         else each block takes the first run it fits."""
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or \
+                any(isinstance(s, bool) or not hasattr(s, "__index__") for s in sizes):
+            raise ValueError(f"sizes must be a list of positive unit counts, got {sizes!r}")
         sizes = [int(s) for s in sizes]
         if any(s < 1 for s in sizes):
             raise ValueError(f"sizes must be positive unit counts, got {sizes}")
@@ -141,7 +148,10 @@ def contiguous_runs(starts: Sequence[int], sizes: Sequence[int]) -> list[tuple[i
     import numpy as np
 
     st = np.asarray(starts, dtype=np.int64)
-    sz = np.broadcast_to(np.asarray(sizes, dtype=np.int64), st.shape)
+    sz = np.asarray(sizes, dtype=np.int64)
+    if sz.ndim and sz.shape != st.shape:
+        raise ValueError(f"sizes must be one size or one per start ({st.size}), got {sz.size}")
+    sz = np.broadcast_to(sz, st.shape)
     if st.size == 0:
         return []
     breaks = np.flatnonzero(st[1:] != st[:-1] + sz[:-1]) + 1  # a block that does not follow the one before

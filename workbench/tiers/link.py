@@ -100,8 +100,8 @@ class LinkModel:
     def gbps(self, nbytes: int, path: str = "dma", direction: str = "h2d") -> float:
         """The bandwidth one transfer of ``nbytes`` reaches (log-log interpolation, clamped at the ends)."""
         pts = self._curve(path, direction)
-        if nbytes <= 0:
-            raise ValueError(f"nbytes must be > 0, got {nbytes}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes > 0:
+            raise ValueError(f"nbytes must be a number > 0, got {nbytes!r}")
         if nbytes <= pts[0][0]:
             return pts[0][1]
         if nbytes >= pts[-1][0]:
@@ -116,6 +116,8 @@ class LinkModel:
         """Time of ``transfers`` transfers of ``nbytes`` each, one after another (0 for no bytes)."""
         if isinstance(transfers, bool) or not isinstance(transfers, int) or transfers < 0:
             raise ValueError(f"transfers must be an int >= 0, got {transfers!r}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not nbytes >= 0:
+            raise ValueError(f"nbytes must be a number >= 0, got {nbytes!r}")
         if nbytes == 0 or transfers == 0:
             return 0.0
         return transfers * nbytes / (self.gbps(nbytes, path, direction) * 1e9)
@@ -124,6 +126,12 @@ class LinkModel:
                       batched: bool = True) -> float:
         """Time to move ``blocks`` blocks of ``block_bytes``: one transfer of them all (``batched``, the staging
         buffer or one SM-copy launch) or one transfer per block (``path="dma"`` then means a ``copy`` each)."""
+        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+            raise ValueError(f"block_bytes must be an int >= 1, got {block_bytes!r}")
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise ValueError(f"blocks must be an int >= 0, got {blocks!r}")
+        if not isinstance(batched, bool):
+            raise ValueError(f"batched must be a bool, got {batched!r}")
         if blocks == 0:
             return 0.0
         if batched:
@@ -145,6 +153,8 @@ class LinkModel:
 
 def latest_link_model(results_dir: Path | str | None = None) -> LinkModel:
     """The newest committed ``tiers-h200-*.json`` run as a :class:`LinkModel`, else :meth:`LinkModel.default`."""
+    if results_dir is not None and not isinstance(results_dir, (str, Path)):
+        raise ValueError(f"results_dir must be None or a directory path, got {type(results_dir).__name__}")
     d = Path(results_dir) if results_dir else Path(__file__).resolve().parents[2] / "data" / "results"
     runs = sorted(d.glob("tiers-*.json"))
     return LinkModel.from_results(runs[-1]) if runs else LinkModel.default()

@@ -233,6 +233,8 @@ def compare(trace: AccessTrace, strategies: Iterable | str | None = None, **conf
         strategies = [n for n in PREFETCH if n != "score" or trace.scores is not None]
     elif isinstance(strategies, str):
         strategies = [strategies]
+    elif not isinstance(strategies, Iterable):
+        raise ValueError(f"strategies must be None, a name or an iterable of strategies, got {strategies!r}")
     return [replay(trace, s, **config).row() for s in strategies]
 
 
@@ -244,6 +246,11 @@ def compare_traces(traces: Mapping[str, AccessTrace], strategies: Mapping[str, o
     ``config``: the other keyword arguments of :func:`replay` (``device_blocks``, ``compute_s``, ``link``...)."""
     from workbench.tiers.prefetch import needs_scores
 
+    for name, v in (("traces", traces), ("strategies", strategies)):
+        if not isinstance(v, Mapping):
+            raise ValueError(f"{name} must be a mapping (label -> value), got {type(v).__name__}")
+    if isinstance(token_bytes, bool) or not isinstance(token_bytes, int) or token_bytes < 1:
+        raise ValueError(f"token_bytes must be an int >= 1, got {token_bytes!r}")
     rows = []
     for pattern, tr in traces.items():
         use = {n: s for n, s in strategies.items() if tr.scores is not None or not needs_scores(s)}
