@@ -131,6 +131,13 @@ def test_results_file_cli_and_bad_input(tmp_path, capsys):
     (tmp_path / "bad.xml").write_text("<html/>")
     assert gpu_tests.main([str(tmp_path / "o.json"), str(tmp_path / "bad.xml")]) == 2
     assert "not a JUnit XML file (root <html>)" in capsys.readouterr().err
+    gpu = tmp_path / "gpu.json"
+    gpu_tests.write(gpu, [xml], META)
+    assert gpu_tests.main([str(tmp_path / "m.json"), str(xml), str(xml), "--meta-from", str(gpu)]) == 1
+    merged = json.loads((tmp_path / "m.json").read_text())
+    assert merged["meta"]["gpu"] == "NVIDIA H200" and merged["counts"]["passed"] == 4  # the GPU's stamp kept
+    assert gpu_tests.main([str(tmp_path / "m.json"), str(xml), "--meta-from", str(xml)]) == 2
+    assert "is not a gpu_tests results file" in capsys.readouterr().err
     with pytest.raises(ValueError, match="is not a readable JUnit XML file"):
         gpu_tests.read_junit(tmp_path / "missing.xml")
     with pytest.raises(ValueError, match="junit must name"):

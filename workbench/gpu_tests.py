@@ -7,7 +7,8 @@ failed or errored with the first line of their message, stamped like every resul
 
     python -m workbench.gpu_tests OUT.json RESULTS.xml [MORE.xml ...]    # exit 1 when a test failed or errored
 
-Several XML files (a run split over calls) make one results file. The committed one lives in ``data/results``.
+Several XML files (a run split over calls) make one results file; ``--meta-from`` takes the stamp of a results file
+the GPU wrote (merging on another machine must not stamp that one). The committed file lives in ``data/results``.
 """
 
 from __future__ import annotations
@@ -100,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", type=Path, help="the JSON file to write")
     ap.add_argument("junit", type=Path, nargs="+", help="pytest --junitxml files")
     ap.add_argument("--command", default="pytest -m kernels tests/", help="what ran, recorded in meta")
+    ap.add_argument("--meta-from", type=Path, default=None,
+                    help="a gpu_tests JSON whose stamp (meta) to keep: the GPU's, when merging elsewhere")
     args = ap.parse_args(argv)
     try:
-        doc = write(args.out, args.junit, command=args.command)
+        meta = None
+        if args.meta_from is not None:
+            try:
+                meta = {k: v for k, v in json.loads(args.meta_from.read_text())["meta"].items() if k != "command"}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"--meta-from {args.meta_from} is not a gpu_tests results file ({e})") from None
+        doc = write(args.out, args.junit, meta, command=args.command)
     except ValueError as e:
         print(f"gpu_tests: {e}", file=sys.stderr)
         return 2
