@@ -357,6 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tune", action="store_true", help="time more launch variants per workload")
     ap.add_argument("--out", type=Path, default=None,
                     help="result folder (default results/, git-ignored; data/results holds the committed ones)")
+    ap.add_argument("--impl", action="append", default=[], metavar="NAME",
+                    help="time a registered decode implementation beside ours and the installed peers instead "
+                         "(repeatable; workbench.bench.byok_decode: bench decode --impl NAME --help for its options)")
+    ap.add_argument("--load", action="append", default=[], metavar="MODULE",
+                    help="with --impl: import a .py file or module first (its conformance.register calls run)")
+    args, _ = ap.parse_known_args(argv)
+    if args.impl or args.load:  # bring your own kernel: its own run and options
+        from workbench.bench import byok_decode
+
+        return byok_decode.main(argv)
     args = ap.parse_args(argv)
     if not args.smoke and not harness.require_gpu("decode"):
         return 2

@@ -7,6 +7,12 @@
     python -m workbench check --list                        # what is registered, what it claims, absent peers
     python -m workbench check --export problems/ --level smoke   # problem files for a kernel outside Python
     python -m workbench check --outputs problems/           # judge the outputs an outside kernel wrote there
+    python -m workbench check flashinfer --json r.json      # GPU: each case in a worker replaced after a crash;
+    python -m workbench check flashinfer --json r.json --resume   # r.journal.jsonl: continue a run that died
+
+On a GPU the cases run isolated by default (--no-isolate: in this process, where a case that loses the CUDA
+context stops the run). Cases outside what the implementation claims are listed as unsupported, not run
+(--include-unsupported runs them, reported apart).
 """
 
 from __future__ import annotations
@@ -18,24 +24,44 @@ import json
 import sys
 from pathlib import Path
 
+from workbench.conformance import registry
 from workbench.conformance.registry import OPS
+
+LOADED: list[str] = []  # the files and modules load_module imported here, in order (an isolated worker imports them)
+SOURCES: dict[tuple[str, str], str] = {}  # (op, name) -> the file or module whose import registered it
 
 
 def load_module(spec: str) -> None:
-    """Import a ``.py`` file or a dotted module, so that its ``register`` calls run."""
+    """Import a ``.py`` file or a dotted module, so that its ``register`` calls run; remember which
+    implementations it registered (:func:`command_name`)."""
     path = Path(spec)
+    if spec.endswith(".py") and not path.is_file():
+        raise ValueError(f"no such file: {spec}")
+    registry._load()  # the built-ins first: they are not the file's
+    before = dict(registry._REGISTRY)
     if spec.endswith(".py"):
-        if not path.is_file():
-            raise ValueError(f"no such file: {spec}")
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(mod_spec)
         sys.modules[path.stem] = module
         mod_spec.loader.exec_module(module)
     else:
         importlib.import_module(spec)
+    if spec not in LOADED:
+        LOADED.append(spec)
+    for key, impl in registry._REGISTRY.items():
+        if before.get(key) is not impl:
+            SOURCES[key] = spec
+
+
+def command_name(impl) -> str:
+    """How ``python -m workbench check`` names ``impl`` so that a printed command runs as printed: ``FILE.py:NAME``
+    for one a file registered, else its name."""
+    spec = SOURCES.get((impl.op, impl.name))
+    return f"{spec}:{impl.name}" if spec else impl.name
 
 
 def _parser() -> argparse.ArgumentParser:
+    from workbench.argtypes import positive_float, positive_int
     from workbench.conformance.cases import LEVELS
 
     ap = argparse.ArgumentParser(prog="python -m workbench check", description=__doc__.splitlines()[0],
@@ -46,16 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--level", default="pairwise", choices=LEVELS, help="which cases (default pairwise)")
     ap.add_argument("--case", action="append", default=[], metavar="ID", help="run only this case (repeatable)")
     ap.add_argument("--load", action="append", default=[], metavar="MODULE", help="import a .py file or module first")
-    ap.add_argument("--stop-after", type=int, default=None, metavar="N", help="stop after N failures")
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the report as JSON")
+    ap.add_argument("--stop-after", type=positive_int, default=None, metavar="N", help="stop after N failures (>= 1)")
+    ap.add_argument("--json", type=Path, default=None, metavar="PATH",
+                    help="write the report as JSON (and journal the cases to PATH's stem + .journal.jsonl)")
+    ap.add_argument("--journal", type=Path, default=None, metavar="PATH",
+                    help="write each case's id before it runs and its result after (default with --json: "
+                         "PATH.journal.jsonl)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the journaled run: reuse finished cases, fail the one it died in, run the rest")
     ap.add_argument("--list", action="store_true", help="list the registered implementations and absent peers")
     ap.add_argument("--export", type=Path, default=None, metavar="DIR",
                     help="write the cases (of IMPL's claims, default ours) as problem files to DIR")
     ap.add_argument("--outputs", type=Path, default=None, metavar="DIR",
                     help="judge the output files in DIR of the problems there (or in --problems)")
     ap.add_argument("--problems", type=Path, default=None, metavar="DIR", help="with --outputs: the problems' folder")
-    ap.add_argument("--isolate", action="store_true",
-                    help="run each case in a forked child (CPU): a kernel that crashes the interpreter fails its case")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="run the cases in a worker process replaced after a crash or a lost CUDA context "
+                         "(default: on with a GPU, off on a CPU)")
+    ap.add_argument("--timeout", type=positive_float, default=600.0, metavar="SECONDS",
+                    help="with --isolate: a case running longer fails and its worker is replaced (default 600)")
+    ap.add_argument("--include-unsupported", action="store_true",
+                    help="also run the cases outside the implementation's claims (reported apart, not failures)")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return ap
 
@@ -91,14 +128,40 @@ def _write_json(path: Path, report) -> None:
     path.write_text(json.dumps({"meta": machine_meta(), **report.to_json()}, indent=1, default=str) + "\n")
 
 
+def _check_paths(args) -> None:
+    """Every path the run writes, checked before it starts (ValueError naming the argument)."""
+    from workbench.bench.harness import ensure_writable_dir
+
+    if args.export is not None:
+        try:
+            ensure_writable_dir(args.export)
+        except ValueError as e:
+            raise ValueError(f"argument --export: {e}") from None
+    for flag, path in (("--json", args.json), ("--journal", args.journal)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"argument {flag}: {path} is a folder; name a file")
+        try:
+            ensure_writable_dir(path.parent)
+        except ValueError as e:
+            raise ValueError(f"argument {flag}: {e}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
+    import torch
+
     from workbench.conformance import exchange
     from workbench.conformance.registry import get
     from workbench.conformance.suite import check
 
+    journal = args.journal or (args.json.with_suffix(".journal.jsonl") if args.json is not None else None)
     try:
+        _check_paths(args)
+        if args.resume and journal is None:
+            raise ValueError("argument --resume: needs a journal (--journal PATH, or --json PATH)")
         for m in args.load:
             load_module(m)
         name = args.impl
@@ -123,21 +186,20 @@ def main(argv: list[str] | None = None) -> int:
                 def save(rep):
                     if len(rep.results) % 10 == 0:
                         _write_json(args.json, rep)
-            report = check(impl, cases=cases, progress=not args.quiet, stop_after=args.stop_after, each=save,
-                           isolate=args.isolate)
+            isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
+            report = check(impl, cases=None if not args.case else cases, level=args.level, progress=not args.quiet,
+                           stop_after=args.stop_after, each=save, isolate=isolate, journal=journal,
+                           resume=args.resume, unsupported=True, include_unsupported=args.include_unsupported,
+                           timeout_s=args.timeout)
     except ValueError as e:
         print(f"check: {e}", file=sys.stderr)
         return 2
     if args.json is not None:
         _write_json(args.json, report)
     try:
-        print(report.summary())
-        for r in report.failures[:10]:
-            print(f"  FAIL {r.case.id}: {r.reason}")
-        if len(report.failures) > 10:
-            print(f"  ... and {len(report.failures) - 10} more (--json PATH writes them all)")
+        print(report.summary(failures=10))
         if args.json is not None:
-            print(f"wrote {args.json}")
+            print(f"wrote {args.json}" + (f" (journal {journal})" if journal is not None else ""))
     except BrokenPipeError:  # `| head`: the reader has gone, the verdict stands
         sys.stderr.close()
     return 0 if report.passed else 1

@@ -1,14 +1,14 @@
 """Adapters that put installed peers behind the decode op's contract, each checked by the same suite.
 
 Each entry of :data:`PEERS` imports its library and returns ``(fn, claims)``; an ImportError means the peer is
-absent (``builtin.ABSENT`` says so). Neither library is on the H200 image or the CI machine, so these adapters are
-written from the libraries' documented APIs and run only where a user has them installed; their first run through
-``python -m workbench check flashinfer`` is the check that they are right.
+absent (``builtin.ABSENT`` says so). Neither library is on the H200 image or the CI machine (``../shared/peers``
+brings them to a GPU run). The claims state what the library supports, so the suite runs an adapter on those cases
+only and lists the rest as unsupported by the adapter (docs/byo_kernel.md):
 
-- FlashInfer: ``BatchDecodeWithPagedKVCacheWrapper`` planned on our CSR export (``kv_indptr``, ``kv_indices``,
-  ``kv_last_page_len``), NHD or HND.
-- vLLM: ``unified_attention`` (its Triton attention, the V1 engine's) with our block table, NHD, one query token per
-  sequence.
+- FlashInfer 0.7.4: ``BatchDecodeWithPagedKVCacheWrapper`` (its CUDA decode kernel, ``use_tensor_cores=False``)
+  planned on our CSR export (``kv_indptr``, ``kv_indices``, ``kv_last_page_len``). See :data:`FLASHINFER_CLAIMS`.
+- vLLM 0.26: ``unified_attention`` (its Triton attention, the V1 engine's) with our block table, one query token
+  per sequence. See :data:`VLLM_CLAIMS`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,29 @@ from __future__ import annotations
 import importlib
 
 import torch
+
+# What FlashInfer's batch decode supports, from its sources (flashinfer-ai/flashinfer):
+# - head dims 64, 128, 256: include/flashinfer/attention/decode.cuh picks vec_size = max(16 / sizeof(DTypeKV),
+#   HEAD_DIM / 32) and bdx = HEAD_DIM / vec_size threads per row, reduced by shfl_xor over bdx / 2, bdx / 4, ... (a
+#   power of two); include/flashinfer/utils.cuh DISPATCH_HEAD_DIM lists 64, 128, 256, 512, and vLLM's FlashInfer
+#   backend (vllm/v1/attention/backends/flashinfer.py, get_supported_head_sizes) allows 64, 128, 256. Head dim 80
+#   (bdx = 10) is outside it: the suite's d80 case is where the H200 run died.
+# - 16-byte aligned rows: every K/V row is loaded with cp_async::pred_load<vec_bits = 128> (decode.cuh), which needs
+#   16-byte aligned addresses; a block stride padded by 3 elements gives "CUDA error: misaligned address" (sticky).
+# - GQA group sizes 1, 2, 3, 4, 8: DISPATCH_GQA_GROUP_SIZE in utils.cuh.
+# - fp16 / bf16 queries and caches (fp8 e4m3 / e5m2 caches with one scalar k_scale / v_scale, which the suite's
+#   per-head fp8 formats are not); page size any (paged_kv.page_size is a runtime divisor); layouts NHD and HND
+#   (kv_layout), strides read from the tensors.
+FLASHINFER_CLAIMS = dict(layouts=("nhd", "hnd"), formats=("fp16", "bf16"), head_dims=(64, 128, 256),
+                         groups=(1, 2, 3, 4, 8), row_align=16)
+
+# What vLLM's Triton unified attention supports, from vllm/v1/attention/ops/triton_unified_attention.py
+# (vllm-project/vllm): the cache is [num_blocks, block_size, num_kv_heads, head_size] (NHD) and addressed through
+# its runtime strides (stride_k_cache_0..2, int64: padded block strides are fine); any head size (loads masked to
+# HEAD_SIZE within HEAD_SIZE_PADDED = next power of two); any block size (seq_offset // BLOCK_SIZE, tiles of
+# TILE_SIZE apart from it); any group (num_queries_per_kv); fp16 / bf16 (fp8 with one per-tensor scale, or the
+# per-token-head scale caches of its own, neither the suite's formats).
+VLLM_CLAIMS = dict(layouts=("nhd",), formats=("fp16", "bf16"))
 
 
 def _flashinfer():
@@ -37,7 +60,7 @@ def _flashinfer():
         empty = (kv_indptr[1:] == kv_indptr[:-1])  # no pages: the contract says zeros
         return out.copy_(got.masked_fill(empty[:, None, None], 0))
 
-    return flashinfer_decode, dict(layouts=("nhd", "hnd"), formats=("fp16", "bf16"),
+    return flashinfer_decode, dict(**FLASHINFER_CLAIMS,
                                    description=f"FlashInfer {getattr(fi, '__version__', '?')} batch decode (CSR)")
 
 
@@ -56,8 +79,7 @@ def _vllm():
                               q_descale=None, k_descale=None, v_descale=None)
         return out.masked_fill_((seq_lens == 0)[:, None, None], 0)
 
-    return vllm_triton_decode, dict(layouts=("nhd",), formats=("fp16", "bf16"),
-                                    description="vLLM unified_attention (Triton), block table")
+    return vllm_triton_decode, dict(**VLLM_CLAIMS, description="vLLM unified_attention (Triton), block table")
 
 
 PEERS = {"flashinfer": _flashinfer, "vllm_triton": _vllm}

@@ -17,6 +17,7 @@ The reference is float64 over the values the cache stores (dequantized), so the 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -162,6 +163,21 @@ def empty_pool(scheme: quant.Scheme, case: Case, kind: str, num_blocks: int, dev
     plane.view(torch.uint8).fill_(SUITE_FORMATS[case.kv_format].poison)
     return block_view(plane, case.layout, kind, case.block_size, case.num_kv_heads,
                       qblocks.code_dim(scheme, case.head_dim))
+
+
+@functools.lru_cache(maxsize=4096)
+def row_alignment(case: Case) -> int:
+    """The bytes every K/V row of the case's pools starts at a multiple of: the largest power of two (at most 256)
+    dividing every stride of both views but the unit one. Unpadded fp16 rows of 64 give 128; a block stride padded
+    by 3 fp16 elements gives 2, which a kernel loading 16 bytes at a time (FlashInfer) cannot read."""
+    scheme = _scheme(case)
+    g = 256
+    for kind in "kv":
+        view = empty_pool(scheme, case, kind, 2, "meta")  # strides only: nothing is allocated
+        for stride in view.stride():
+            if stride != 1:
+                g = math.gcd(g, stride * view.element_size())
+    return g & -g
 
 
 def _tables(case: Case, g: torch.Generator) -> tuple[list[list[int]], int, int]:

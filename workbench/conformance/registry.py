@@ -2,8 +2,9 @@
 
 An op is a contract: the arguments an implementation may ask for (by parameter name: it is handed only the ones
 its signature names, so a CSR kernel asks for ``kv_indptr`` and never sees the block table) and what it must give
-back. An implementation is any callable plus what it claims to support (layouts, formats, block sizes, head dims);
-the conformance suite (:mod:`workbench.conformance.suite`) runs it on every case it claims and nothing else.
+back. An implementation is any callable plus what it claims to support (layouts, formats, block sizes, head dims, GQA
+group sizes, the byte alignment its loads need); the conformance suite (:mod:`workbench.conformance.suite`) runs it
+on every case it claims and lists the others as unsupported, never as failures.
 
     @register("decode", "mine", layouts=("nhd",), formats=("fp16", "bf16"))
     def mine(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out):
@@ -74,7 +75,9 @@ OPS: dict[str, Op] = {
 
 @dataclass(frozen=True)
 class Impl:
-    """A registered implementation and what it claims (None: any)."""
+    """A registered implementation and what it claims (None: any). ``row_align``: the byte alignment every K/V row
+    (one token's values of one kv head) must start at, as a kernel's vector loads need (FlashInfer: 16); the suite's
+    padded block strides break it (``workbench.conformance.problems.row_alignment``)."""
 
     op: str
     name: str
@@ -84,14 +87,37 @@ class Impl:
     formats: tuple[str, ...] = ("fp16", "bf16", "fp32")
     block_sizes: tuple[int, ...] | None = None
     head_dims: tuple[int, ...] | None = None
+    groups: tuple[int, ...] | None = None  # query heads per kv head
+    row_align: int = 1
     description: str = ""
     takes: frozenset = field(default=frozenset(), compare=False)  # the op's arguments its signature names
     takes_all: bool = field(default=False, compare=False)  # it has **kwargs
 
-    def supports(self, layout: str, kv_format: str, block_size: int, head_dim: int) -> bool:
+    def supports(self, layout: str, kv_format: str, block_size: int, head_dim: int, group: int | None = None) -> bool:
         return (layout in self.layouts and kv_format in self.formats
                 and (self.block_sizes is None or block_size in self.block_sizes)
-                and (self.head_dims is None or head_dim in self.head_dims))
+                and (self.head_dims is None or head_dim in self.head_dims)
+                and (group is None or self.groups is None or group in self.groups))
+
+    def unsupported(self, case) -> str:
+        """Why ``case`` (a :class:`~workbench.conformance.problems.Case`) is outside what this implementation
+        claims ("" when it claims it): every reason, "; "-joined."""
+        from workbench.conformance.problems import row_alignment
+
+        if self.op == "copy":  # its cases take no claims: every pool is bytes
+            return ""
+        why = [f"{name} {value} not in {','.join(map(str, claimed))}"
+               for name, value, claimed in (("layout", case.layout, self.layouts),
+                                            ("format", case.kv_format, self.formats),
+                                            ("block size", case.block_size, self.block_sizes),
+                                            ("head dim", case.head_dim, self.head_dims),
+                                            ("group", case.group, self.groups))
+               if claimed is not None and value not in claimed]
+        if self.row_align > 1:
+            got = row_alignment(case)
+            if got < self.row_align:
+                why.append(f"rows aligned to {got} bytes, needs {self.row_align}")
+        return "; ".join(why)
 
     def __call__(self, inputs: dict):
         """Call the implementation with the inputs its signature asks for."""
@@ -101,8 +127,10 @@ class Impl:
     def claims(self) -> str:
         sizes = "any" if self.block_sizes is None else ",".join(map(str, self.block_sizes))
         dims = "any" if self.head_dims is None else ",".join(map(str, self.head_dims))
+        extra = "" if self.groups is None else f"; groups {','.join(map(str, self.groups))}"
+        extra += f"; rows {self.row_align}-byte aligned" if self.row_align > 1 else ""
         return (f"layouts {','.join(self.layouts)}; formats {','.join(self.formats)}; block sizes {sizes}; "
-                f"head dims {dims}")
+                f"head dims {dims}{extra}")
 
 
 _REGISTRY: dict[tuple[str, str], Impl] = {}
@@ -176,7 +204,7 @@ def _check_size(kind: str):
 def make_impl(op: str, name: str, fn: Callable, *, origin: str = "user",
               layouts: Iterable[str] = ("nhd", "hnd", "vllm"), formats: Iterable[str] = ("fp16", "bf16", "fp32"),
               block_sizes: Iterable[int] | None = None, head_dims: Iterable[int] | None = None,
-              description: str = "") -> Impl:
+              groups: Iterable[int] | None = None, row_align: int = 1, description: str = "") -> Impl:
     """A checked :class:`Impl` (not registered): ValueError naming the argument that is wrong."""
     if op not in OPS:
         raise ValueError(f"op must be one of {list(OPS)}, got {op!r}")
@@ -191,7 +219,10 @@ def make_impl(op: str, name: str, fn: Callable, *, origin: str = "user",
     fmts = _names("formats", formats, _check_format) if op != "copy" else ("any",)
     sizes = None if block_sizes is None else _names("block_sizes", block_sizes, _check_size("block_sizes"))
     dims = None if head_dims is None else _names("head_dims", head_dims, _check_size("head_dims"))
-    return Impl(op, name, fn, origin, tuple(Layout.parse(v).value for v in lay), fmts, sizes, dims,
+    grps = None if groups is None else _names("groups", groups, _check_size("groups"))
+    if isinstance(row_align, bool) or not isinstance(row_align, int) or row_align < 1 or row_align & (row_align - 1):
+        raise ValueError(f"row_align must be a power of two >= 1 (bytes), got {row_align!r}")
+    return Impl(op, name, fn, origin, tuple(Layout.parse(v).value for v in lay), fmts, sizes, dims, grps, row_align,
                 description or (inspect.getdoc(fn) or "").split("\n")[0], takes, takes_all)
 
 
@@ -199,7 +230,8 @@ def register(op: str, name: str | None = None, fn: Callable | None = None, *, re
     """Register ``fn`` as implementation ``name`` of ``op``: ``register("decode", "mine", fn, ...)``, or as a
     decorator (``@register("decode", "mine", layouts=("nhd",))``; the name defaults to the function's).
 
-    ``claims``: ``layouts``, ``formats``, ``block_sizes``, ``head_dims`` (None: any), ``origin``, ``description``.
+    ``claims``: ``layouts``, ``formats``, ``block_sizes``, ``head_dims``, ``groups`` (None: any), ``row_align``
+    (bytes, default 1), ``origin``, ``description``.
     Returns the :class:`Impl` (the decorator returns ``fn`` unchanged).
     """
     _load()  # first: a user's "ours" must meet ours, not be replaced by it on the first lookup

@@ -11,7 +11,7 @@ fp32, any block size and head dim) and about as simple as a paged kernel gets; `
 
 (A bug that reads outside the tensors is not among them: the Triton interpreter has no memory protection, so such a
 kernel can crash the Python process on a CPU, and on a GPU it can leave the CUDA context unusable for later cases:
-``check(..., isolate=True)`` runs each case in a forked child on a CPU for such kernels.)
+``check(..., isolate=True)`` runs the cases in a worker process that is replaced after such a crash.)
 """
 
 from __future__ import annotations

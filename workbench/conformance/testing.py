@@ -30,7 +30,13 @@ def cases_of(impl: str, op: str = "decode", level: str = "pairwise"):
 
 def assert_conforms(impl: str, case: Case | str, op: str | None = None, device=None) -> float:
     """Run one case; AssertionError with the reason and the replay command if it fails. Returns the case's error."""
+    import shlex
+
+    from workbench.conformance.cli import command_name
+
     case = Case.parse(case) if isinstance(case, str) else case
-    result = run_case(get(impl, op or case.op), case, device)
-    assert result.passed, f"{case.id}: {result.reason}\n  replay: {case.replay().replace('<impl>', impl)}"
+    found = get(impl, op or case.op)
+    result = run_case(found, case, device)
+    assert result.passed, (f"{case.id}: {result.reason}\n  replay: "
+                           f"{case.replay().replace('<impl>', shlex.quote(command_name(found)))}")
     return result.error
