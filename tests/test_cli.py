@@ -15,6 +15,8 @@ from workbench.__main__ import main
 from workbench.bench import BENCHMARKS, allocator, harness, results
 from workbench.sim.cli import COMMANDS
 
+pytestmark = pytest.mark.kernels  # smoke benchmarks and `check` run Triton kernels (compiled on a GPU)
+
 NO_GPU = not torch.cuda.is_available()
 REAL_DEFAULT_OUT = harness.DEFAULT_OUT  # before the fixture below points it at tmp_path
 
@@ -302,3 +304,148 @@ def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monk
     page = html.read_text()
     assert "Plotly.newPlot" in page and "<script src" not in page and WIDGET_MIME not in page
     assert "widgets" not in nbformat.read(tmp_path / "out" / "t.ipynb", as_version=4).metadata
+
+
+# ------------------------------------------------------------------------------------------------ issue 30, item 7
+@pytest.mark.parametrize("argv, needle", [
+    (["check", "ours", "--stop-after", "0"], "--stop-after"),
+    (["check", "ours", "--stop-after", "-1"], "--stop-after"),
+    (["check", "ours", "--timeout", "0"], "--timeout"),
+    (["generate", "--temperature", "nan"], "--temperature"),
+    (["generate", "--temperature", "-0.5"], "--temperature"),
+    (["generate", "--seed", "-1"], "--seed"),
+    (["generate", "--threads", "0"], "--threads"),
+    (["bench", "decode", "--smoke", "--impl", "starter", "--timeout", "0"], "--timeout"),
+])
+def test_counts_that_must_be_positive_are_refused_before_any_work(capsys, monkeypatch, argv, needle):
+    """``check ours --stop-after 0`` ran one case and exited 0; now every such count is refused up front."""
+    from workbench.conformance import suite
+
+    monkeypatch.setattr(suite, "run_case", lambda *a, **k: pytest.fail("a case ran"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+
+
+def test_output_paths_that_are_files_are_refused_first(tmp_path, monkeypatch, capsys):
+    """``check --export README.md`` and ``capture --out README.md`` ended in a FileExistsError traceback (capture
+    after 23 s of work); every output path of check is now checked before anything runs."""
+    import workbench.model as wm
+    from workbench.conformance import exchange
+
+    monkeypatch.setattr(exchange, "export_problems", lambda *a, **k: pytest.fail("exported before the check"))
+    monkeypatch.setattr(wm, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    readme = str(harness.ROOT / "README.md")
+    for argv, flag in ((["check", "--export", readme, "--level", "smoke"], "--export"),
+                       (["capture", "--out", readme], "--out"),
+                       (["check", "ours", "--case", "decode/nhd/bs16/d64/hkv2/g1/fp16/lens=1/pad0/seed1",
+                         "--json", str(tmp_path)], "--json"),
+                       (["check", "ours", "--case", "decode/nhd/bs16/d64/hkv2/g1/fp16/lens=1/pad0/seed1",
+                         "--journal", readme + "/j.jsonl"], "--journal")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err and len(err.strip().splitlines()) <= 3, err
+
+
+def test_a_failure_reports_replay_hint_runs_as_printed_for_a_kernel_from_a_file(tmp_path, capsys):
+    """The hint named only the implementation, which a fresh shell does not have: it now names FILE.py:NAME."""
+    import shlex
+
+    from workbench import conformance
+
+    src = tmp_path / "broken.py"
+    src.write_text("import functools\nfrom workbench import conformance\n"
+                   "from workbench.conformance.starter import starter_decode\n"
+                   "conformance.register('decode', 'broken_mask_t', functools.partial(starter_decode, mistake='mask'),"
+                   " layouts=('nhd',))\n")
+    case = "decode/nhd/bs16/d64/hkv1/g1/fp32/lens=1/pad0/seed3"
+    try:
+        assert main(["check", f"{src}:broken_mask_t", "--case", case, "-q"]) == 1
+        out = capsys.readouterr().out
+        (hint,) = [line.split("replay ", 1)[1] for line in out.splitlines() if line.strip().startswith("replay ")]
+        argv = shlex.split(hint)
+        assert argv[:4] == ["python", "-m", "workbench", "check"] and argv[4] == f"{src}:broken_mask_t"
+        conformance.unregister("decode", "broken_mask_t")  # as a fresh shell: nothing registered
+        assert main(argv[3:]) == 1  # it runs, and the same case fails again
+        assert f"FAIL {case}" in capsys.readouterr().out
+    finally:
+        if "broken_mask_t" in conformance.names("decode"):
+            conformance.unregister("decode", "broken_mask_t")
+
+
+def test_report_notebooks_accepts_names_relative_to_notebooks(tmp_path, capsys):
+    from workbench.__main__ import notebook_paths
+
+    nbdir = harness.ROOT / "notebooks"
+    assert notebook_paths(["00*"]) == [nbdir / "00_tour.ipynb"]  # said "no notebook matches" before
+    assert notebook_paths(["00_tour"]) == notebook_paths(["notebooks/00_tour.ipynb"]) == [nbdir / "00_tour.ipynb"]
+    names = [p.name for p in notebook_paths(["0[0-1]*", "00_tour"])]  # a name twice: once
+    assert names == ["00_tour.ipynb", "01_allocator_and_sharing.ipynb"]
+    assert main(["report", "--notebooks", "zz*", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no notebook matches 'zz*'" in err and str(nbdir) in err and ".ipynb added" in err
+
+
+def test_generate_names_a_file_that_is_not_gguf(capsys):
+    pytest.importorskip("gguf")
+    assert main(["generate", "--gguf", str(harness.ROOT / "README.md")]) == 2
+    err = capsys.readouterr().err
+    assert "README.md is not a GGUF file" in err and "GGUF magic invalid" in err and "Traceback" not in err
+
+
+def test_generate_uses_one_thread_on_a_cpu_and_info_says_so(capsys):
+    from workbench.model.cli import CPU_THREADS, cpu_threads
+
+    assert cpu_threads("cpu") == CPU_THREADS == 1 and cpu_threads("cuda") is None and cpu_threads("cpu", 3) == 3
+    assert main(["info"]) == 0
+    assert f"generate uses {cpu_threads(workbench.device().type) or 'torch'}" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU default")
+def test_generate_runs_with_one_torch_thread(capsys):
+    from workbench.model.gguf_weights import model_available
+
+    if model_available() is not None:
+        pytest.skip(f"SmolLM2-135M: {model_available()}")
+    n = torch.get_num_threads()
+    try:
+        assert main(["generate", "--prompt", "a", "--prompt", "b", "--max-new-tokens", "2"]) == 0
+        assert "cpu (torch, 1 torch threads)" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_bench_decode_help_shows_impl(capsys):
+    assert main(["bench", "decode", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--impl NAME" in out and "--load MODULE" in out
+
+
+def _readme_commands():
+    """``(command words, --flags)`` of each row of the README's command table."""
+    import re
+
+    rows = []
+    for line in (harness.ROOT / "README.md").read_text().splitlines():
+        m = re.match(r"\| `python -m workbench ([^`]*)` \|(.*)\|\s*$", line)
+        if not m:
+            continue
+        words = []
+        for w in m.group(1).split():
+            if w.startswith(("-", "[", '"')) or w.isupper():
+                break
+            words.append(w)
+        if words and words[0] == "sweep":
+            words = ["sweep", "memory"]  # NAME: any sweep, one parser
+        rows.append((words, sorted(set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line)))))
+    return rows
+
+
+@pytest.mark.parametrize("words, flags", _readme_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_option_the_readme_documents_is_in_the_commands_help(words, flags, capsys):
+    """``bench decode --help`` did not show ``--impl``, which the README's row documents."""
+    assert words, "a README row without a command"
+    assert main([*words, "--help"]) == 0
+    text = capsys.readouterr().out
+    missing = [f for f in flags if f not in text]
+    assert not missing, f"README documents {missing} for `{' '.join(words)}`, its --help does not show them"

@@ -193,3 +193,64 @@ def test_dry_run_checks_every_option_and_says_what_is_done(tmp_path, capsys):
                        (["--address", "x:1"], "address: only with executor 'ray'")):
         assert main([*args, "--dry-run", *bad]) == 2 and match in capsys.readouterr().err
     assert not (tmp_path / "coalescing.jsonl").exists()  # a dry run writes nothing
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:  # a port the OS just handed out and nobody listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_ray_address_is_an_error_in_seconds(tmp_path, capsys):
+    """``sweep memory --executor ray --address 127.0.0.1:1`` (no cluster) hung for ever in Ray's reconnects; the
+    address is now probed first: one line naming it, exit 2, nothing written."""
+    import time
+
+    pytest.importorskip("ray")
+    port = _closed_port()
+    start = time.perf_counter()
+    assert main(["sweep", "memory", "--executor", "ray", "--address", f"127.0.0.1:{port}", "--out", str(tmp_path),
+                 "--no-progress"]) == 2
+    assert time.perf_counter() - start < 120  # Ray's import on a busy CPU; the probe itself takes < 3 s
+    err = capsys.readouterr().err
+    assert f"address: no Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert not list(tmp_path.glob("memory*.json*"))
+
+
+@pytest.mark.parametrize("address, env, message", [
+    ("127.0.0.1:{port}", None, "address: no Ray cluster at 127.0.0.1:{port}"),
+    ("ray://127.0.0.1:{port}", None, "no Ray cluster at ray://127.0.0.1:{port}"),
+    (None, "127.0.0.1:{port}", "RAY_ADDRESS: no Ray cluster"),
+    ("nohostport", None, "address: expected HOST:PORT"),
+    ("host:notaport", None, "address: expected HOST:PORT"),
+])
+def test_probe_address_refuses_what_nothing_listens_on(monkeypatch, address, env, message):
+    import time
+
+    from workbench.sweeps.executors import PROBE_S, probe_address
+
+    port = _closed_port()
+    fill = (lambda s: None if s is None else s.format(port=port))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if env is not None:
+        monkeypatch.setenv("RAY_ADDRESS", fill(env))
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=fill(message).replace("?", r"\?")):
+        probe_address(fill(address))
+    assert time.perf_counter() - start < PROBE_S + 1
+
+
+def test_probe_address_lets_ray_handle_auto_local_and_a_listening_port(monkeypatch):
+    import socket
+
+    from workbench.sweeps.executors import probe_address
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for address in (None, "auto", "local"):
+        probe_address(address)  # Ray starts or finds a local cluster for these: not refused here
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        probe_address(f"127.0.0.1:{server.getsockname()[1]}")

@@ -42,9 +42,16 @@ def version() -> str:
 
 
 def cmd_info(_args: argparse.Namespace) -> int:
-    from workbench.backend import describe
+    import torch
 
-    for key, value in describe().items():
+    from workbench.backend import describe
+    from workbench.model.cli import cpu_threads
+
+    info = describe()
+    gen = cpu_threads(str(info["device"]).split(":")[0])
+    info["threads"] = (f"torch {torch.get_num_threads()} here; generate uses "
+                       + (f"{gen} (small CPU work: --threads N)" if gen else "torch's default on a GPU"))
+    for key, value in info.items():
         print(f"{key:>8}: {value}")
     return 0
 
@@ -76,7 +83,7 @@ def cmd_tour(args: argparse.Namespace) -> int:
     import nbformat
     from nbclient import NotebookClient
 
-    from workbench.report import CellProgress, offline_html
+    from workbench.report import CellProgress, local_kernel, offline_html
 
     src = Path(args.notebook)
     if not src.is_file():
@@ -88,8 +95,10 @@ def cmd_tour(args: argparse.Namespace) -> int:
         return 2
     print(f"executing {src} ...", flush=True)
     # no widget state: it holds each view's plotly.js (5 MB) and no viewer without a kernel can use it
-    NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
-                   resources={"metadata": {"path": str(src.parent)}}, **CellProgress(nb).hooks()).execute()
+    with local_kernel() as kernel:  # IPC, not TCP: no "running over TCP without encryption" warning
+        NotebookClient(nb, timeout=args.timeout, kernel_name="python3", store_widget_state=False,
+                       resources={"metadata": {"path": str(src.parent)}}, **CellProgress(nb).hooks(),
+                       **kernel).execute()
     nb.metadata.pop("widgets", None)
     html_path = out_dir / (src.stem + ".html")
     html_path.write_text(offline_html(nb, title=src.stem), encoding="utf-8")
@@ -101,22 +110,33 @@ def cmd_tour(args: argparse.Namespace) -> int:
 
 
 def notebook_paths(specs: list[str] | None) -> list[Path]:
-    """The notebooks ``report`` runs: each spec a path or a glob (relative to the current folder, else to the
-    repository), matches in sorted order, duplicates once; no spec: every ``notebooks/[0-9][0-9]_*.ipynb``.
-    Raises ``ValueError`` naming a spec that matches nothing."""
+    """The notebooks ``report`` runs: each spec a path, a glob or a name, looked up relative to the current folder,
+    then the repository, then ``notebooks/``, with ``.ipynb`` added when it has none (``00_tour``, ``'0[0-2]*'``,
+    ``notebooks/05_*.ipynb``); matches in sorted order, duplicates once; no spec: every
+    ``notebooks/[0-9][0-9]_*.ipynb``. Raises ``ValueError`` naming a spec that matches nothing and where it looked."""
     import glob
 
     if not specs:
         return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    bases = [Path.cwd(), ROOT, ROOT / "notebooks"]
     paths: dict[Path, None] = {}
     for spec in specs:
         if Path(spec).is_file():
             matches = [spec]
         else:
-            matches = sorted(glob.glob(spec)) or sorted(glob.glob(str(ROOT / spec)))
-            matches = [m for m in matches if Path(m).is_file()]
+            pattern = spec if spec.endswith((".ipynb", "*")) else spec + ".ipynb"
+            matches = []
+            for base in bases:
+                for pat in dict.fromkeys((spec, pattern)):
+                    found = sorted(glob.glob(str(base / pat)))
+                    matches = [m for m in found if m.endswith(".ipynb") and Path(m).is_file()]
+                    if matches:
+                        break
+                if matches:
+                    break
         if not matches:
-            raise ValueError(f"no notebook matches {spec!r}")
+            raise ValueError(f"no notebook matches {spec!r}: it was tried as a path or glob (.ipynb added when "
+                             f"missing) relative to {', '.join(str(b) for b in dict.fromkeys(bases))}")
         paths.update(dict.fromkeys(Path(m).resolve() for m in matches))
     return list(paths)
 

