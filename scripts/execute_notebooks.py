@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/execute_notebooks.py notebooks/00_tour.ipynb [...]
 
+Then run nbval on each one (docs/notebooks.md). What a checked output may show is the same on every CPU (the same
+page), so the outputs stored on one machine pass on another.
+
 Widget state (plotly.js itself, megabytes) is not stored, so a stored widget output could only show its
 text/plain repr: it is dropped, and the output keeps the panel's static plotly snapshot, which JupyterLab
 draws until the notebook runs (and the live panel replaces it).
@@ -16,7 +19,8 @@ from nbclient import NotebookClient
 
 from workbench.report import PLOTLY_MIME, WIDGET_MIME
 
-os.environ.setdefault("CI", "1")  # SMOKE sizes, as nbval runs them
+os.environ.setdefault("CI", "1")
+os.environ["WORKBENCH_SMOKE"] = "1"  # SMOKE sizes, as nbval runs them, whatever this shell's WORKBENCH_SMOKE says
 for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]*.ipynb")):
     path = Path(name)
     nb = nbformat.read(path, as_version=4)

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from workbench import sweeps
-from workbench.notebook import KEY_NUMBERS_MIME
+from workbench.notebook import KEY_DIGITS, KEY_NUMBERS_MIME, sig
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -59,3 +59,29 @@ def test_it_ends_with_conclusions_that_were_computed(nb):
     for source in payloads[0]["sources"]:
         assert (ROOT / source).exists(), f"{stem} cites {source}, which is not in the repository"
     assert code(book).index(cells[-1]) >= len(code(book)) - 2, "the conclusions close the notebook"
+
+
+def test_key_numbers_carry_only_stable_digits(nb):
+    """A key number is carried as it is shown (``workbench.notebook.sig``, ``Bound``): the payload nbval compares
+    holds no float noise (docs/notebooks.md)."""
+    stem, book = nb
+    for cell in code(book):
+        for output in cell.outputs:
+            for name, value in output.get("data", {}).get(KEY_NUMBERS_MIME, {}).get("numbers", {}).items():
+                assert not isinstance(value, float) or sig(value) == value, (
+                    f"{stem}: key number {name!r} = {value!r} carries more than {KEY_DIGITS} significant digits")
+
+
+def test_checked_outputs_print_no_float_repr(nb):
+    """No checked output prints a float's full repr (more than 6 significant digits): its last digits are noise."""
+    stem, book = nb
+    for i, cell in enumerate(code(book)):
+        if "NBVAL_CHECK_OUTPUT" not in cell.source:
+            continue
+        for output in cell.outputs:
+            texts = [output.text] if output.output_type == "stream" else [
+                v for k, v in output.get("data", {}).items() if isinstance(v, str) and k.startswith("text/")]
+            for text in texts:
+                for m in re.finditer(r"(?<![\w.])\d*\.\d+", text):
+                    assert len(m.group().replace(".", "").lstrip("0")) <= 6, (
+                        f"{stem} code cell {i} prints {m.group()} ({text[max(0, m.start() - 40):m.end()]!r})")

@@ -41,18 +41,18 @@ def test_conclusions_mime_bundle():
     assert set(bundle) == {"text/plain", "text/markdown", KEY_NUMBERS_MIME}
     payload = bundle[KEY_NUMBERS_MIME]
     assert payload == {"title": "02 layouts", "sources": [SOURCE],  # deduplicated, paths as POSIX strings
-                       "numbers": {"peak fraction": 0.91234, "blocks": 12345, "dtype": "fp16", "exact": True,
+                       "numbers": {"peak fraction": 0.912, "blocks": 12345, "dtype": "fp16", "exact": True,
                                    "numpy": 2.5, "n": 7, "flag": False}}
     assert [type(payload["numbers"][k]) for k in ("n", "numpy", "flag")] == [int, float, bool]
     json.dumps(payload)  # what nbformat stores
     text = bundle["text/plain"].splitlines()
     assert text[0] == "Key numbers: 02 layouts"
     assert [line.split(":", 1)[0].strip() for line in text[1:-1]] == list(payload["numbers"])
-    assert re.match(r"\s+peak fraction:\s+0\.9123$", text[1]) and text[2].endswith(" 12,345")
+    assert re.match(r"\s+peak fraction:\s+0\.912$", text[1]) and text[2].endswith(" 12,345")
     assert text[-1] == f"  from: {SOURCE}"
     assert repr(c) == bundle["text/plain"]
     md = bundle["text/markdown"]
-    assert "| number | value |" in md and "| peak fraction | 0.9123 |" in md and f"`{SOURCE}`" in md
+    assert "| number | value |" in md and "| peak fraction | 0.912 |" in md and f"`{SOURCE}`" in md
 
 
 def test_conclusions_relative_source_from_an_absolute_path_and_no_sources():
@@ -64,7 +64,7 @@ def test_conclusions_relative_source_from_an_absolute_path_and_no_sources():
 
 def test_format_value():
     assert [format_value(v) for v in (0.0, 1.0, 0.5, 12.3456, 123.456, 12345.67, 2.5e7, 1.5e-5, -3.25)] == [
-        "0", "1", "0.5", "12.35", "123.5", "12,345.7", "2.500e+07", "1.500e-05", "-3.25"]
+        "0", "1", "0.5", "12.3", "123", "12,300", "2.50e+07", "1.50e-05", "-3.25"]
     assert [format_value(v) for v in (3, 1234567, True, "H200")] == ["3", "1,234,567", "True", "H200"]
 
 
@@ -260,7 +260,7 @@ def test_build_site_pages_index_and_data(site):
     assert (ok.ok, failed.ok, site.ok) == (True, False, False)
     assert ok.title == "90 · A tiny notebook" and ok.seconds > 0
     # WORKBENCH_SMOKE=0 reached the kernel (full sizes even on a CPU), which ran in the notebook's folder
-    assert ok.numbers == [{"cell": 1, "title": "tiny", "numbers": {"smoke": False, "answer": 42.125, "cwd": folder},
+    assert ok.numbers == [{"cell": 1, "title": "tiny", "numbers": {"smoke": False, "answer": 42.1, "cwd": folder},
                            "sources": [SOURCE, MISSING]}]
     assert ok.files == {SOURCE: SOURCE, MISSING: None}
     assert (site.out / SOURCE).read_bytes() == (ROOT / SOURCE).read_bytes()
@@ -269,7 +269,7 @@ def test_build_site_pages_index_and_data(site):
     assert (site.out / "plotly.min.js").read_text().startswith("/**")  # one copy for every page's figures
     index = site.index.read_text()
     assert "full sizes (WORKBENCH_SMOKE=0)" in index and '<a href="90_ok.html">' in index
-    assert '<td>answer</td><td class="num">42.12</td>' in index
+    assert '<td>answer</td><td class="num">42.1</td>' in index
     assert f'<a href="{SOURCE}">' in index and f"<code>{MISSING}</code> (missing: not copied)" in index
 
 

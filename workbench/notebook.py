@@ -9,6 +9,10 @@ for the kernels it starts.
 :func:`conclusions` is what a notebook ends a section with: a few named numbers and the data files they came from,
 shown as ``key: value`` lines (a table in JupyterLab) and carried in the output as
 ``application/vnd.workbench.key-numbers+json``, which the report's index page collects.
+
+A checked output shows only digits that are the same on every CPU (docs/notebooks.md): a key number is carried and
+shown to :data:`KEY_DIGITS` significant digits (:func:`sig`), and an error that is float rounding (a result against
+its reference) as the power of ten it stays below (:class:`Bound`, ``< 1e-03``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers as _numbers
 import os
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
@@ -65,24 +70,94 @@ def format_breakdown(b) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- key numbers
+#: Significant digits of a key number: float noise between CPUs (~1e-7 relative) stays far below the third.
+KEY_DIGITS = 3
+
+
+def sig(value, digits: int = KEY_DIGITS) -> float:
+    """``value`` rounded to ``digits`` significant digits, as a float (0, inf and nan as they are)."""
+    value = float(value)
+    if value == 0 or not math.isfinite(value):
+        return value
+    return float(f"{value:.{digits - 1}e}")
+
+
+class Bound(float):
+    """An error that is float rounding (fp16 storage, a kernel or a check against its reference), shown as the
+    power of ten it stays below, ``< 1e-03``: its own digits differ between CPUs. Still a float (compare, sort, sum);
+    every format spec prints the bound, so tables and f-strings downstream show the claim, not the noise. Zero
+    shows ``0`` and a non-finite value as itself; a negative one is refused (errors are >= 0)."""
+
+    def __new__(cls, value):
+        value = float(value)
+        if value < 0:
+            raise ValueError(f"Bound: value must be an error >= 0, got {value}")
+        return super().__new__(cls, value)
+
+    @property
+    def limit(self) -> float:
+        """The power of ten the value stays below (the value itself when it is 0 or not finite)."""
+        value = float(self)
+        if value == 0 or not math.isfinite(value):
+            return value
+        exp = int(f"{value:.16e}".split("e")[1])  # the decimal exponent, free of log10's rounding
+        limit = float(f"1e{exp + 1}")
+        return limit if value < limit else float(f"1e{exp + 2}")  # a power of ten whose double is below 10**k
+
+    def __str__(self) -> str:
+        value = float(self)
+        if value == 0 or not math.isfinite(value):
+            return "0" if value == 0 else str(value)
+        return f"< {self.limit:.0e}"
+
+    __repr__ = __str__
+
+    def __format__(self, spec: str) -> str:
+        width = re.fullmatch(r"(?:.?[<>=^])?[-+ ]?z?#?0?(\d*)[,_]?(?:\.\d+)?[a-zA-Z%]?", spec)
+        align = next((a for a in "<^" if a in spec[:2]), ">")  # right-aligned, as numbers are, unless asked
+        return format(str(self), align + (width.group(1) if width else ""))
+
+
+def as_bounds(rows: Iterable[Mapping], columns: Iterable[str], **where) -> list[dict]:
+    """Copies of ``rows`` with ``columns`` as :class:`Bound` in each row whose ``where`` columns hold one of the
+    given values (``scheme=("fp16", "bf16")``): the rows whose errors are float rounding, in a table of errors that
+    are not. Raises ``ValueError`` naming a column a selected row lacks, or a ``where`` that is not a collection."""
+    columns = [columns] if isinstance(columns, str) else list(columns)
+    for key, values in where.items():
+        if isinstance(values, str) or not isinstance(values, Iterable):
+            raise ValueError(f"as_bounds: {key} must be a tuple of values, got {values!r}")
+    where = {key: tuple(values) for key, values in where.items()}
+    out = []
+    for row in rows:
+        row = dict(row)
+        if all(row.get(key) in values for key, values in where.items()):
+            missing = [c for c in columns if c not in row]
+            if missing:
+                raise ValueError(f"as_bounds: columns {missing} are not in the row {row}")
+            row.update({c: Bound(row[c]) for c in columns})
+        out.append(row)
+    return out
+
+
 def format_value(value) -> str:
-    """A key number as a reader sees it: ints with thousands separators, floats to about 4 significant digits
-    (scientific below 0.001 and from a million on), strings and booleans as they are."""
-    if isinstance(value, (bool, str)):
+    """A key number as a reader sees it: ints with thousands separators, floats to :data:`KEY_DIGITS` significant
+    digits (scientific below 0.001 and from a million on), a :class:`Bound` as its bound, strings and booleans as
+    they are."""
+    if isinstance(value, (bool, str, Bound)):
         return str(value)
     if isinstance(value, _numbers.Integral):
         return f"{int(value):,}"
-    value = float(value)
+    value = sig(value)
     size = abs(value)
     if size == 0:
         return "0"
     if not math.isfinite(value):
         return str(value)
+    exp = int(f"{value:e}".split("e")[1])
     if size >= 1e6 or size < 1e-3:
-        return f"{value:.3e}"
-    if size >= 100:
-        return f"{value:,.1f}"
-    return f"{value:.4g}"
+        return f"{value:.{KEY_DIGITS - 1}e}"
+    text = f"{value:,.{max(0, KEY_DIGITS - 1 - exp)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _number(name: str, value):
@@ -94,10 +169,10 @@ def _number(name: str, value):
     if isinstance(value, _numbers.Integral):
         return int(value)
     if isinstance(value, _numbers.Real):
-        value = float(value)
         if not math.isfinite(value):
-            raise ValueError(f"conclusions: numbers[{name!r}] must be finite, got {value}")
-        return value
+            raise ValueError(f"conclusions: numbers[{name!r}] must be finite, got {float(value)}")
+        # carried as shown (the payload is what nbval compares): a Bound as its claim, a float to KEY_DIGITS
+        return str(value) if isinstance(value, Bound) else sig(value)
     hint = " (a tensor or array: pass .item())" if hasattr(value, "item") else ""
     raise ValueError(f"conclusions: numbers[{name!r}] must be a number, str or bool, got {type(value).__name__}{hint}")
 

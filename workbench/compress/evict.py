@@ -293,13 +293,15 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
         ``internal_before`` / ``internal_after`` (internal fragmentation, slots), ``utilization_before`` /
         ``utilization_after``, ``stored_tokens`` (the tokens the sequence attends after), ``decode_error`` (the
         decode path over the evicted blocks against fp32 attention over exactly the stored tokens, the last prompt
-        token's query, max relative error over layers), ``error_vs_full`` (the same query's attention-output error
-        against the full cache), ``newcomer_before`` / ``newcomer_after`` (the request placed or refused), and
-        ``tokens_selected``, ``blocks_spread`` (blocks of ``block_size`` the selected tokens touch), ``prompt``.
+        token's query, max relative error over layers: a :class:`workbench.notebook.Bound`), ``error_vs_full`` (the
+        same query's attention-output error against the full cache), ``newcomer_before`` / ``newcomer_after`` (the
+        request placed or refused), and ``tokens_selected``, ``blocks_spread`` (blocks of ``block_size`` the selected
+        tokens touch), ``prompt``.
     """
     from workbench import fragmentation
     from workbench.cache import PagedKVCache
     from workbench.compress import policies, study
+    from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
 
     L, T, H, D = evicted.k.shape
     last = policies.Observation(evicted.k, evicted.v, evicted.q_last[:, -1:], evicted.sm_scale)
@@ -325,7 +327,7 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
                     "slots_before": before.token, "slots_after": after.token, "internal_before": before.internal,
                     "internal_after": after.internal, "utilization_before": before.block_utilization,
                     "utilization_after": after.block_utilization, "stored_tokens": int(stored.sum()),
-                    "decode_error": err, "error_vs_full": study.attention_error(last, stored),
+                    "decode_error": Bound(err), "error_vs_full": study.attention_error(last, stored),
                     "newcomer_before": fits0, "newcomer_after": _admit(cache, newcomer, newcomer_tokens, block_size),
                     "newcomer_tokens": newcomer_tokens, "newcomer_blocks": -(-newcomer_tokens // block_size)})
         cache.manager.check_invariants()
@@ -349,7 +351,7 @@ def format_pool_study(rows: Sequence[dict], chosen_by: str = "the policy") -> st
             f"{r['slots_before']} -> {r['slots_after']} token slots, internal fragmentation {r['internal_before']} -> "
             f"{r['internal_after']} slots, utilization {r['utilization_before']:.3f} -> {r['utilization_after']:.3f}",
             f"  decode from the evicted blocks vs fp32 attention over the {r['stored_tokens']} stored tokens: "
-            f"max rel. error {r['decode_error']:.1e} (fp16 storage); vs the full cache: {r['error_vs_full']:.3f}",
+            f"max rel. error {r['decode_error']} (fp16 storage); vs the full cache: {r['error_vs_full']:.3f}",
             f"  a new {r['newcomer_tokens']}-token request ({r['newcomer_blocks']} blocks): before, "
             f"{r['newcomer_before']}; after, {r['newcomer_after']}"]
     return "\n".join(lines)
