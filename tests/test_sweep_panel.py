@@ -258,3 +258,13 @@ def test_a_sweep_shows_its_times_in_its_panels_unit():
     ref = dict(zip(panel.figure.data[0].x, panel.figure.data[0].y, strict=True))  # swap, block by block
     assert drawn.keys() <= ref.keys() and all(drawn[b] == pytest.approx(ref[b]) for b in drawn)
     assert tier_panels  # the panel and the sweep read the same committed link
+
+
+def test_a_numeric_x_is_ticked_at_the_values_swept():
+    """08's forks sweep ticked its sample counts 2, 4, 6 at 2.5, 3, 3.5 ...: an x of a few values is ticked at them."""
+    from workbench.ui import sweep_panels
+
+    panel = sweep_panels.sweep_panel("forks")
+    assert list(panel.figure.layout.xaxis.tickvals) == [2, 4, 6] and panel.figure.layout.xaxis.type == "linear"
+    quant = sweep_panels.sweep_panel("quant")
+    assert list(quant.figure.layout.xaxis.tickvals) == [1, 4, 8]

@@ -3,7 +3,9 @@
 Every notebook as a user meets it: JupyterLab in headless Chromium at 1280 px (the tour also at 1920 px: ``WIDE``).
 
 For each notebook: the stored copy shows its figures before anything runs (never a widget's text repr);
-Run All finishes with no error or stderr output; every plotly figure draws at its output area's width;
+Run All finishes with no error or stderr output, every panel showing its parameters cell's settings (a check cell
+puts back what it moved); every plotly figure draws at its output area's width, nothing is cut off inside an output
+or panel, no title is wider than its figure and no axis is titled with a column's name (``page_checks``);
 then every panel's text boxes, dropdowns, sliders (keyboard on the handle), toggles and buttons are used, and
 after each change the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same
 data, no stale layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from lab_driver import CHROMIUM, COMPARE_JS, FIGURES_JS, FLATTEN_JS, KernelConsole, LabServer
+from page_checks import FITTED_OUTPUTS, MOVED_PY, page_problems, wrapped_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9]*.ipynb"))
@@ -192,13 +195,17 @@ class Notebook:
     def figures(self) -> list[dict]:
         return self.page.evaluate(FIGURES_JS)
 
-    def python_side(self, panel_id: int | None = None) -> dict[int, dict]:
-        """The kernel's view of its live panels (figure, status, control values), or of one of them."""
+    def kernel(self, code: str) -> str:
+        """Run ``code`` in the notebook's kernel (a second client, set up once); its stdout."""
         if self.console is None:
             self.console = KernelConsole(self.connection)
             self.console.run(PYTHON_SIDE)
+        return self.console.run(code)
+
+    def python_side(self, panel_id: int | None = None) -> dict[int, dict]:
+        """The kernel's view of its live panels (figure, status, control values), or of one of them."""
         arg = "" if panel_id is None else int(panel_id)
-        return {int(k): v for k, v in json.loads(self.console.run(f"_wb_side({arg})")).items()}
+        return {int(k): v for k, v in json.loads(self.kernel(f"_wb_side({arg})")).items()}
 
     def compare(self, panel_id: int, changed_from: str | None = None, timeout_s: float = 30,
                 redraw_from: str | None = None) -> dict:
@@ -276,6 +283,8 @@ def _assert_clean(nb: Notebook, panel_id: int, what: str, changed_from: str | No
     page, kernel = r["controls"]
     assert page == kernel, f"panel {panel_id} after {what}: the page's controls show {page}, the kernel has {kernel}"
     assert r["changed"], f"panel {panel_id}: {what} changed nothing on the page"
+    problems = page_problems(nb.page, panel_id)
+    assert not problems, f"panel {panel_id} after {what}: {problems}"
 
 
 def _exercise_panel(nb: Notebook, panel_id: int, width: int, shots: str, full: bool = True) -> list[str]:
@@ -384,6 +393,8 @@ def check_notebook(lab, path: Path) -> None:
         assert "Error displaying widget" not in nb.page.inner_text(".jp-Notebook")
         panels = sorted({int(f["panel"].rsplit("-", 1)[1]) for f in nb.figures() if f["panel"]})
         assert len(panels) == len(nb.python_side()), "a live panel has no figure on the page"
+        moved = {pid: m for pid, m in json.loads(nb.kernel(MOVED_PY)).items() if m}
+        assert not moved, f"after Run All these panels are not as their parameters cell set them: {moved}"
 
         for width in WIDTHS if path.stem in WIDE else WIDTHS[:1]:
             if width != WIDTHS[0]:  # the page has been at the first width since the notebook opened
@@ -397,6 +408,11 @@ def check_notebook(lab, path: Path) -> None:
                 assert f["svg"] > 0, f"cell {f['cell']}: a figure did not render"
                 fits = abs(f["width"] - f["output_width"]) <= 2
                 assert fits, f"cell {f['cell']} at {width} px: figure {f['width']:.0f} px in {f['output_width']:.0f}"
+            problems = page_problems(nb.page)
+            assert not problems, f"after Run All at {width} px: {problems}"
+            if path.stem in FITTED_OUTPUTS:
+                wrapped = wrapped_lines(nb.page)
+                assert not wrapped, f"printed lines wrap mid-word at {width} px: {wrapped}"
             for pid in panels:
                 _assert_clean(nb, pid, f"Run All at {width} px", timeout_s=60)  # a loaded 2-core machine
                 shot = str(ARTIFACTS / f"{path.stem}-{width}-panel{pid}.png")

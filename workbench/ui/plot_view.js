@@ -7,9 +7,14 @@ function render({ model, el }) {
   const config = { displaylogo: false };  // not `responsive`: it sizes the div to 100% of an auto height (0 px)
   // Plotly.react replaces data and layout wholesale: nothing of the previous figure (an axis title, a shape,
   // a narrowed domain) survives a redraw, so the page shows exactly what a fresh figure would.
+  // One draw at a time: both calls are asynchronous, and a newPlot (a resize) started while a react was still
+  // drawing left the page with parts of neither figure (its layout emptied, or an old axis's autorange kept).
+  let drawing = Promise.resolve();
   const draw = (plot = Plotly.react) => {
-    const fig = model.get("figure") || {};
-    plot(gd, fig.data || [], fig.layout || {}, config);
+    drawing = drawing.then(() => {
+      const fig = model.get("figure") || {};
+      return plot(gd, fig.data || [], fig.layout || {}, config);
+    }).catch((e) => setTimeout(() => { throw e; }));  // reported as the page's error; the next draw still runs
   };
   draw();
   model.on("change:figure", () => draw());

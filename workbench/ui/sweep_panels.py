@@ -24,6 +24,7 @@ SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 # characters of a title line and of a smaller line under it before they wrap: a panel is ~850 px wide at 1280 px
 TITLE_CHARS, SOURCE_CHARS = 90, 120
+MAX_TICKS = 12  # a numeric x with this many values or fewer is ticked at the values swept
 
 
 def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None
@@ -89,7 +90,7 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
         else:
             fig.add_bar(x=[str(x) for x in xs], y=ys, name=name, marker_color=color)
     head, _, held = v.title().partition("<br>")
-    below = "<br>".join(wrap(x, SOURCE_CHARS) for x in (held, source) if x)
+    below = wrap("; ".join(x for x in (held, source) if x), SOURCE_CHARS)
     fig.update_layout(title=dict(text=wrap(head, TITLE_CHARS) + (f"<br><sup>{below}</sup>" if below else ""),
                                  font_size=14),
                       xaxis_title=v.titles.get("x", v.x), yaxis_title=v.titles.get("y", v.y), height=420,
@@ -101,11 +102,11 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
     if v.absent:
         fig.add_annotation(text="no points here: pick another value or another file under 'rows'", showarrow=False,
                            xref="paper", yref="paper", x=0.5, y=0.5, font_size=14)
-    if v.log_x and not v.yes_no:
-        ticks = sorted({p[0] for pts in v.series.values() for p in pts})
-        fig.update_xaxes(type="log", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])  # 32768, not 32.768k
-    elif v.yes_no or not v.numeric_x:
+    ticks = sorted({p[0] for pts in v.series.values() for p in pts}) if v.numeric_x else []
+    if v.yes_no or not v.numeric_x:
         fig.update_xaxes(type="category")
+    elif v.log_x or len(ticks) <= MAX_TICKS:  # the values swept, as written (32768, not 32.768k; no 2.5 samples)
+        fig.update_xaxes(type="log" if v.log_x else "linear", tickvals=ticks, ticktext=[f"{t:g}" for t in ticks])
     return fig
 
 
@@ -149,10 +150,10 @@ def sweep_panel(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
                              layout=W.Layout(width="560px")),
         # labelled as the axes are (the sweep's column table), the column name kept in brackets for code
         "y": W.Dropdown(options=_labelled(sweep, columns), value=sweep.y[0] if sweep.y[0] in columns else columns[0],
-                        description="y"),
-        "x": W.Dropdown(options=_labelled(sweep, axes), value=x0, description="x"),
+                        description="y", layout=W.Layout(width="460px")),
+        "x": W.Dropdown(options=_labelled(sweep, axes), value=x0, description="x", layout=W.Layout(width="340px")),
         "color": W.Dropdown(options=[(view.NO_COLOR, view.NO_COLOR), *_labelled(sweep, held)], value=c0,
-                            description="colour"),
+                            description="colour", layout=W.Layout(width="340px")),
     }
     defaults = sweep.defaults()
     for name, values in held.items():

@@ -121,7 +121,7 @@ def preemption_point(model: str, copies: str, path: str, tokens: int, block_size
 
 
 PREEMPTION_COLUMNS = {
-    "model": ("model",), "copies": ("a block is copied",), "path": ("copy path",), "tokens": ("request", "tokens"),
+    "model": ("model",), "copies": ("a block's copies",), "path": ("copy path",), "tokens": ("request", "tokens"),
     "block_size": ("block size", "tokens"), "link": ("link model",),
     "swap_per_block_s": ("swap out + in, copy by copy", "ms", 1e3),
     "swap_batched_s": ("swap out + in, batched", "ms", 1e3), "recompute_s": ("recompute (prefill)", "ms", 1e3),
