@@ -92,3 +92,43 @@ def page_problems(page, panel_id: int | None = None) -> list[str]:
 
 def wrapped_lines(page) -> list[str]:
     return page.evaluate(WRAPPED_JS)
+
+
+# A notebook that shows each class once: the checks above must name every one of them.
+PROBE_CELLS = [
+    'print("a printed line of 160 characters " + "word " * 26)',
+    'from IPython.display import HTML\n'
+    'HTML("<div style=\'max-height:40px;overflow:auto\'>" + "<p>a sequence</p>" * 6 + "</div>")',
+    "import ipywidgets as W\nimport plotly.graph_objects as go\nfrom workbench.ui.panels import Panel\n"
+    "panel = Panel({'n': W.IntSlider(value=1, min=0, max=5)}, lambda n: n, lambda n: go.Figure(\n"
+    "    go.Bar(y=[n]), layout=dict(title='a title far too long for its figure ' * 6,\n"
+    "                             xaxis_title='bytes_per_token', yaxis_title='attention error')))\npanel",
+    "panel.controls['n'].value = 3  # a check cell that leaves the panel moved",
+]
+
+
+def check_the_checks(lab, notebook_class) -> None:
+    """Run :data:`PROBE_CELLS` in the lab: every check of this module names its class there."""
+    import nbformat
+
+    server, _, lab_page = lab
+    path = server.root / "notebooks" / "zz_page_checks_probe.ipynb"
+    book = nbformat.v4.new_notebook()
+    book.cells = [nbformat.v4.new_code_cell(src) for src in PROBE_CELLS]
+    book.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(book, path)
+    nb = notebook_class(server, lab_page, path)
+    try:
+        nb.run_all(timeout_s=120)
+        nb.page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length > 0",
+                                  timeout=30_000)
+        nb.page.wait_for_timeout(500)
+        import json
+
+        found = "\n".join(page_problems(nb.page) + wrapped_lines(nb.page))
+        for what in ("wraps", "shows", "of a ", "titled with a column's name, 'bytes_per_token'"):
+            assert what in found, f"the checks missed {what!r}; they found:\n{found}"
+        moved = json.loads(nb.kernel(MOVED_PY))
+        assert list(moved.values()) == [{"n": ["3", "1"]}], moved
+    finally:
+        nb.close()
