@@ -231,3 +231,40 @@ def test_quant_speed_heatmap_frames_the_scheme_chosen_or_says_it_was_not_timed()
     c["family"].value, c["residual"].value, c["key_mode"].value = "int2", 128, "token"  # the issue's example
     assert measured_scheme(study.scheme_for("int2", "tensor", 32, 128, "token"), timed) is None
     panel.reset()
+
+
+def test_setup_titles_wrap_to_fit_and_grow_the_margin():
+    """07's evicted-cache title ran past its figure's right edge (the browser test's title check): a setup title and
+    each subtitle line are wrapped at word boundaries, the top margin and the height growing by the lines added."""
+    import re
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, setup_title
+
+    words = st.lists(st.text("abcdefghij:,%", min_size=1, max_size=12), min_size=1, max_size=40).map(" ".join)
+
+    @settings(max_examples=100, deadline=None)
+    @given(words, st.lists(words, min_size=1, max_size=3))
+    def check(title, subs):
+        top = setup_title({"title": title, "subtitle": "<br>".join(subs)}, margin_t=100, height=500)
+        head, _, sub = top["title"].partition("<br><sup>")
+        sub = sub.removesuffix("</sup>")
+        assert all(len(line) <= TITLE_CHARS for line in head.split("<br>"))
+        assert all(len(line) <= SUB_CHARS for line in sub.split("<br>"))
+        assert head.replace("<br>", " ").split() == title.split()  # the same words, in order
+        extra = head.count("<br>") + sub.count("<br>") - (len(subs) - 1)
+        assert top["margin_t"] == 100 + 20 * extra and top["height"] == 500 + 20 * extra
+        assert not re.search(r"<br>\s*<br>", top["title"])
+
+    check()
+
+
+def test_headline_is_the_whole_title_line_without_its_subtitle():
+    from workbench.ui.sweep_panels import sweep_panel
+
+    panel = sweep_panel("quant")
+    text = panel.figure.layout.title.text
+    assert "<br>" in text.split("<br><sup>")[0]  # this title wraps: its first line alone is a fragment
+    assert panel.headline() == text.split("<br><sup>")[0].replace("<br>", " ") and "<" not in panel.headline()

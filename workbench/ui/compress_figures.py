@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.bench.compress_results import KINDS, STAGES
+from workbench.ui.figures import setup_title
 
 POLICY_COLORS = {"streaming": "#8d99ae", "h2o": "#e76f51", "snapkv": "#2a9d8f", "threshold": "#d4a72c",
                  "quest": "#264653"}
@@ -116,9 +117,10 @@ def sparsification_overview(curves: Mapping[str, Sequence[Mapping]], chosen: str
     fig.update_xaxes(title_text=f"prompt token (white lines: blocks of {block_size})<br>{key}", title_font_size=11,
                      range=[-0.5, T - 0.5], title_standoff=4, tickfont_size=10, row=2, col=2)
     fig.update_yaxes(showticklabels=False, range=[-0.5, 0.5], row=2, col=2)
-    fig.update_layout(height=620, margin=dict(t=168, r=10, l=60, b=40), title_font_size=14,
+    top = setup_title(setup, margin_t=168, height=620)  # wrapped to fit
+    fig.update_layout(height=top["height"], margin=dict(t=top["margin_t"], r=10, l=60, b=40), title_font_size=14,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.17, yanchor="top", font_size=11),
-                      title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+                      title=top["title"])
     return fig
 
 
@@ -193,9 +195,10 @@ def quest_overview(recall: Sequence[Mapping], page_size: int, share: float, spee
                      range=[math.log10(min([share, *xs]) / 1.4), math.log10(max([share, *xs]) * 1.4)],
                      title_standoff=6, row=1, col=2)
     fig.update_yaxes(title_text="full decode time / Quest's", range=[0, top * 1.25], row=1, col=2)
-    fig.update_layout(height=540, margin=dict(t=135, r=10, l=60, b=40), title_font_size=14,
+    top = setup_title(setup, margin_t=135, height=540)  # wrapped to fit
+    fig.update_layout(height=top["height"], margin=dict(t=top["margin_t"], r=10, l=60, b=40), title_font_size=14,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.2, yanchor="top", font_size=11),
-                      title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+                      title=top["title"])
     return fig
 
 
@@ -258,10 +261,12 @@ def delta_overview(by_layer: Mapping[int, Mapping[str, Mapping]], layer: int,
     fig.update_yaxes(title_text="codec GB/s (log)", type="log", range=[math.log10(lo), math.log10(hi * 3)],
                      dtick=1, row=1, col=2)
     fig.update_xaxes(title_text="link (GB/s)", tickfont_size=9, tickangle=0, title_standoff=4, row=1, col=2)
-    fig.update_layout(height=540, barmode="group", scattermode="group", margin=dict(t=135, r=10, l=60, b=40),
+    top = setup_title(setup, margin_t=135, height=540)  # wrapped to fit
+    fig.update_layout(height=top["height"], barmode="group", scattermode="group",
+                      margin=dict(t=top["margin_t"], r=10, l=60, b=40),
                       title_font_size=14,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.24, yanchor="top", font_size=11),
-                      title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+                      title=top["title"])
     return fig
 
 
@@ -316,9 +321,10 @@ def model_overview(curves: Mapping[tuple[str, str], Sequence[Mapping]], full: Ma
     fig.update_yaxes(range=[0, tops["drift"] * 1.1], row=1, col=2)
     fig.update_yaxes(type="log", range=[math.log10(full["perplexity"] / 1.2), math.log10(tops["perplexity"] * 1.2)],
                      row=1, col=3)
-    fig.update_layout(height=520, margin=dict(t=168, r=10, l=60, b=40), title_font_size=14,
+    top = setup_title(setup, margin_t=168, height=520)  # wrapped to fit
+    fig.update_layout(height=top["height"], margin=dict(t=top["margin_t"], r=10, l=60, b=40), title_font_size=14,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.16, yanchor="top", font_size=11),
-                      title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+                      title=top["title"])
     return fig
 
 

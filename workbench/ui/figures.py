@@ -10,10 +10,24 @@ BREAKDOWN_PARTS = ("token_states", "reservation", "internal_fragmentation")
 COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal_fragmentation": "#e76f51"}
 
 
+TITLE_CHARS, SUB_CHARS = 90, 120  # a title line (14 px) and a line under it (<sup>) that fit a panel of ~850 px
+
+
 def wrap(text: str, chars: int) -> str:
     """Plain ``text`` broken at word boundaries into lines of at most ``chars`` characters, joined by ``<br>``: a
     plotly title does not wrap by itself, and a line wider than its figure is cut off at the edge."""
     return "<br>".join(textwrap.wrap(text, chars, break_long_words=False, break_on_hyphens=False)) if text else ""
+
+
+def setup_title(setup, margin_t: int, height: int) -> dict:
+    """``setup["title"]`` over ``setup["subtitle"]`` (lines split at ``<br>``) as one title, each line wrapped to fit
+    the figure, with the top margin and height grown by the lines wrapping added: ``fig.update_layout(**...)``."""
+    head = wrap(setup["title"], TITLE_CHARS)
+    lines = setup.get("subtitle", "").split("<br>")
+    sub = "<br>".join(wrap(line, SUB_CHARS) for line in lines)
+    extra = head.count("<br>") + sub.count("<br>") - (len(lines) - 1)
+    return {"title": head + (f"<br><sup>{sub}</sup>" if sub else ""), "margin_t": margin_t + 20 * extra,
+            "height": height + 20 * extra}
 
 
 def breakdown_bars(breakdowns: dict[str, dict[str, float]], unit: float = 2**30, unit_name: str = "GiB"):

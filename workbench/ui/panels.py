@@ -77,6 +77,11 @@ class Panel:
     def values(self) -> dict[str, Any]:
         return {name: w.value for name, w in self.controls.items()}
 
+    def headline(self) -> str:
+        """The figure's title without its smaller lines (``<sup>``), a wrapped title's lines joined: what a check
+        cell prints."""
+        return (self.figure.layout.title.text or "").split("<br><sup>")[0].replace("<br>", " ")
+
     def _update_enabled(self) -> None:
         for name, rule in self._enabled.items():
             self.controls[name].disabled = not rule(**self.values())

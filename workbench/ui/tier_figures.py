@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.bench.tier_results import DIRECTIONS, PATHS
+from workbench.ui.figures import setup_title
 
 PATH_COLORS = {"dma": "#2a9d8f", "dma_per_block": "#e76f51", "sm": "#264653"}
 PATH_SHORT = {"dma": "gathered batch (DMA)", "dma_per_block": "one copy per block", "sm": "SM copy kernel"}
@@ -179,10 +180,11 @@ def prefetch_overview(rows: Sequence[dict], chosen: str, timeline: Sequence, set
                      categoryarray=[TIMELINE_NAMES[k].split(" (")[0] for k in ("compute", "demand", "prefetch")],
                      row=2, col=1)
     fig.update_xaxes(title_text="time (ms)", title_standoff=4, row=2, col=1)
+    top = setup_title(setup, margin_t=130, height=640)  # wrapped to fit
     fig.update_layout(
-        height=640, barmode="overlay", margin=dict(t=130, r=10, l=60, b=50), title_font_size=14,
+        height=top["height"], barmode="overlay", margin=dict(t=top["margin_t"], r=10, l=60, b=50), title_font_size=14,
         legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.13, yanchor="top", font_size=11),
-        title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+        title=top["title"])
     return fig
 
 
@@ -211,7 +213,8 @@ def preemption_curve(rows: Sequence[dict], setup: Mapping) -> go.Figure:
     ticks = [m * 10**e for e in range(-3, 5) for m in (1, 2, 3, 5) if lo <= m * 10**e <= hi]
     fig.update_yaxes(title_text="swap out + in, or recompute (ms)", type="log", tickvals=ticks,
                      ticktext=[f"{t:g}" for t in ticks], range=[math.log10(lo), math.log10(hi)])
-    fig.update_layout(height=470, margin=dict(t=115, r=10, b=40), title_font_size=14,
+    top = setup_title(setup, margin_t=115, height=470)  # wrapped to fit
+    fig.update_layout(height=top["height"], margin=dict(t=top["margin_t"], r=10, b=40), title_font_size=14,
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.2, yanchor="top"),
-                      title=f"{setup['title']}<br><sup>{setup['subtitle']}</sup>")
+                      title=top["title"])
     return fig
