@@ -539,16 +539,17 @@ class PagedKVCache:
                 self.scheme.check_input(name, t)
         if num_tokens:
             bs = self.pool_sizes[0]
+            launch = self.ops == "kernels"  # the PyTorch ops write on any device: shapes and dtypes only
             try:
                 if self.scheme.scales_in_blocks:
                     n = self.scheme.group if self.scheme.packed and self.scheme.key_mode == "channel" else num_tokens
                     slots = torch.empty(n, dtype=torch.int64, device=self.device)
                     kk, vv = (t[0, :1].expand(n, -1, -1) for t in (k, v))  # the shape a group write has
                     check_dynamic_write(kk, vv, self.k_cache(0, bs), self.v_cache(0, bs), self.layout, slots,
-                                        self.scheme)
+                                        self.scheme, launch=launch)
                 else:
                     check_write_kv(k[0], v[0], self.k_cache(0, bs), self.v_cache(0, bs), self.layout.value,
-                                   self.k_scale, self.v_scale)
+                                   self.k_scale, self.v_scale, launch=launch)
             except ValueError as e:
                 raise ValueError(f"k/v cannot be written to this cache: {e}") from None
 

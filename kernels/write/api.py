@@ -50,9 +50,10 @@ def _cache_geometry(cache: torch.Tensor, layout: Layout, kind: str) -> tuple[int
     return s[0], s[3], s[1], s[2]  # [blocks, H, D, block_size]
 
 
-def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim=None):
+def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim=None, launch=True):
     """Validate shapes, dtypes and devices; return ``(block_size, num_blocks)``. ``code_dim``: elements a cache row
-    holds when it is not ``head_dim`` (packed codes)."""
+    holds when it is not ``head_dim`` (packed codes). ``launch``: also whether this backend can launch a kernel on
+    that device (False: the PyTorch ops will write, which run on any device)."""
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [T, H, D] tensor, got {getattr(t, 'shape', type(t))}")
@@ -96,7 +97,7 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim
     for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != device:
             raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
-    why = kernel_device_problem({"k_cache": device})  # a CPU cache under compiled Triton
+    why = kernel_device_problem({"k_cache": device}) if launch else None  # a CPU cache under compiled Triton
     if why is not None:
         raise ValueError(why)
     num_blocks, block_size = shapes["k_cache"]
@@ -123,10 +124,10 @@ def _meta(t) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
 
 
-def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw) -> _Plan:
+def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch=True) -> _Plan:
     """Validate everything but the slot values and choose the launch (see write_kv)."""
     layout = Layout.parse(layout)
-    block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping)
+    block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, launch=launch)
     num_tokens, num_heads, head_dim = key.shape
     quant, qmin, qmax = quant_mode(k_cache.dtype)
     if quant == QUANT_NONE:
@@ -182,28 +183,32 @@ def _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_sc
     return _Plan(_write_rows_kernel, grid, args, consts, num_slots, s_scale_h, False)
 
 
-def _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw) -> _Plan:
-    """The launch plan of this geometry, from the per-geometry cache or made (and validated) now."""
+def _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch=True) -> _Plan:
+    """The launch plan of this geometry, from the per-geometry cache or made (and validated) now. ``launch`` is in
+    the key: a plan checked for the PyTorch ops (no device guard) is never taken for a launch."""
     metas = (_meta(key), _meta(value), _meta(k_cache), _meta(v_cache), _meta(slot_mapping))
     plan_key = None
     if None not in metas and isinstance(layout, str) and (k_scale is None or isinstance(k_scale, torch.Tensor)) and (
         v_scale is None or isinstance(v_scale, torch.Tensor)
     ):
         plan_key = (layout, *metas, _meta(k_scale) if k_scale is not None else None,
-                    _meta(v_scale) if v_scale is not None else None, *kw.values())
+                    _meta(v_scale) if v_scale is not None else None, *kw.values(), launch)
     return _PLANS.get(plan_key, lambda: _make_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale,
-                                                   v_scale, kw))
+                                                   v_scale, kw, launch))
 
 
-def check_write_kv(key, value, k_cache, v_cache, layout, k_scale=None, v_scale=None) -> None:
+def check_write_kv(key, value, k_cache, v_cache, layout, k_scale=None, v_scale=None, *, launch=True) -> None:
     """Raise the ValueError :func:`write_kv` would raise for these tensors, without writing anything.
 
     Everything but the slot values is checked (shapes, strides, dtypes, devices, scales), so a
     caller can validate before it commits state (the cache checks before it allocates blocks).
+    ``launch=False``: the same checks but whether a kernel can run on the tensors' device (a caller writing with
+    the PyTorch ops, which run on any device, as a cache with ``ops="torch"`` does).
     """
     slots = torch.empty(key.shape[0] if isinstance(key, torch.Tensor) and key.dim() else 0, dtype=torch.int64,
                         device=k_cache.device if isinstance(k_cache, torch.Tensor) else None)
-    _cached_plan(key, value, k_cache, v_cache, layout, slots, k_scale, v_scale, dict.fromkeys(_WRITE_KEYWORDS))
+    _cached_plan(key, value, k_cache, v_cache, layout, slots, k_scale, v_scale, dict.fromkeys(_WRITE_KEYWORDS),
+                 launch)
 
 
 _WRITE_KEYWORDS = ("scheme", "tokens_per_program", "num_warps", "heads_per_program", "kv_split", "quant_math")
@@ -278,15 +283,16 @@ def write_kv(
     plan.kernel[plan.grid](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *plan.args, **plan.consts)
 
 
-def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme) -> tuple[int, int]:
-    """Every host-side check of a dynamic-scheme write; ``(block_size, num_blocks)``."""
+def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, *, launch=True) -> tuple[int, int]:
+    """Every host-side check of a dynamic-scheme write; ``(block_size, num_blocks)``. ``launch``: as in
+    :func:`check_write_kv`."""
     from workbench.quant import blocks as qblocks
 
     from .dynamic import check_dynamic
 
     layout = Layout.parse(layout)
     code_dim = qblocks.code_dim(scheme, key.shape[2]) if isinstance(key, torch.Tensor) and key.dim() == 3 else None
-    block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim)
+    block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim, launch)
     check_dynamic(scheme, key, k_cache, v_cache, layout, block_size)
     return block_size, num_blocks
 
