@@ -175,11 +175,11 @@ def test_quantized_arguments_are_checked(device):
         write_kv(torch.randn(16, 2, 64, device=device), torch.randn(16, 2, 64, device=device), kc, vc, "nhd",
                  torch.arange(16, device=device).flip(0), quant=kivi)
     with pytest.raises(ValueError, match="needs a power-of-two head_dim|at least 16"):
-        qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32)  # fine to allocate ...
-        write_kv(torch.randn(1, 2, 32), torch.randn(1, 2, 32),
-                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32),
-                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "v", 2, 16, 2, 32), "nhd",
-                 torch.zeros(1, dtype=torch.long), quant="int2/token")  # ... not to write 8-byte rows
+        qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32, device)  # fine to allocate ...
+        write_kv(torch.randn(1, 2, 32, device=device), torch.randn(1, 2, 32, device=device),
+                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "k", 2, 16, 2, 32, device),
+                 qblocks.empty_cache(quant.get("int2/token"), "nhd", "v", 2, 16, 2, 32, device), "nhd",
+                 torch.zeros(1, dtype=torch.long, device=device), quant="int2/token")  # ... not to write 8-byte rows
 
 
 def test_write_counts_nonfinite_on_the_kernel_path(device):

@@ -158,11 +158,12 @@ def fork_checks(layouts: Sequence[str] = tuple(Layout), num_layers: int = 2, num
     for layout in layouts:
         cache = PagedKVCache(num_layers, num_kv_heads, head_dim, num_pages=num_pages, page_tokens=page_tokens,
                              layout=layout)
+        dev = cache.device  # drawn on the CPU (the same numbers on every machine), written on the cache's device
         k, v = kv(prompt_len)
-        cache.add("a", list(range(prompt_len)), k, v)
+        cache.add("a", list(range(prompt_len)), k.to(dev), v.to(dev))
         cache.fork("a", "b")
         k2, v2 = kv(new_tokens)
-        placed = cache.append("b", [prompt_len + i for i in range(new_tokens)], k2, v2)
+        placed = cache.append("b", [prompt_len + i for i in range(new_tokens)], k2.to(dev), v2.to(dev))
         (kb, vb), (ka, va) = cache.gather("b"), cache.gather("a")
         exact = (torch.equal(kb.cpu(), torch.cat([k, k2], 1)) and torch.equal(vb.cpu(), torch.cat([v, v2], 1))
                  and torch.equal(ka.cpu(), k) and torch.equal(va.cpu(), v))
