@@ -168,14 +168,15 @@ def empty_pool(scheme: quant.Scheme, case: Case, kind: str, num_blocks: int, dev
 @functools.lru_cache(maxsize=4096)
 def row_alignment(case: Case) -> int:
     """The bytes every K/V row of the case's pools starts at a multiple of: the largest power of two (at most 256)
-    dividing every stride of both views but the unit one. Unpadded fp16 rows of 64 give 128; a block stride padded
+    dividing every stride of both views but the unit one, over the dimensions longer than 1 (a dimension of size 1,
+    one token a block or one head, moves no row start). Unpadded fp16 rows of 64 give 128; a block stride padded
     by 3 fp16 elements gives 2, which a kernel loading 16 bytes at a time (FlashInfer) cannot read."""
     scheme = _scheme(case)
     g = 256
     for kind in "kv":
         view = empty_pool(scheme, case, kind, 2, "meta")  # strides only: nothing is allocated
-        for stride in view.stride():
-            if stride != 1:
+        for size, stride in zip(view.shape, view.stride(), strict=True):
+            if stride != 1 and size > 1:
                 g = math.gcd(g, stride * view.element_size())
     return g & -g
 
