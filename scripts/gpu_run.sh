@@ -14,7 +14,19 @@ set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-pip install --no-deps --no-build-isolation -q -e . 2>&1 | grep -v -i "warning" | tail -3
+# The same interpreter's pip; a failed install stops the run, its whole output shown (scripts/ and subprocesses
+# import workbench from the install: only the repo root's own `python -m ...` would find it without one).
+if ! python -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/pip_install.log" 2>&1; then
+  cat "$OUT/pip_install.log"
+  echo "gpu_run.sh: pip install -e . failed (above, and in $OUT/pip_install.log)" >&2
+  exit 1
+fi
+if ! (cd / && python -c "import workbench, workbench.kernels"); then  # from /: the repo root would mask it
+  cat "$OUT/pip_install.log"
+  echo "gpu_run.sh: after pip install -e ., python ($(command -v python)) cannot import workbench outside" \
+       "the repo root" >&2
+  exit 1
+fi
 python -m workbench info | tee "$OUT/info.txt"
 status=0
 for step in "$@"; do

@@ -8,7 +8,8 @@ CUDA graph, as fractions of the copy bandwidth measured in the same run; each ro
 against a float32 reference on the contiguous cache and, where Triton exposes it, the compiled
 kernel's registers, spills and shared memory. Rows are written after every page, so a run stopped
 at its budget keeps what it measured, as ``vllm-decode-probe-<gpu>-<date>.json`` (not ``decode-*.json``, which
-the decode benchmark's readers take as its own). ``--smoke``: tiny W1 through the interpreter (correctness only).
+the decode benchmark's readers take as its own). ``--smoke``: tiny W1, correctness only (compiled on a GPU, the
+interpreter on a CPU).
 Findings: docs/decode_tuning.md.
 """
 
@@ -22,7 +23,7 @@ import torch
 from workbench.kernels import paged_decode
 from workbench.kernels.decode import kernel as dec
 
-import workbench  # noqa: F401  (backend first; importing workbench.kernels imports it too)
+import workbench  # backend first (importing workbench.kernels imports it too)
 from workbench.bench import harness
 from workbench.bench.decode import ref_fp32
 from workbench.bench.workloads import WORKLOADS, build_paged, bytes_moved, contiguous_kv
@@ -134,11 +135,12 @@ def main(argv=None) -> None:
                     help="results folder (default results/, git-ignored; data/results to commit)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="stop starting pages after this many seconds")
     ap.add_argument("--rep-ms", type=float, default=40.0)
-    ap.add_argument("--smoke", action="store_true", help="tiny W1 through the interpreter, no timing")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny W1, no timing (compiled on a GPU, the interpreter on a CPU)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     smoke = args.smoke or not torch.cuda.is_available()
-    device = "cpu" if smoke else "cuda"
+    device = str(workbench.device()) if smoke else "cuda"  # compiled kernels read GPU memory only
     w = WORKLOADS["W1"].smoke() if smoke else WORKLOADS["W1"]
     meta = harness.machine_meta()
     copy_gbps = None if smoke else harness.copy_bandwidth_gbps()

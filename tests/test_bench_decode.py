@@ -47,13 +47,16 @@ def test_build_paged_padded_stride():
 def test_vllm_probe_script_smoke(tmp_path):
     """scripts/probe_vllm_decode.py (the launch-config probe behind docs/decode_tuning.md v4.1) still runs."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
+    # a script's sys.path[0] is scripts/: import this checkout, installed or not (the H200 run found no install)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
     out = subprocess.run([sys.executable, str(root / "scripts" / "probe_vllm_decode.py"), "--smoke", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root)
+                          str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=root, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     (path,) = tmp_path.glob("vllm-decode-probe-*.json")
     rows = json.loads(path.read_text())["rows"]
