@@ -139,6 +139,31 @@ def test_both_copy_paths_move_the_same_bytes(path):
     assert moves["device->host"]["copies"] == 1  # one batch, one copy (one DMA, or one kernel launch)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an ordering of two CUDA streams: needs a GPU (on a CPU "
+                    "every move is synchronous)")
+def test_a_dma_swap_out_gathers_with_positions_made_on_its_own_stream():
+    """Regression (H200: a round trip through the disk lost a block's bytes, int8/token hnd): the swap-out gather
+    runs on the current stream, but its staging positions were an arange queued on the side stream, so with the
+    side stream busy the gather read them unwritten (stale zeros here) and put every block in the wrong place."""
+    cache = _cache("int8/token", "hnd")
+    tc = TieredCache(cache, host_bytes=16 * block_bytes(cache, 8), path="dma")
+    k, v = _kv(37, 1)
+    tc.add("s", _tokens(37), k, v)
+    ids = cache.manager.block_table("s")
+    raw = _raw(cache, "s")  # [layers, 2, blocks, row bytes]
+    want = raw.permute(2, 0, 1, 3).reshape(len(ids), -1).cpu()  # block-major, as the host and disk tiers keep it
+    mover = tc.lower.mover
+    for _ in range(3):
+        with torch.cuda.stream(mover.side):
+            torch.zeros(len(ids), dtype=torch.int64, device=cache.device)  # freed: stale zeros for the next ids
+        torch.cuda.synchronize()
+        with torch.cuda.stream(mover.side):
+            torch.cuda._sleep(50_000_000)  # the side stream busy for tens of ms
+        buf = torch.full((len(ids), block_bytes(cache, 8)), 7, dtype=torch.uint8, pin_memory=True)
+        mover.to_buffer(8, ids, buf).synchronize()
+        assert torch.equal(buf, want)
+
+
 # ---- the prefix cache across tiers -----------------------------------------------------------------------------
 def test_evicted_prefix_is_demoted_then_promoted_by_a_later_hit():
     cache = _cache(pages=4)  # 4 blocks of 8

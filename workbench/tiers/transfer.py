@@ -247,14 +247,18 @@ class BlockMover:
                         dst_row_stride=b["row"], dst_block_stride=b["blk"], src_offset=a["off"],
                         dst_offset=b["off"], num_programs=self.sm_programs)
             return []
-        # dma: a contiguous staging buffer on the device, one copy per host run
-        staging = torch.empty(n * bb, dtype=torch.uint8, device=c.device)
+        # dma: a contiguous staging buffer on the device, one copy per host run. The staging buffer and the ids
+        # are made on the stream whose kernel uses them: a swap-out's gather runs on the current stream, and an
+        # arange queued on the side stream could still be unwritten when it read it (blocks gathered to the wrong
+        # place: the H200 run lost a block's bytes on a round trip through the disk).
         stage_space = dict(row=g["row_bytes"], blk=bb)
         geometry = dict(num_rows=g["num_rows"], row_bytes=g["row_bytes"])
-        seq = torch.arange(n, dtype=torch.int64, device=c.device)
-        if to_host:
-            with torch.cuda.stream(main) if main is not None else _nullcontext():
+        with torch.cuda.stream(main) if (to_host and main is not None) else _nullcontext():
+            staging = torch.empty(n * bb, dtype=torch.uint8, device=c.device)
+            seq = torch.arange(n, dtype=torch.int64, device=c.device)
+            if to_host:
                 self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
+        if to_host:
             if main is not None:
                 self.side.wait_stream(main)  # the copies read what the gather wrote
             for first, host_run, count in runs:
