@@ -6,7 +6,6 @@ sweep is refused on a machine without one, before anything is written; the real 
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 
@@ -37,22 +36,24 @@ def test_decode_needs_a_gpu_and_is_refused_without_one(tmp_path, monkeypatch):
 
 
 def test_decode_row_assembly_on_a_tiny_workload_with_stub_timers(monkeypatch):
-    """The measurement's row on a CPU (the interpreter): a smoke-sized W1, the launch heuristic's CPU configuration,
-    timers that call once and return fixed times; what a GPU point computes besides the times."""
-    import torch
-
-    from workbench.bench import harness
+    """The measurement's row on this machine's device (the interpreter on a CPU): a smoke-sized W1, the launch
+    heuristic's interpreter configuration, timers that call once and return fixed times; what a GPU point computes
+    besides the times."""
+    import workbench
+    from workbench.bench import decode, harness
     from workbench.bench.workloads import WORKLOADS
     from workbench.sweeps.catalog import kernels
 
     times = iter([10.0, 12.0, 30.0, 40.0])  # ours' two eager medians, then the baseline's
     monkeypatch.setattr(harness, "time_us", lambda fn, warmup_ms=25, rep_ms=200: (fn(), next(times))[1])
     monkeypatch.setattr(harness, "time_us_graph", lambda fn, calls_per_graph=10, rep_ms=200: (fn(), 5.0)[1])
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(multi_processor_count=0))
+    # the heuristic's SM count only (torch.cuda.get_device_properties stubbed broke Triton's own launch on a GPU)
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 0)
     monkeypatch.setattr(kernels, "_copy_gbps", lambda: 100.0)
     s = sweeps.get("decode")
     row = kernels._measure(WORKLOADS["W1"].smoke(), layout="nhd", block_size=16, kv_dtype="fp16", pad=0, change={},
-                           baseline="sdpa_contiguous", rep_ms=1.0, graph=True, seed=0, device="cpu")
+                           baseline="sdpa_contiguous", rep_ms=1.0, graph=True, seed=0,
+                           device=str(workbench.device()))  # compiled kernels read GPU memory only
     assert flat(row) and set(s.y) <= set(row) and not set(row) & {p.name for p in s.params}
     assert row["time_us"] == 10.0 and row["time_us_graph"] == 5.0 and row["baseline_time_us"] == 30.0
     assert row["x_baseline"] == row["x_sdpa_contiguous"] == 3.0 and row["baseline_error"] == ""

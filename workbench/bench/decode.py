@@ -190,8 +190,13 @@ def _free():
     torch.cuda.empty_cache()
 
 
+def _num_sms(device: torch.device) -> int:
+    """The GPU's SM count the launch heuristic sizes its splits by; 0 off a GPU (its interpreter configuration)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
 def _config(p: PagedKV, kv_dtype: torch.dtype) -> dict:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = _num_sms(p.q.device)
     B, Hq, D = p.q.shape
     hkv = p.k_cache.shape[2] if p.layout.value == "nhd" else p.k_cache.shape[1]
     return decode_config(B, hkv, Hq // hkv, D, p.block_size, p.max_seq_len, mean_seq_len=sum(p.lens) / B,
