@@ -150,14 +150,7 @@ def jittered_runs():
     return results
 
 
-# Report.summary() (workbench/conformance/suite.py, another owner) prints a passing check's worst error, which is
-# float rounding, to 3 digits: it moves (fp32 2.46e-07 -> 2.02e-07), here and in 09's judge_outputs cell (not run:
-# it needs the broken kernels' checks, a minute). Strict: this fails once it prints Bound(worst).
-SUMMARIES = ("print(report.summary())",)
-XFAIL_SUMMARY = pytest.mark.xfail(strict=True, reason="workbench/conformance prints a passing check's worst error "
-                                  "with 3 digits of float rounding (Report.summary): print it as Bound(worst)")
-CASES = [pytest.param(stem, needle, id=f"{stem[:2]}-{re.sub(r'[^a-z0-9]+', '_', needle.lower()).strip('_')[:28]}",
-                      marks=[XFAIL_SUMMARY] if needle in SUMMARIES else [])
+CASES = [pytest.param(stem, needle, id=f"{stem[:2]}-{re.sub(r'[^a-z0-9]+', '_', needle.lower()).strip('_')[:28]}")
          for stem in RUNS for needle, _, cell in cells_to_run(stem) if checked(cell)]
 
 
