@@ -264,7 +264,7 @@ def test_setup_titles_wrap_to_fit_and_grow_the_margin():
 def test_headline_is_the_whole_title_line_without_its_subtitle():
     from workbench.ui.sweep_panels import sweep_panel
 
-    panel = sweep_panel("quant")
+    panel = sweep_panel("quest")
     text = panel.figure.layout.title.text
     assert "<br>" in text.split("<br><sup>")[0]  # this title wraps: its first line alone is a fragment
     assert panel.headline() == text.split("<br><sup>")[0].replace("<br>", " ") and "<" not in panel.headline()

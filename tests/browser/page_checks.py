@@ -9,7 +9,8 @@ from __future__ import annotations
 # JupyterLab wraps a printed line longer than its output area anywhere, mid-word (word-break: break-all). The
 # notebooks listed print lines that fit (at most ~107 characters of 13-px monospace at 1280 px); the others still
 # print some longer ones (tables of many columns, dict reprs) and are not held to it yet.
-FITTED_OUTPUTS = ("05_prefetch_and_tiers",)
+FITTED_OUTPUTS = ("00_tour", "02_layouts_and_kernels", "03_dtypes_and_quantization", "05_prefetch_and_tiers",
+                  "08_shared_prefix")
 
 # Elements inside the outputs (or one panel) whose content is cut off: a box that hides, clips or scrolls more than
 # it shows (06's generated texts sat in a 110-px box: 4 of 6 sequences showed, with no scrollbar in sight). Form

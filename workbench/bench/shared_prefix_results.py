@@ -122,16 +122,16 @@ def selector_picks(run: Mapping, gqa: str, timing: str = "graph") -> dict:
 
 
 def format_selector(runs: list[dict], timing: str = "graph") -> str:
-    """A line per run and GQA ratio: the 32k x 64 headline speedups and how the selector did
-    (:func:`selector_picks`)."""
+    """Two lines per run and GQA ratio (each fits a notebook's output area): the 32k x 64 headline speedups, then
+    how the selector did (:func:`selector_picks`)."""
     lines = []
     for run in runs:
         for gqa in gqa_ratios(run):
             head, s = headline(run, gqa), selector_picks(run, gqa, timing)
             slowest = "-" if s["slowest"] is None else f"{s['slowest']:.2f}x"
-            lines.append(f"{run_name(run)} {gqa:>5}: 32k prefix x 64 sharers "
-                         + ", ".join(f"suffix {n}: {x:.1f}x" for n, x in sorted(head.items()))
-                         + f" | selector took the cascade at {s['picked']} of {s['points']} points, wrong at "
+            lines.append(f"{run_name(run)} {gqa:>5}: 32k x 64 sharers, "
+                         + ", ".join(f"suffix {n}: {x:.1f}x" for n, x in sorted(head.items())))
+            lines.append(f"    selector took the cascade at {s['picked']} of {s['points']} points, wrong at "
                          f"{s['wrong']}; slowest pick {slowest}")
     return "\n".join(lines)
 

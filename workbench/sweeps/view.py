@@ -83,7 +83,8 @@ class View:
     rows: int = 0
     absent: dict[str, Any] = field(default_factory=dict)  # held values asked for that no row has: nothing drawn
     yes_no: bool = False  # y is a yes/no column (bools stored, drawn 0/1 with yes/no ticks)
-    titles: dict[str, str] = field(default_factory=dict)  # "x", "y", "color" and each held name -> its words
+    titles: dict[str, str] = field(default_factory=dict)  # axis titles ("x", "y": label and unit), "x_label",
+    # "y_label", "color" (labels) and "=name" (a held value in words)
 
     @property
     def numeric_x(self) -> bool:
@@ -104,7 +105,8 @@ class View:
             absent = ", ".join(t.get(f"={k}", f"{k}={v}") for k, v in self.absent.items())
             return f"{self.sweep}: no points at {absent} in these rows (another file may have them)"
         held = ", ".join(t.get(f"={k}", f"{k}={v}") for k, v in self.held.items())
-        return f"{self.sweep}: {t['y']} by {t['x']}" + (f" and {t['color']}" if self.color else "") + (
+        y, x = t.get("y_label", t["y"]), t.get("x_label", t["x"])  # the units are on the axes
+        return f"{self.sweep}: {y} by {x}" + (f" and {t['color']}" if self.color else "") + (
             f"<br>at {held}" if held else "")
 
     def duplicates(self) -> dict[Any, Any]:
@@ -158,7 +160,8 @@ def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: s
     if color:
         order = varying(kept, sweep).get(color) or list(series)
         series = {k: series[k] for k in order if k in series}
-    titles = {"x": column(sweep, x).title(), "y": column(sweep, y).title()}
+    titles = {"x": column(sweep, x).title(), "y": column(sweep, y).title(), "x_label": column(sweep, x).label,
+              "y_label": column(sweep, y).label}
     if color:
         titles["color"] = column(sweep, color).label
     titles.update({f"={k}": shown_value(sweep, k, v) for k, v in {**chosen, **absent}.items()})

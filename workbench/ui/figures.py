@@ -10,7 +10,9 @@ BREAKDOWN_PARTS = ("token_states", "reservation", "internal_fragmentation")
 COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal_fragmentation": "#e76f51"}
 
 
-TITLE_CHARS, SUB_CHARS = 90, 120  # a title line (14 px) and a line under it (<sup>) that fit a panel of ~850 px
+# characters of a title line (14 px, ~9.2 px a character) and of a line under it (<sup>) that fit a figure of
+# ~850 px (a panel at 1280 px) beside its left margin
+TITLE_CHARS, SUB_CHARS = 80, 120
 
 
 def wrap(text: str, chars: int) -> str:

@@ -9,13 +9,12 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.ui.figures import wrap
+from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, wrap
 
 COLORS = {"plain": "#e76f51", "cascade": "#2a9d8f", "shared": "#264653", "suffix": "#2a9d8f", "sdpa": "#8d99ae",
           "arrival": "#e76f51", "grouped": "#2a9d8f", "none": "#a8b8c0", "ours": "#2a9d8f", "paper": "#264653"}
 NAMES = {"plain": "plain paged decode", "cascade": "cascade (shared runs once)", "sdpa": "SDPA, contiguous copy"}
 ZMIN, ZMAX = -3, 5  # the crossover map's colour range, log2 of the speedup
-TITLE_CHARS, SUB_CHARS = 90, 120  # a title line and a line under it before they wrap (a panel: ~850 px)
 
 
 def plural(n: int, word: str) -> str:

@@ -15,15 +15,13 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from workbench.sweeps import runner, spec, store, view
-from workbench.ui.figures import wrap
+from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, wrap
 from workbench.ui.panels import Panel
 
 LIVE = "live"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8ab17d", "#9c6644", "#6d597a", "#f4a261", "#577590")
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "star", "cross", "triangle-down", "pentagon")
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
-# characters of a title line and of a smaller line under it before they wrap: a panel is ~850 px wide at 1280 px
-TITLE_CHARS, SOURCE_CHARS = 90, 120
 MAX_TICKS = 12  # a numeric x with this many values or fewer is ticked at the values swept
 
 
@@ -90,11 +88,12 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
         else:
             fig.add_bar(x=[str(x) for x in xs], y=ys, name=name, marker_color=color)
     head, _, held = v.title().partition("<br>")
-    below = wrap("; ".join(x for x in (held, source) if x), SOURCE_CHARS)
-    fig.update_layout(title=dict(text=wrap(head, TITLE_CHARS) + (f"<br><sup>{below}</sup>" if below else ""),
-                                 font_size=14),
-                      xaxis_title=v.titles.get("x", v.x), yaxis_title=v.titles.get("y", v.y), height=420,
-                      margin=dict(t=100), barmode="group", legend_title_text=v.titles.get("color", ""))
+    below = wrap("; ".join(x for x in (held, source) if x), SUB_CHARS)
+    title = wrap(head, TITLE_CHARS) + (f"<br><sup>{below}</sup>" if below else "")
+    lines = title.count("<br>") + 1
+    fig.update_layout(title=dict(text=title, font_size=14), xaxis_title=v.titles.get("x", v.x),
+                      yaxis_title=v.titles.get("y", v.y), height=340 + 20 * lines, margin=dict(t=40 + 20 * lines),
+                      barmode="group", legend_title_text=v.titles.get("color", ""))
     fig.update_yaxes(range=view.value_range(ys_all, v.yes_no))
     if v.yes_no:
         fig.update_yaxes(tickvals=[0, 1], ticktext=["no", "yes"])

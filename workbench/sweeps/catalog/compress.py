@@ -125,9 +125,9 @@ def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dic
 
 
 QUEST_COLUMNS = {
-    "page_size": ("page size", "tokens"), "share": ("page budget (share of the pages)",),
+    "page_size": ("page size", "tokens"), "share": ("page budget (share of pages)",),
     "batch": ("H200 run's batch",),
-    "quest_run": ("H200 run",), "recall": ("recall of the attention, one page set for all heads",),
+    "quest_run": ("H200 run",), "recall": ("recall, one page set for all heads",),
     "recall_per_head": ("recall, a page set per head",), "recall_oracle": ("recall of the best pages",),
     "read": ("share of the keys read",), "pages": ("pages read",), "samples": ("(prompt, layer) samples",),
     "speedup_graph": ("measured speedup over full decode, CUDA graph",),

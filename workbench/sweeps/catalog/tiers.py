@@ -56,7 +56,8 @@ def prefetch_point(pattern: str, strategy: str, device_blocks: int, host_blocks:
 MIB = 1 / 2**20
 # every column's label and unit on the panels' axes (workbench.sweeps.spec.Column): times in ms, as the panels show
 PREFETCH_COLUMNS = {
-    "pattern": ("attention pattern",), "strategy": ("prefetch strategy",), "device_blocks": ("device", "blocks"),
+    "pattern": ("attention pattern",), "strategy": ("prefetch strategy",),
+    "device_blocks": ("device capacity", "blocks"),
     "host_blocks": ("host (0: every block)", "blocks"), "window": ("window", "tokens"),
     "depth": ("prefetch depth", "blocks"), "compute_us": ("compute a step", "µs"), "path": ("copy path",),
     "prompt_tokens": ("prompt", "tokens"), "steps": ("decode steps",), "block_size": ("block size", "tokens"),
