@@ -13,6 +13,7 @@ from conftest import bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocator import snapshot
+from test_tiers_cache import _kv_of  # K/V that depend only on (token, position): equal prefixes share
 
 import workbench
 from workbench import compaction
@@ -26,16 +27,6 @@ pytestmark = pytest.mark.kernels  # TieredCache moves small batches with the SM-
 
 L, H, D = 2, 2, 32
 DEV = workbench.device()
-
-
-def _kv_of(tokens, first=0):
-    """Random K/V that depend only on (token, position): equal prefixes have equal K/V, as in a real model."""
-    ks, vs = [], []
-    for p, t in enumerate(tokens, first):
-        g = torch.Generator().manual_seed(t * 4099 + p)
-        ks.append(torch.randn(L, 1, H, D, generator=g))
-        vs.append(torch.randn(L, 1, H, D, generator=g))
-    return torch.cat(ks, 1).half().to(DEV), torch.cat(vs, 1).half().to(DEV)
 
 
 def _tiered(tmp, pages=16, page_tokens=4, host=2, disk=64, **kw):
