@@ -103,9 +103,9 @@ def quant_overview(selected: dict, layers: list[dict], schemes: list[dict], fron
         fig.update_yaxes(autorange="reversed", type="category", tickfont_size=10, row=2, col=1)
         fig.update_xaxes(type="category", side="bottom", row=2, col=1)
         r0 = decode[0]
-        fig.layout.annotations[1].text = (f"decode on {str(r0.get('gpu', 'GPU')).replace('NVIDIA ', '')} "
-                                          f"({str(r0.get('date', ''))[:10]}): speed-up over fp16" + (
-                                              "" if decode_scheme in order else "<br>(your choice was not timed)"))
+        gpu, date = str(r0.get("gpu", "GPU")).replace("NVIDIA ", ""), str(r0.get("date", ""))[:10]
+        fig.layout.annotations[1].text = (f"decode on {gpu} ({date}): speed-up over fp16" if decode_scheme in order
+                                          else f"{gpu} ({date}): speed-up; your choice not timed")  # one line
     else:
         fig.update_xaxes(visible=False, row=2, col=1)
         fig.update_yaxes(visible=False, row=2, col=1)
