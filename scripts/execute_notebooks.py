@@ -17,15 +17,16 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from workbench.report import PLOTLY_MIME, WIDGET_MIME
+from workbench.report import PLOTLY_MIME, WIDGET_MIME, local_kernel
 
 os.environ.setdefault("CI", "1")
 os.environ["WORKBENCH_SMOKE"] = "1"  # SMOKE sizes, as nbval runs them, whatever this shell's WORKBENCH_SMOKE says
 for name in sys.argv[1:] or sorted(str(p) for p in Path("notebooks").glob("[0-9]*.ipynb")):
     path = Path(name)
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", store_widget_state=False,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    with local_kernel() as kernel:  # IPC sockets, as tour and report start theirs: no TCP warning
+        NotebookClient(nb, timeout=900, kernel_name="python3", store_widget_state=False,
+                       resources={"metadata": {"path": str(path.parent)}}, **kernel).execute()
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
