@@ -264,7 +264,7 @@ def test_sparsification_panel_shows_what_the_study_computes(ui, panels, captures
     fig = p.figure
     ring = next(t for t in fig.data if t.name == "this setting")
     assert (ring.x[0], ring.y[0]) == (0.3, want["error"])
-    assert "holds 3 of 10 blocks of 16, error 0.214" in fig.layout.title.text
+    assert "holds 3 of 10 blocks of 16, error 0.214" in fig.layout.title.text.replace("<br>", " ")  # wrapped title
     assert len(fig.layout.shapes) > 0  # the tokens no longer read, washed out on the map
     # kept whole, the same chosen tokens hold 9 of the 10 blocks: the study's "keep" rule
     assert whole["blocks_kept"] == study.score_policies([captures[0]], ["h2o"], [0.25], 16, ["keep"], held_out=8,
