@@ -73,16 +73,6 @@ def test_two_cli_runs_in_a_row_give_two_files(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ refused up front
-@pytest.mark.parametrize("argv, needle", [
-    (["bench", "allocator", "--seconds", "0"], "--seconds"),
-    (["bench", "allocator", "--seconds", "-1"], "--seconds"),
-    (["bench", "allocator", "--seconds", "nan"], "--seconds"),
-    (["tour", "--timeout", "0"], "--timeout"),
-    (["tour", "--timeout", "-5"], "--timeout"),
-])
-def test_zero_or_negative_numbers_are_refused(capsys, argv, needle):
-    assert main(argv) == 2
-    assert needle in capsys.readouterr().err
 
 
 def _bad_dirs(tmp_path):
@@ -308,6 +298,11 @@ def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monk
 
 # ------------------------------------------------------------------------------------------------ issue 30, item 7
 @pytest.mark.parametrize("argv, needle", [
+    (["bench", "allocator", "--seconds", "0"], "--seconds"),
+    (["bench", "allocator", "--seconds", "-1"], "--seconds"),
+    (["bench", "allocator", "--seconds", "nan"], "--seconds"),
+    (["tour", "--timeout", "0"], "--timeout"),
+    (["tour", "--timeout", "-5"], "--timeout"),
     (["check", "ours", "--stop-after", "0"], "--stop-after"),
     (["check", "ours", "--stop-after", "-1"], "--stop-after"),
     (["check", "ours", "--timeout", "0"], "--timeout"),
@@ -317,8 +312,9 @@ def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monk
     (["generate", "--threads", "0"], "--threads"),
     (["bench", "decode", "--smoke", "--impl", "starter", "--timeout", "0"], "--timeout"),
 ])
-def test_counts_that_must_be_positive_are_refused_before_any_work(capsys, monkeypatch, argv, needle):
-    """``check ours --stop-after 0`` ran one case and exited 0; now every such count is refused up front."""
+def test_numbers_that_must_be_positive_are_refused_before_any_work(capsys, monkeypatch, argv, needle):
+    """Zero, negative or NaN where a positive number is meant: refused up front (``check ours --stop-after 0`` ran
+    one case and exited 0)."""
     from workbench.conformance import suite
 
     monkeypatch.setattr(suite, "run_case", lambda *a, **k: pytest.fail("a case ran"))
