@@ -66,8 +66,10 @@ def paged_decode(
         **launch: ``quant``: the ``workbench.quant`` scheme (name or object) of a cache whose scales live in its
             blocks (``"fp8_e4m3/token"``, ``"int8_asym/token"``, ``"int4/kivi"``, ...; the dtype alone says fp16 /
             bf16 / fp32 / static fp8 and int8); and overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
-            ``use_dot``; and ``k3d`` (default True): the vLLM split key read in page runs (see
-            ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower).
+            ``use_dot``; ``k3d`` (default True): the vLLM split key read in page runs (see
+            ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower); and ``planes`` (default
+            True): packed int4 / int2 group codes through the planes kernel (``kernels/decode/groups.py``) where it
+            applies (``plan.config["kernel"]`` says which ran), False through the generic one.
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.

@@ -12,7 +12,7 @@ from workbench.layout import Layout, addressing
 
 from .. import common
 
-LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d", "batch_fast")  # batch_fast: see DecodePlan
+LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d", "batch_fast", "planes")  # see DecodePlan
 
 
 def _stride_split(stride: int) -> tuple[int, int]:

@@ -36,6 +36,7 @@ from . import checks as _checks
 from . import config as _config
 from . import kernel as _kernel
 from . import quant as _quant
+from .groups import _groups_decode_kernel, planes_launch
 from .merge import _merge_states_kernel
 
 _Q_DTYPES = common.Q_DTYPES
@@ -66,7 +67,7 @@ class DecodePlan:
             plans' results merge with :func:`merge_state` (a shared prefix and the rest). The kernel then always
             writes partials (even for one split) and :func:`merge_states`' kernel combines them.
         **launch: :func:`~workbench.kernels.decode.decode_config` overrides (``BLOCK_N``, ``num_warps``,
-            ``num_stages``, ``use_dot``, ``k3d``), as for ``paged_decode``; ``batch_fast=True`` launches the
+            ``num_stages``, ``use_dot``, ``k3d``, ``planes``), as for ``paged_decode``; ``batch_fast=True`` launches the
             programs sequence-fastest (grid ``(B, Hkv, splits)``), so sequences reading the same blocks at once share
             them in L2 (the cascade's tiles of one segment).
 
@@ -221,6 +222,13 @@ class DecodePlan:
             f.update(num_splits=1, chunk=0, config={}, _split=False)
             return _fill(self, f)
         interp = _config._interpreted()
+        planes = launch.pop("planes", True)  # packed groups: the planes kernel where it applies (groups.py)
+        cfg0 = _config.decode_config(B, hkv, Hq // hkv, D, block_size, max(f["max_seq_len"], 1),
+                                     kv_dtype=k_cache.dtype, num_sms=0 if interp else _config._num_sms(device),
+                                     layout=layout) if planes else None
+        pl = planes_launch(dq.constexprs, layout, int(launch.get("BLOCK_N", cfg0["BLOCK_N"]))) if planes else None
+        if pl is not None:
+            launch.update(BLOCK_N=pl.pop("BLOCK_N"), use_dot=True)
         splits, chunk, geo = _config._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
                                                  f["max_seq_len"], mean_seq_len, num_splits, launch, interp,
                                                  0 if interp else _config._num_sms(device))
@@ -242,12 +250,15 @@ class DecodePlan:
         f.update(
             num_splits=splits, chunk=chunk, _grid=(B, hkv, splits) if batch_fast else (splits, hkv, B), _split=split,
             config={"BLOCK_N": ce["BLOCK_N"], "num_splits": splits, "num_warps": ce["num_warps"],
-                    "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"]},
+                    "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"],
+                    "kernel": "generic" if pl is None else "planes"},
             _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
             _qk_scale=sm_scale * _kernel.LOG2E,
             _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
             _qargs=(s_sc_h, *dq.args[1:]),
-            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, BATCH_FAST=batch_fast, **ce, **dq.constexprs),
+            _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, BATCH_FAST=batch_fast, **ce, **dq.constexprs,
+                             **(pl or {})),
+            _decode_kernel=_kernel._paged_decode_kernel if pl is None else _groups_decode_kernel,
         )
         if split:  # the splits' scratch, reused by every run of the plan
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,
@@ -307,7 +318,7 @@ class DecodePlan:
             lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
         else:
             o_part, lse_part = self._o_part, self._lse
-        _kernel._paged_decode_kernel[self._grid](
+        self._decode_kernel[self._grid](
             q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
             q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, *self._qargs, **self._constexprs,
