@@ -8,7 +8,9 @@ by the environment variable ``TRITON_INTERPRET=1``, which Triton reads when a ke
 first cell.
 
 Override with ``WORKBENCH_BACKEND=interpreter`` (force the interpreter, even on a GPU)
-or ``WORKBENCH_BACKEND=cuda`` (fail loudly if there is no GPU).
+or ``WORKBENCH_BACKEND=cuda`` (fail loudly if there is no GPU). ``WORKBENCH_BACKEND=compile`` decorates the
+kernels for the compiler on any machine but launches nothing: plans are built as on a GPU and
+``workbench.bench.anatomy`` compiles them ahead of time for a target (sm_90a) to read their registers and SASS.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-_CHOICES = ("auto", "cuda", "interpreter")
+_CHOICES = ("auto", "cuda", "interpreter", "compile")
 
 
 @dataclass(frozen=True)
 class Backend:
-    """What the kernels run on: ``name`` is ``"cuda"`` or ``"interpreter"``."""
+    """What the kernels run on: ``name`` is ``"cuda"``, ``"interpreter"`` or ``"compile"`` (nothing runs)."""
 
     name: str
     device: torch.device
@@ -38,6 +40,10 @@ def _decide() -> Backend:
     wanted = os.environ.get("WORKBENCH_BACKEND", "auto").strip().lower() or "auto"
     if wanted not in _CHOICES:
         raise ValueError(f"WORKBENCH_BACKEND must be one of {_CHOICES}, got {wanted!r}")
+    if wanted == "compile":  # ahead-of-time compilation only: the interpreter must not take the kernels
+        os.environ.pop("TRITON_INTERPRET", None)
+        _no_stale_kernels()
+        return Backend("compile", torch.device("cpu"))
     has_cuda = torch.cuda.is_available()
     if wanted == "cuda" and not has_cuda:
         raise RuntimeError("WORKBENCH_BACKEND=cuda but torch sees no CUDA device")
@@ -45,12 +51,16 @@ def _decide() -> Backend:
         wanted = "interpreter"  # the user already asked Triton for the interpreter
     if wanted == "interpreter" or not has_cuda:
         os.environ["TRITON_INTERPRET"] = "1"
-        # Kernel modules decorated before this point would be compiled, not interpreted.
-        stale = [m for m in sys.modules if m.startswith("workbench.kernels.")]
-        if stale:
-            raise RuntimeError(f"kernel modules imported before the backend was chosen: {stale}")
+        _no_stale_kernels()
         return Backend("interpreter", torch.device("cuda" if has_cuda else "cpu"))
     return Backend("cuda", torch.device("cuda"))
+
+
+def _no_stale_kernels() -> None:
+    """Kernel modules decorated before the choice would run the other way: refuse them."""
+    stale = [m for m in sys.modules if m.startswith("workbench.kernels.")]
+    if stale:
+        raise RuntimeError(f"kernel modules imported before the backend was chosen: {stale}")
 
 
 BACKEND: Backend = _decide()

@@ -42,31 +42,33 @@ def _planes(b, BITS: tl.constexpr, ASM: tl.constexpr):
     """The bit fields of a uint8 tile as fp16 tiles of the same shape: field ``k`` holds ``(code - HALF) 2**(BITS k)``
     (exact; ``HALF = 2**(BITS - 1)``: codes read centred, so the zero point's term cancels half as much). A tuple of
     ``8 // BITS`` tiles."""
-    if ASM:
+    if ASM:  # one return at the end: Triton 3.6 types every return of a function, pruned branch or not
         if BITS == 4:
-            return tl.inline_asm_elementwise(
+            out = tl.inline_asm_elementwise(
                 "{ .reg .b32 t, u, m, n; mov.b32 m, 0x64086408; mov.b32 n, 0x64806480; "
                 "prmt.b32 t, $4, 0x64646464, 0x5140; prmt.b32 u, $4, 0x64646464, 0x5342; "
                 "and.b32 $0, t, 0xFF0FFF0F; and.b32 $1, u, 0xFF0FFF0F; "
                 "and.b32 $2, t, 0xFFF0FFF0; and.b32 $3, u, 0xFFF0FFF0; "
                 "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; sub.f16x2 $2, $2, n; sub.f16x2 $3, $3, n; }",
                 "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, u, m0, m1, m2, m3; mov.b32 m0, 0x64026402; mov.b32 m1, 0x64086408; "
-            "mov.b32 m2, 0x64206420; mov.b32 m3, 0x64806480; "
-            "prmt.b32 t, $8, 0x64646464, 0x5140; prmt.b32 u, $8, 0x64646464, 0x5342; "
-            "and.b32 $0, t, 0xFF03FF03; and.b32 $1, u, 0xFF03FF03; and.b32 $2, t, 0xFF0CFF0C; "
-            "and.b32 $3, u, 0xFF0CFF0C; and.b32 $4, t, 0xFF30FF30; and.b32 $5, u, 0xFF30FF30; "
-            "and.b32 $6, t, 0xFFC0FFC0; and.b32 $7, u, 0xFFC0FFC0; "
-            "sub.f16x2 $0, $0, m0; sub.f16x2 $1, $1, m0; sub.f16x2 $2, $2, m1; sub.f16x2 $3, $3, m1; "
-            "sub.f16x2 $4, $4, m2; sub.f16x2 $5, $5, m2; sub.f16x2 $6, $6, m3; sub.f16x2 $7, $7, m3; }",
-            "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
-            pack=4)
-    w = b.to(tl.int16)
-    out = ()
-    for k in tl.static_range(8 // BITS):
-        f = ((w & (((1 << BITS) - 1) << (k * BITS))) | 0x6400).to(tl.float16, bitcast=True)
-        out = out + (f - (1024.0 + (1 << (BITS - 1 + k * BITS))),)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, u, m0, m1, m2, m3; mov.b32 m0, 0x64026402; mov.b32 m1, 0x64086408; "
+                "mov.b32 m2, 0x64206420; mov.b32 m3, 0x64806480; "
+                "prmt.b32 t, $8, 0x64646464, 0x5140; prmt.b32 u, $8, 0x64646464, 0x5342; "
+                "and.b32 $0, t, 0xFF03FF03; and.b32 $1, u, 0xFF03FF03; and.b32 $2, t, 0xFF0CFF0C; "
+                "and.b32 $3, u, 0xFF0CFF0C; and.b32 $4, t, 0xFF30FF30; and.b32 $5, u, 0xFF30FF30; "
+                "and.b32 $6, t, 0xFFC0FFC0; and.b32 $7, u, 0xFFC0FFC0; "
+                "sub.f16x2 $0, $0, m0; sub.f16x2 $1, $1, m0; sub.f16x2 $2, $2, m1; sub.f16x2 $3, $3, m1; "
+                "sub.f16x2 $4, $4, m2; sub.f16x2 $5, $5, m2; sub.f16x2 $6, $6, m3; sub.f16x2 $7, $7, m3; }",
+                "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+                is_pure=True, pack=4)
+    else:
+        w = b.to(tl.int16)
+        out = ()
+        for k in tl.static_range(8 // BITS):
+            f = ((w & (((1 << BITS) - 1) << (k * BITS))) | 0x6400).to(tl.float16, bitcast=True)
+            out = out + (f - (1024.0 + (1 << (BITS - 1 + k * BITS))),)
     return out
 
 
@@ -107,7 +109,7 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
             b_kc = tl.load(p_k)
         planes = _planes(b_kc, BITS, ASM)
         for k in tl.static_range(PER):
-            ch0: tl.constexpr = k * DC + c * CW  # the plane's first channel
+            ch0 = k * DC + c * CW  # the plane's first channel
             b_q = b_qp[c * PER + k]
             if K_TG == 1:  # per-token groups: the plane lies in group ch0 // K_DG
                 b_d = tl.dot(b_q, tl.trans(planes[k].to(OP)), input_precision="ieee" if IEEE else None)
@@ -140,7 +142,7 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
             b_vc = tl.load(p_v)
         planes = _planes(b_vc, BITS, ASM)
         for k in tl.static_range(PER):
-            ch0: tl.constexpr = k * DC + c * CW
+            ch0 = k * DC + c * CW
             b_sc = _row_scale(vs_base, o_vs + ch0 // V_DG, m_n, MASKED)
             b_z = _row_scale(vs_base + vz_off, o_vs + ch0 // V_DG, m_n, MASKED) + HALF * b_sc
             b_pv = (b_p * (b_sc * QMAX)[None, :]).to(OP)
@@ -173,7 +175,7 @@ def _groups_decode_kernel(
     DC: tl.constexpr = 0, BLOCK_DC: tl.constexpr = 16, BITS: tl.constexpr = 4,
     K_TG: tl.constexpr = 1, K_DG: tl.constexpr = 1, V_TG: tl.constexpr = 1, V_DG: tl.constexpr = 1,
     CODES: tl.constexpr = 0, FAST_INT: tl.constexpr = False, BATCH_FAST: tl.constexpr = False,
-    CW: tl.constexpr = 16,  # bytes a chunk: each of its planes lies in one scale group (decode_groups_cw)
+    CW: tl.constexpr = 16,  # bytes a chunk: each of its planes lies in one scale group (planes_launch)
 ):
     """``_paged_decode_kernel``'s arguments (the plan launches either); see the module docstring. ``KX``, ``K3D``,
     ``V_TRANS``, ``USE_DOT``, ``CODES``, ``FAST_INT`` are the generic kernel's and must be the plain rows' values."""

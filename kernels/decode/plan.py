@@ -310,7 +310,6 @@ class DecodePlan:
             lse = torch.empty(self._q_shape[:2], dtype=torch.float32, device=self.device)
         if self.batch_size == 0:
             return (out, lse) if self.return_lse else out
-        ks_ptr, vs_ptr, ks_val, vs_val = self._scale_args
         if not self._split:
             o_part = lse_part = out  # unused
         elif fresh_scratch:  # paged_decode: a call's own scratch, as a one-shot call always had
@@ -318,11 +317,8 @@ class DecodePlan:
             lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
         else:
             o_part, lse_part = self._o_part, self._lse
-        self._decode_kernel[self._grid](
-            q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
-            q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, *self._qargs, **self._constexprs,
-        )
+        kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, out, o_part, lse_part)
+        kernel[self._grid](*args, **constexprs)
         if self.return_lse:
             _merge_states_kernel[(self.batch_size, self.num_q_heads)](
                 o_part, lse_part, self.seq_lens, out, lse, *self._merge_args, out.stride(0), out.stride(1),
@@ -335,6 +331,23 @@ class DecodePlan:
                 **self._reduce_kw,
             )
         return out
+
+    def _decode_call(self, q, k_cache, v_cache, out, o_part, lse_part):
+        ks_ptr, vs_ptr, ks_val, vs_val = self._scale_args
+        args = (q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
+                q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
+                q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, *self._qargs)
+        return self._decode_kernel, args, self._constexprs
+
+    def kernel_call(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """``(kernel, args, constexprs)``: the decode kernel a run launches and its arguments (scratch included, as
+        for a run with ``out=None``), without launching it: for tools that compile it ahead of time and read what it
+        costs (``workbench.bench.anatomy``). Launch options (``num_warps``, ``num_stages``) are among the
+        constexprs, as Triton takes them."""
+        out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
+        o_part = torch.empty(self._o_part_shape, dtype=torch.float32, device=self.device) if self._split else out
+        lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device) if self._split else out
+        return self._decode_call(q, k_cache, v_cache, out, o_part, lse_part)
 
     def __repr__(self) -> str:
         return (f"DecodePlan({self.layout.value}, B={self.batch_size}, Hq={self.num_q_heads}, Hkv={self.num_kv_heads}, "

@@ -25,4 +25,6 @@ BENCHMARKS = {
                      "GQA: the crossover map, the tile sweep, fp8, nested prefixes, overlap-aware batching, the fitted "
                      "selector (--smoke: tiny CPU check)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
+    "anatomy": "no GPU needed: each decode kernel compiled for sm_90a; registers, spills and its main loop's SASS per "
+               "stored byte against the issue budget (what limits a scheme that is not at copy bandwidth)",
 }

@@ -1,0 +1,259 @@
+"""What a decode kernel costs per byte, read from its machine code: no GPU needed.
+
+A kernel that should stream K/V at copy bandwidth is limited by one of three things: bytes (it is at the limit),
+issue slots (its loop runs more instructions per byte than the SMs can issue in the time the bytes take) or
+occupancy (too few warps in flight to hide the loads: registers, shared memory). The first needs a GPU to
+measure; the other two are in the compiled kernel. This module builds a decode plan as it would be built on the
+GPU (``WORKBENCH_BACKEND=compile``: constexprs, launch defaults and the kernel it picks), compiles it ahead of time
+for a target (sm_90a, the H100/H200) with the Triton in this environment, and reads the cubin with the
+``cuobjdump`` that Triton's package carries: registers, spills, shared memory, and the SASS of the main loop (the
+longest backward branch that holds the tile's MMAs) by instruction class. Then
+
+- ``bytes_per_tile``: stored K/V bytes (codes, scales, zero points) a program's loop iteration reads (``BLOCK_N``
+  tokens of one kv head);
+- ``warp_instr_per_byte``: the loop's instructions times the program's warps, over ``bytes_per_tile``;
+- ``issue_budget``: the warp instructions per byte the SMs can issue while the bytes arrive at copy bandwidth
+  (``SMs x 4 schedulers x clock / bandwidth``: 132 x 4 x 1.98 GHz / 4.0 TB/s = 0.26 on the H200 at its measured
+  copy rate); ``issue_fraction = warp_instr_per_byte / issue_budget`` above ~0.7 means the loop, not memory,
+  sets the pace (the schedulers also need slack for the loads' latency).
+
+``python -m workbench bench anatomy`` prints one row per scheme and workload; ``--out`` writes them. Compiler
+versions differ (this machine's Triton against the GPU's): the counts are the design's shape, the GPU run is the
+measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+H200 = dict(sms=132, schedulers=4, clock_ghz=1.98, copy_tbps=4.0)  # copy rate: bench decode's measured ~4.0 TB/s
+SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
+           "int2/kivi")
+CLASSES = {  # SASS opcode -> what it spends issue slots on
+    "mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "WARPGROUP"),
+    "global": ("LDG", "LDGSTS", "STG", "UTMALDG", "LDGDEPBAR", "DEPBAR"),
+    "shared": ("LDS", "STS", "LDSM", "STSM", "BAR", "SYNCS"),
+    "convert": ("F2F", "I2F", "F2I", "F2FP", "I2FP", "F2IP"),
+    "int": ("LOP3", "PRMT", "SHF", "IADD3", "IMAD", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "BMSK", "SGXT", "LOP"),
+    "fp": ("HFMA2", "HADD2", "HMUL2", "FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "HMNMX2"),
+    "special": ("MUFU",),
+    "move": ("MOV", "SHFL", "S2R", "S2UR", "R2UR", "UMOV", "ULDC", "CS2R", "R2P", "P2R"),
+    "branch": ("BRA", "BSYNC", "BSSY", "WARPSYNC", "EXIT", "NOP", "YIELD"),
+}
+
+
+def _ensure_compile_backend(argv: list[str]) -> int | None:
+    """Kernels decorated for the interpreter cannot be compiled: rerun this command in a process whose backend
+    is ``compile`` (None when this one already compiles: a GPU, or ``WORKBENCH_BACKEND=compile``)."""
+    from workbench.backend import is_interpreted
+
+    if not is_interpreted():
+        return None
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["WORKBENCH_BACKEND"] = "compile"
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said (it warns when unset)
+    return subprocess.call([sys.executable, "-m", "workbench.bench.anatomy", *argv], env=env)
+
+
+def decode_plan(scheme_name: str, workload: str = "W1", **launch):
+    """``(plan, q, k_cache, v_cache)``: the plan a GPU would build for ``scheme_name`` on ``workload`` (its shape,
+    lengths and batch), over a one-block cache (the plan trusts its table; nothing is launched)."""
+    import torch
+
+    from workbench import quant
+    from workbench.bench.quant_decode import bench_scheme
+    from workbench.bench.workloads import WORKLOADS
+    from workbench.kernels import DecodePlan
+    from workbench.quant import blocks as qblocks
+
+    w = WORKLOADS[workload]
+    scheme = bench_scheme(scheme_name)
+    page, H, D = 16, w.num_kv_heads, w.head_dim
+    k_cache, v_cache = (qblocks.empty_cache(scheme, "nhd", kind, 1, page, H, D) for kind in "kv")
+    sample = torch.ones(page, H, D)
+    k_scale = scheme.calibrate(sample) if isinstance(scheme, quant.Scheme) else None
+    v_scale = k_scale if k_scale is None else k_scale.clone()
+    table = torch.zeros((w.batch, -(-w.context // page)), dtype=torch.int32)
+    lens = torch.full((w.batch,), w.context, dtype=torch.int32)
+    q_dtype = torch.bfloat16 if scheme.format.storage == torch.bfloat16 else torch.float16
+    plan = DecodePlan(table, lens, layout="nhd", k_cache=k_cache, v_cache=v_cache, num_q_heads=w.num_q_heads,
+                      q_dtype=q_dtype, max_seq_len=w.context, validate=False, quant=scheme, k_scale=k_scale,
+                      v_scale=v_scale, **launch)
+    q = torch.empty((w.batch, w.num_q_heads, D), dtype=q_dtype)
+    return plan, q, k_cache, v_cache
+
+
+def compile_call(kernel, args, constexprs, arch: int = 90):
+    """Compile ``kernel`` for ``args`` / ``constexprs`` as its launcher would specialize them (pointers and ints
+    divisible by 16 marked so, ints equal to 1 made constants) for ``sm_<arch>``; the compiled kernel."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    options = {k: constexprs[k] for k in ("num_warps", "num_stages") if k in constexprs}
+    names = kernel.arg_names
+    values = dict(zip(names, args, strict=False))  # the rest: constexprs and defaults
+    values.update({k: v for k, v in constexprs.items() if k not in options})
+    signature, consts, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(names, kernel.params, strict=True)):
+        value = values[name] if name in values else param.default
+        if param.is_constexpr:
+            signature[name], consts[name] = "constexpr", value
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":  # an int equal to 1
+            signature[name], consts[name] = "constexpr", spec
+            continue
+        signature[name] = kind
+        if isinstance(spec, str) and spec:
+            attrs[(i,)] = BaseBackend.parse_attr(spec)
+    src = ASTSource(kernel, signature, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise RuntimeError(f"{name} is not in this Triton's package ({path}): it ships with Triton's NVIDIA backend")
+    return str(path)
+
+
+def sass_of(cubin: bytes) -> tuple[str, str]:
+    """``(sass, resource usage)`` text of a cubin, from cuobjdump."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
+        res = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True)
+    return sass.stdout, res.stdout
+
+
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """``(address, opcode, operands)`` of every instruction of the SASS text."""
+    return [(int(m.group(1), 16), m.group(3), m.group(4).strip()) for m in _LINE.finditer(sass)]
+
+
+def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The instructions of the main loop: of the backward branches, the one whose body holds the most MMAs (then the
+    longest). Empty when there is none."""
+    best, best_key = [], (0, 0)
+    addr = [a for a, _, _ in instrs]
+    for i, (a, op, rest) in enumerate(instrs):
+        if not op.startswith("BRA"):
+            continue
+        m = re.search(r"0x([0-9a-f]+)", rest)
+        if not m or int(m.group(1), 16) > a:
+            continue
+        start = addr.index(int(m.group(1), 16)) if int(m.group(1), 16) in addr else None
+        if start is None:
+            continue
+        body = instrs[start:i + 1]
+        key = (sum(op.split(".")[0] in CLASSES["mma"] for _, op, _ in body), len(body))
+        if key > best_key:
+            best, best_key = body, key
+    return best
+
+
+def classify(body) -> dict[str, int]:
+    """Instruction counts of ``body`` by class (``CLASSES``; ``other`` for the rest)."""
+    out = collections.Counter()
+    for _, op, _ in body:
+        base = op.split(".")[0]
+        out[next((c for c, ops in CLASSES.items() if base in ops), "other")] += 1
+    return dict(out)
+
+
+def resources(res: str) -> dict[str, int]:
+    """``REG``, ``STACK``, ``SHARED``, ``LOCAL`` of the kernel from cuobjdump's resource usage."""
+    out = {}
+    for key in ("REG", "STACK", "SHARED", "LOCAL"):
+        m = re.search(rf"\b{key}:(\d+)", res)
+        out[key.lower()] = int(m.group(1)) if m else None
+    return out
+
+
+def anatomy(scheme_name: str, workload: str = "W1", arch: int = 90, gpu: dict = H200, **launch) -> dict:
+    """One row: the plan's kernel and configuration, its resources and its main loop's cost per stored byte."""
+    plan, q, k_cache, v_cache = decode_plan(scheme_name, workload, **launch)
+    kernel, args, constexprs = plan.kernel_call(q, k_cache, v_cache)
+    compiled = compile_call(kernel, args, constexprs, arch)
+    sass, res = sass_of(compiled.asm["cubin"])
+    body = main_loop(instructions(sass))
+    r = resources(res)
+    scheme = plan.quant
+    D, block_n, warps = plan.head_dim, plan.config["BLOCK_N"], plan.config["num_warps"]
+    per_token = scheme.bytes_per_token(1, D)  # K and V of one kv head, scales counted
+    tile = block_n * per_token
+    budget = gpu["sms"] * gpu["schedulers"] * gpu["clock_ghz"] * 1e9 / (gpu["copy_tbps"] * 1e12)
+    per_byte = len(body) * warps / tile if body else None
+    smem_kb = (r["shared"] or 0) + compiled.metadata.shared
+    by_regs = 65536 // max(1, (r["reg"] or 1) * 32 * warps)
+    return {
+        "scheme": scheme_name, "workload": workload, "kernel": plan.config.get("kernel", "generic"),
+        "arch": f"sm_{arch}",
+        "BLOCK_N": block_n, "num_warps": warps, "num_stages": plan.config["num_stages"],
+        "registers": r["reg"], "spill_bytes": r["local"], "shared_bytes": smem_kb,
+        "programs_per_sm_by_registers": by_regs,
+        "programs_per_sm_by_shared": (233472 // smem_kb) if smem_kb else None,
+        "loop_instructions": len(body), **{f"loop_{k}": v for k, v in sorted(classify(body).items())},
+        "bytes_per_token": per_token, "bytes_per_tile": tile,
+        "warp_instr_per_byte": None if per_byte is None else round(per_byte, 4),
+        "issue_budget": round(budget, 4),
+        "issue_fraction": None if per_byte is None else round(per_byte / budget, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m workbench bench anatomy", description=__doc__.split("\n")[0])
+    parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated scheme names")
+    parser.add_argument("--workloads", default="W1", help="comma-separated workloads (W1..W5)")
+    parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: sm_90a)")
+    parser.add_argument("--planes", choices=("on", "off", "both"), default="both",
+                        help="packed schemes: the planes kernel, the generic one, or both")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="folder for the JSON results (default: results/, git-ignored)")
+    args = parser.parse_args(argv)
+    from workbench.bench import harness
+
+    out = harness.output_dir(parser, args.out)
+    rerun = _ensure_compile_backend(argv)
+    if rerun is not None:
+        return rerun
+    rows = []
+    for w in args.workloads.split(","):
+        for name in args.schemes.split(","):
+            variants = {"on": [True], "off": [False], "both": [True, False]}[args.planes]
+            seen = set()
+            for planes in variants:
+                row = anatomy(name, w, args.arch, planes=planes)
+                if row["kernel"] in seen:
+                    continue  # a scheme the planes kernel does not take: one row
+                seen.add(row["kernel"])
+                rows.append(row)
+                print(f"{w} {name:18s} {row['kernel']:8s} BLOCK_N {row['BLOCK_N']:4d} warps {row['num_warps']} "
+                      f"regs {row['registers']} spill {row['spill_bytes']} loop {row['loop_instructions']:5d} instr "
+                      f"({row.get('loop_mma', 0)} mma, {row.get('loop_int', 0)} int, {row.get('loop_fp', 0)} fp, "
+                      f"{row.get('loop_convert', 0)} cvt) {row['warp_instr_per_byte']} warp-instr/B = "
+                      f"{row['issue_fraction']} of the issue budget", flush=True)
+    meta = dict(harness.machine_meta(), gpu=f"sm_{args.arch}a-ahead-of-time")  # compiled here, run nowhere
+    path = harness.write_results("anatomy", rows, meta, out)
+    print(f"rows: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
