@@ -1,40 +1,45 @@
-"""Quantized K/V: the schemes (``schemes``), by name (:func:`get`), where blocks keep their scales (``blocks``),
-static scales from a calibration pass (:class:`Calibrator`), and the error study (``study``).
+"""Quantized K/V: the schemes, one class per storage family (``families``), their names (``names``), by name
+(:func:`get`), where blocks keep their scales (``blocks``), static scales from a calibration pass
+(:class:`Calibrator`), and the error study (``study``).
 
 ``get("fp8_e4m3/token")``, ``get("int4", group=32, residual=128)``; :data:`SCHEMES` lists every name.
 The kernels (``workbench.kernels``) quantize on write and dequantize inside paged decode for every scheme;
-``workbench.quant`` is their plain PyTorch definition.
+``workbench.quant`` is their plain PyTorch definition. docs/quant_families.md: the families and how to add one.
 """
 
 from __future__ import annotations
 
+from . import names
 from .calibration import Calibrator
-from .schemes import NonFiniteError, Quantized, Scheme, check_finite, pack, to_fp16, unpack
+from .families import (
+    FAMILY_CLASSES,
+    CastScheme,
+    GroupScheme,
+    NonFiniteError,
+    Quantized,
+    Scheme,
+    StaticScheme,
+    TokenScheme,
+    check_finite,
+    pack,
+    to_fp16,
+    unpack,
+)
+from .names import ALIASES
 
 
 def _registry() -> dict[str, Scheme]:
-    out = [Scheme("fp32", "fp32", "none"), Scheme("fp16", "fp16", "none"), Scheme("bf16", "bf16", "none")]
-    for fp8 in ("fp8_e4m3", "fp8_e5m2"):
-        out += [Scheme(f"{fp8}/{g}", fp8, g) for g in ("tensor", "head", "token")]
-    out += [Scheme(f"int8/{g}", "int8", g) for g in ("tensor", "head", "token")]
-    out.append(Scheme("int8_asym/token", "uint8", "token", symmetric=False))
-    for bits in (4, 2):
-        out.append(Scheme(f"int{bits}/kivi", f"int{bits}", "group", symmetric=False, group=32, value_group=32,
-                          residual=128, key_mode="channel"))
-        out.append(Scheme(f"int{bits}/token", f"int{bits}", "group", symmetric=False, group=32, value_group=32,
-                          residual=0, key_mode="token"))
-    return {s.name: s for s in out}
+    return {e.name: FAMILY_CLASSES[e.family](e.name, e.format_name, e.granularity, **dict(e.params))
+            for e in names.ENTRIES}
 
 
 SCHEMES: dict[str, Scheme] = _registry()
-ALIASES = {"fp8": "fp8_e4m3/tensor", "fp8_e4m3": "fp8_e4m3/tensor", "fp8_e5m2": "fp8_e5m2/tensor",
-           "int8": "int8/tensor", "int8_asym": "int8_asym/token", "int4": "int4/kivi", "int2": "int2/kivi",
-           "float16": "fp16", "half": "fp16", "bfloat16": "bf16", "float32": "fp32", "float": "fp32"}
 
 
 def get(name: str | Scheme, **params) -> Scheme:
     """The scheme called ``name`` (or an alias: ``"fp8"`` is ``"fp8_e4m3/tensor"``, ``"int4"`` is
-    ``"int4/kivi"``), with ``group`` / ``value_group`` / ``residual`` / ``key_mode`` overridden by ``params``."""
+    ``"int4/kivi"``), with its family's parameters (``group`` / ``value_group`` / ``residual`` / ``key_mode`` of
+    the groups family) overridden by ``params``."""
     if isinstance(name, Scheme):
         scheme = name
     else:
@@ -44,13 +49,13 @@ def get(name: str | Scheme, **params) -> Scheme:
                              f"{sorted(ALIASES)}), got {name!r}")
         scheme = SCHEMES[key]
     if params:
-        if not scheme.packed:
+        if not scheme.param_names:
             raise ValueError(f"{scheme.name} takes no parameters (group, value_group, residual, key_mode are for "
                              f"the int4/int2 group schemes), got {sorted(params)}")
-        unknown = set(params) - {"group", "value_group", "residual", "key_mode"}
+        unknown = set(params) - set(scheme.param_names)
         if unknown:
-            raise ValueError(f"unknown parameters {sorted(unknown)} for {scheme.name}; it takes group, value_group, "
-                             f"residual, key_mode")
+            raise ValueError(f"unknown parameters {sorted(unknown)} for {scheme.name}; it takes "
+                             f"{', '.join(scheme.param_names)}")
         scheme = scheme.with_params(**params)
     return scheme
 
@@ -76,5 +81,6 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
     return get(fmt.name)
 
 
-__all__ = ["ALIASES", "SCHEMES", "Calibrator", "NonFiniteError", "Quantized", "Scheme", "check_finite", "get", "pack",
-           "resolve", "to_fp16", "unpack"]
+__all__ = ["ALIASES", "FAMILY_CLASSES", "SCHEMES", "Calibrator", "CastScheme", "GroupScheme", "NonFiniteError",
+           "Quantized", "Scheme", "StaticScheme", "TokenScheme", "check_finite", "get", "names", "pack", "resolve",
+           "to_fp16", "unpack"]

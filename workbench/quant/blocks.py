@@ -1,11 +1,12 @@
 """Where a quantized block keeps its scales: inside the block, after its codes.
 
-A block of a ``token`` or ``group`` scheme is ``[codes][pad to 16 bytes][scales][zero points]``: the codes
-in the cache's layout (``workbench.layout``, ``head_dim`` replaced by :func:`code_dim` bytes for packed
-codes), then the scale array, indexed ``[groups of tokens, kv heads, groups of channels]`` and stored
-head-major (``[heads, token groups, channel groups]`` in memory, :attr:`BlockScales.strides`), and, for asymmetric
-schemes, the zero points in the same shape. Every copy of a block (copy-on-write, compaction, a swap to
-another tier) moves whole blocks, so the scales travel with their codes without anyone asking.
+A block of a scheme whose scales are computed on write (the ``token`` and ``groups`` families) is
+``[codes][pad to 16 bytes][scales][zero points]``: the codes in the cache's layout (``workbench.layout``,
+``head_dim`` replaced by :func:`code_dim` bytes for packed codes), then the scale array, indexed ``[groups of
+tokens, kv heads, groups of channels]`` and stored head-major (``[heads, token groups, channel groups]`` in memory,
+:attr:`BlockScales.strides`), and, for asymmetric schemes, the zero points in the same shape. The family says
+which array a block of each kind holds (:meth:`Scheme.block_scales`). Every copy of a block (copy-on-write,
+compaction, a swap to another tier) moves whole blocks, so the scales travel with their codes without anyone asking.
 
 Scale element ``(token t, head h, channel d)`` of block ``b`` sits at scale-element index
 ``b * block_stride / itemsize + offset / itemsize + (t // tokens_per_group) * s_tg + h * s_h + d // channels_per_group``
@@ -14,71 +15,27 @@ with ``(s_tg, s_h) = (channel groups, token groups * channel groups)``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from .schemes import Scheme
+from .families import SCALE_ALIGN, BlockScales, Scheme
 
-SCALE_ALIGN = 16  # bytes: the scale array starts on a 16-byte boundary after the codes
-
-
-class BlockScales(NamedTuple):
-    """The scale array of one block of one kind (K or V); element strides in units of ``dtype``."""
-
-    offset: int  # bytes from the block's start to its first scale
-    dtype: torch.dtype  # fp32 (token schemes) or fp16 (group schemes)
-    tokens_per_group: int  # TG: 1 (one scale per token) or the key group (KIVI keys per channel)
-    channels_per_group: int  # DG: head_dim (one scale per token-head), value_group, or 1 (per channel)
-    groups: tuple[int, int, int]  # (token groups, heads, channel groups)
-    has_zero: bool  # asymmetric: zero points follow the scales, same shape
-
-    @property
-    def count(self) -> int:
-        n_tg, h, n_dg = self.groups
-        return n_tg * h * n_dg
-
-    @property
-    def strides(self) -> tuple[int, int, int]:
-        """Element strides of (token group, head, channel group): head-major, so the scales of one head's tokens
-        are contiguous (a decode program reads one head)."""
-        n_tg, _, n_dg = self.groups
-        return n_dg, n_tg * n_dg, 1
-
-    @property
-    def nbytes(self) -> int:
-        return self.count * self.dtype.itemsize * (2 if self.has_zero else 1)
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.nbytes
+__all__ = ["SCALE_ALIGN", "BlockScales", "block_bytes", "block_scales", "block_stride_bytes", "code_bytes", "code_dim",
+           "empty_cache", "plane_of", "scale_views"]
 
 
 def code_dim(scheme: Scheme, head_dim: int) -> int:
-    """Stored elements per token-head row: ``head_dim``, or its packed bytes (``head_dim * bits // 8``)."""
-    return head_dim * scheme.bits // 8 if scheme.packed else head_dim
+    """Stored elements per token-head row: ``head_dim``, or its packed bytes (:meth:`Scheme.code_dim`)."""
+    return scheme.code_dim(head_dim)
 
 
 def code_bytes(scheme: Scheme, block_size: int, num_heads: int, head_dim: int) -> int:
-    return block_size * num_heads * code_dim(scheme, head_dim) * scheme.format.storage.itemsize
+    return block_size * num_heads * scheme.code_dim(head_dim) * scheme.format.storage.itemsize
 
 
 def block_scales(scheme: Scheme, kind: str, block_size: int, num_heads: int, head_dim: int) -> BlockScales | None:
-    """The scale array of a block of ``block_size`` tokens, or None when the scheme keeps none in blocks."""
-    if not scheme.scales_in_blocks:
-        return None
-    start = -(-code_bytes(scheme, block_size, num_heads, head_dim) // SCALE_ALIGN) * SCALE_ALIGN
-    if scheme.granularity == "token":
-        return BlockScales(start, torch.float32, 1, head_dim, (block_size, num_heads, 1), not scheme.symmetric)
-    scheme.check_shape(num_heads, head_dim)
-    if kind == "k" and scheme.key_mode == "channel":
-        if block_size % scheme.group:
-            raise ValueError(f"{scheme.name} groups keys over {scheme.group} tokens: the block size must be a "
-                             f"multiple of it, got {block_size}")
-        return BlockScales(start, torch.float16, scheme.group, 1, (block_size // scheme.group, num_heads, head_dim),
-                           True)
-    g = scheme.value_group
-    return BlockScales(start, torch.float16, 1, g, (block_size, num_heads, head_dim // g), True)
+    """The scale array of a block of ``block_size`` tokens, or None when the scheme keeps none in blocks
+    (:meth:`Scheme.block_scales`: the family's layout)."""
+    return scheme.block_scales(kind, block_size, num_heads, head_dim)
 
 
 def block_bytes(scheme: Scheme, block_size: int, num_heads: int, head_dim: int) -> int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .schemes import Scheme, check_finite
+from .families import Scheme, check_finite
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Calibrator:
     _amax: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.scheme.static:
+        if not self.scheme.needs_static_scales:
             raise ValueError(f"scheme must have static scales (per tensor or head), got {self.scheme.name}, whose "
                              f"scales are computed on write")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not self.margin >= 1.0:
@@ -58,9 +58,5 @@ class Calibrator:
         """``(k_scale, v_scale)``, fp32: one value (``tensor``) or one per head (``head``)."""
         if not self.batches:
             raise ValueError("observe at least one batch before asking for scales")
-        out = []
-        for name in ("k", "v"):
-            amax = self._amax[name] if self.scheme.granularity == "head" else self._amax[name].amax().reshape(1)
-            amax = amax * self.margin
-            out.append(torch.where(amax > 0, amax / self.scheme.qmax, torch.ones_like(amax)))
-        return out[0], out[1]
+        return (self.scheme.scales_from_amax(self._amax["k"], self.margin),
+                self.scheme.scales_from_amax(self._amax["v"], self.margin))
