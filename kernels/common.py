@@ -94,16 +94,25 @@ def scheme_of(k_dtype: torch.dtype, quant_arg) -> quant.Scheme:
     return quant.resolve(k_dtype, "k_cache")
 
 
-def check_kernel_shape(scheme: quant.Scheme, head_dim: int) -> None:
-    """What the kernels ask of a packed scheme's rows: a power-of-two head_dim and at least 16 bytes a row (the
-    smallest tile Triton's dot and loads take)."""
-    if not scheme.packed:
-        return
+def _packed_rows(scheme: quant.Scheme, head_dim: int) -> None:
+    """Packed rows: a power-of-two head_dim and at least 16 bytes a row (the smallest tile Triton's dot and loads
+    take)."""
     if head_dim & (head_dim - 1):
         raise ValueError(f"{scheme.name} needs a power-of-two head_dim in the kernels, got {head_dim}")
-    if qblocks.code_dim(scheme, head_dim) < 16:
-        raise ValueError(f"{scheme.name} packs head_dim {head_dim} into {qblocks.code_dim(scheme, head_dim)} bytes; "
+    if scheme.code_dim(head_dim) < 16:
+        raise ValueError(f"{scheme.name} packs head_dim {head_dim} into {scheme.code_dim(head_dim)} bytes; "
                          f"the kernels need at least 16 (head_dim >= {16 * 8 // scheme.bits})")
+
+
+# what the kernels ask of a family's rows beyond the family's own check_shape, by storage family (none: nothing)
+KERNEL_SHAPE_CHECKS: dict[str, Callable[[quant.Scheme, int], None]] = {"groups": _packed_rows}
+
+
+def check_kernel_shape(scheme: quant.Scheme, head_dim: int) -> None:
+    """ValueError when the kernels cannot tile ``scheme``'s rows of ``head_dim`` values (:data:`KERNEL_SHAPE_CHECKS`)."""
+    check = KERNEL_SHAPE_CHECKS.get(scheme.family)
+    if check is not None:
+        check(scheme, head_dim)
 
 
 def block_scales_in(cache: torch.Tensor, name: str, scheme: quant.Scheme, kind: str, block_size: int,

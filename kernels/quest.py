@@ -122,30 +122,45 @@ def _key_bounds_kernel(
     tl.store(p_o + HEAD_DIM, b_hi.to(tl.float16), mask=m_o)
 
 
-def _scheme_args(scheme: quant.Scheme, k_cache: torch.Tensor, block_size: int, hkv: int, head_dim: int, k_scale):
-    """``(QMODE, SCALE_PTR, SC_DTYPE, ks_ptr, s_sc_h, (sc_blk, sc_off, sc_tg, sc_h, z_off))`` for the bounds kernel."""
-    if scheme.packed:
-        raise ValueError(f"key bounds do not support {scheme.name}: its packed key groups (and its fp16 residual of "
-                         "newest tokens) are not read per block")
-    zeros = (0, 0, 0, 0, 0)
-    if scheme.static:
-        if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32 or k_scale.numel() not in (1, hkv):
-            raise ValueError(f"k_scale must be an fp32 tensor of one element or [{hkv}] for {scheme.name}, got "
-                             f"{common.describe(k_scale)}")
-        if k_scale.device != k_cache.device:
-            raise ValueError(f"k_scale must be on the cache's device {k_cache.device}, got {k_scale.device}")
-        k_scale = k_scale.reshape(-1)
-        return 0, True, tl.float32, k_scale, int(k_scale.numel() > 1), zeros
+def _cast_args(scheme, k_cache, block_size, hkv, head_dim, k_scale):
     if k_scale is not None:
         raise ValueError(f"k_scale is only for static-scale schemes; {scheme.name} has none")
-    if not scheme.scales_in_blocks:
-        return 0, False, tl.float32, None, 0, zeros
+    return 0, False, tl.float32, None, 0, (0, 0, 0, 0, 0)
+
+
+def _static_args(scheme, k_cache, block_size, hkv, head_dim, k_scale):
+    if not isinstance(k_scale, torch.Tensor) or k_scale.dtype != torch.float32 or k_scale.numel() not in (1, hkv):
+        raise ValueError(f"k_scale must be an fp32 tensor of one element or [{hkv}] for {scheme.name}, got "
+                         f"{common.describe(k_scale)}")
+    if k_scale.device != k_cache.device:
+        raise ValueError(f"k_scale must be on the cache's device {k_cache.device}, got {k_scale.device}")
+    k_scale = k_scale.reshape(-1)
+    return 0, True, tl.float32, k_scale, int(k_scale.numel() > 1), (0, 0, 0, 0, 0)
+
+
+def _token_args(scheme, k_cache, block_size, hkv, head_dim, k_scale):
+    if k_scale is not None:
+        raise ValueError(f"k_scale is only for static-scale schemes; {scheme.name} has none")
     sc = common.block_scales_in(k_cache, "k_cache", scheme, "k", block_size, hkv, head_dim)
     item = sc.dtype.itemsize
     s_tg, s_h, _ = sc.strides
     qmode = 3 if sc.has_zero else 2
     args = (k_cache.stride(0) * k_cache.element_size() // item, sc.offset // item, s_tg, s_h, sc.count)
     return qmode, False, common.SCALE_DTYPES[sc.dtype], None, 0, args
+
+
+# the bounds kernel's arguments by storage family (workbench.quant.families); a family without an entry has no
+# key bounds (the groups family: its packed key groups and fp16 residual are not read per block)
+BOUNDS_FAMILIES = {"cast": _cast_args, "static": _static_args, "token": _token_args}
+
+
+def _scheme_args(scheme: quant.Scheme, k_cache: torch.Tensor, block_size: int, hkv: int, head_dim: int, k_scale):
+    """``(QMODE, SCALE_PTR, SC_DTYPE, ks_ptr, s_sc_h, (sc_blk, sc_off, sc_tg, sc_h, z_off))`` for the bounds kernel."""
+    build = BOUNDS_FAMILIES.get(scheme.family) if scheme.supports_key_bounds else None
+    if build is None:
+        raise ValueError(f"key bounds do not support {scheme.name}: its packed key groups (and its fp16 residual of "
+                         "newest tokens) are not read per block")
+    return build(scheme, k_cache, block_size, hkv, head_dim, k_scale)
 
 
 def _k_geometry(k_cache: torch.Tensor, layout: Layout) -> tuple[int, int, int]:

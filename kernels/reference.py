@@ -195,14 +195,14 @@ def write_cache_ref(scheme, key: torch.Tensor, value: torch.Tensor, k_cache: tor
     them. A group of keys quantized per channel must lie in consecutive slots of one block, as for the kernel."""
     from workbench.quant import blocks as qblocks
 
-    if not scheme.scales_in_blocks:
+    if not scheme.scales_on_write:
         write_kv_ref(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale)
         return
     layout = Layout.parse(layout)
     bs = to_nhd(v_cache[:0], layout, "v").shape[1]
     slots = slot_mapping.long()
     blk, off = slots // bs, slots % bs
-    whole = scheme.with_params(residual=0) if scheme.packed else scheme  # the caller chose the tokens to store
+    whole = scheme.without_residual()  # the caller chose the tokens to store
     D = key.shape[-1]
     for src, cache, kind in ((key, k_cache, "k"), (value, v_cache, "v")):
         qz = whole.quantize(src, kind)
@@ -291,15 +291,14 @@ def dequantize_cache_ref(scheme, cache: torch.Tensor, layout: Layout | str, kind
     """Values of every slot of a quantized cache as fp32 NHD ``[num_blocks, block_size, heads, head_dim]``:
     codes read in ``layout`` and scales from the blocks (``workbench.quant.blocks``), ``scheme``'s arithmetic."""
     from workbench.quant import blocks as qblocks
-    from workbench.quant import unpack
 
     nhd = to_nhd(cache, layout, kind)  # [nb, bs, H, DC]
     nb, bs, h, _ = nhd.shape
-    if not scheme.quantized or scheme.static:
+    sc = scheme.block_scales(kind, bs, h, head_dim)
+    if sc is None:  # plain values, or codes whose static scales the caller applies
         return nhd.float()
-    sc = qblocks.block_scales(scheme, kind, bs, h, head_dim)
     scale, zero = qblocks.scale_views(qblocks.plane_of(cache), sc)  # [nb, token groups, H, channel groups]
-    codes = unpack(nhd, scheme.bits).float() if scheme.packed else nhd.float()  # [nb, bs, H, D]
+    codes = scheme.code_values(nhd).float()  # [nb, bs, H, D]
     tok = torch.arange(bs, device=cache.device) // sc.tokens_per_group
     ch = torch.arange(head_dim, device=cache.device) // sc.channels_per_group
     s = scale.float()[:, tok][..., ch]  # [nb, bs, H, D]

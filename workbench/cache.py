@@ -115,7 +115,7 @@ class PagedKVCache:
             check_kernel_devices(f"ops='kernels' with device={self.device}", device=self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
-        static = self.scheme.static
+        static = self.scheme.needs_static_scales
         if static != (k_scale is not None) or static != (v_scale is not None):
             raise ValueError(f"k_scale and v_scale are needed exactly for static-scale schemes (fp8/int8 per tensor or "
                              f"head), got {self.scheme.name} with k_scale={k_scale is not None}, "
@@ -123,7 +123,7 @@ class PagedKVCache:
         if key_bounds and len(self.pool_sizes) > 1:
             raise ValueError(f"key_bounds=True needs a cache with one block size (a Quest page is a block), got "
                              f"block_sizes {self.pool_sizes}")
-        if key_bounds and self.scheme.packed:
+        if key_bounds and not self.scheme.supports_key_bounds:
             raise ValueError(f"key_bounds=True is not supported with kv_dtype {self.scheme.name}: its keys are packed "
                              "in groups and its newest tokens live in an fp16 residual outside the blocks")
         elem = self.dtype.itemsize
@@ -320,7 +320,7 @@ class PagedKVCache:
         if not seq_ids:
             raise ValueError("seq_ids must be a non-empty list of distinct sequence ids")
         self._check_kv(k, v, len(seq_ids))
-        if self.scheme.packed:
+        if self.scheme.keeps_residual:
             tokens = token_ids("tokens", tokens)
             if len(tokens) != len(seq_ids):
                 raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
@@ -451,7 +451,7 @@ class PagedKVCache:
                                        residual=[None if r is None else (r[0][layer], r[1][layer]) for r in residuals])
             return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
         kw = dict(quant=self.scheme, sm_scale=sm_scale, **launch)
-        if self.scheme.static:
+        if self.scheme.needs_static_scales:
             kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
         residuals = [self._residual.get(s) for s in seq_ids]
         if not any(r is not None for r in residuals):
@@ -541,8 +541,8 @@ class PagedKVCache:
             bs = self.pool_sizes[0]
             launch = self.ops == "kernels"  # the PyTorch ops write on any device: shapes and dtypes only
             try:
-                if self.scheme.scales_in_blocks:
-                    n = self.scheme.group if self.scheme.packed and self.scheme.key_mode == "channel" else num_tokens
+                if self.scheme.scales_on_write:
+                    n = self.scheme.write_group if self.scheme.write_group > 1 else num_tokens
                     slots = torch.empty(n, dtype=torch.int64, device=self.device)
                     kk, vv = (t[0, :1].expand(n, -1, -1) for t in (k, v))  # the shape a group write has
                     check_dynamic_write(kk, vv, self.k_cache(0, bs), self.v_cache(0, bs), self.layout, slots,
@@ -561,7 +561,7 @@ class PagedKVCache:
         except BaseException:
             self.manager.restore(cp, placement)
             raise
-        if self.scheme.packed:  # only KIVI (int4 / int2 groups) keeps tokens outside the blocks
+        if self.scheme.keeps_residual:  # only KIVI (int4 / int2 groups) keeps tokens outside the blocks
             self._quantized[seq] = written
             if residual is None:
                 self._residual.pop(seq, None)
@@ -580,7 +580,7 @@ class PagedKVCache:
         first = placement.first - (total - k.shape[1])  # index into k/v of the first token not yet in the cache
         done = self._quantized.get(seq, placement.first)  # tokens already in the blocks
         residual = None
-        if self.scheme.packed:  # KIVI: the oldest whole groups go to the blocks, the newest tokens stay in fp16
+        if self.scheme.keeps_residual:  # KIVI: the oldest whole groups go to the blocks, the newest stay in fp16
             old = self._residual.get(seq)
             # the fp16 values, saturated at +-65504 (a plain cast made Inf, then NaN groups), as the residual holds
             # them: a token is quantized from the same values whether it waited in the residual or not
@@ -625,7 +625,7 @@ class PagedKVCache:
 
         blocks, counts = touched
         k_cache = self.k_cache(layer, bs)
-        k_scale = self.k_scale if self.scheme.static else None
+        k_scale = self.k_scale if self.scheme.needs_static_scales else None
         if self.ops == "torch":
             self.k_bounds[layer, blocks] = key_bounds_ref(self.scheme, k_cache, self.layout, self.head_dim, blocks,
                                                           counts, k_scale)
@@ -651,7 +651,7 @@ class PagedKVCache:
         k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
         if self.ops == "torch":
             write_cache_ref(self.scheme, k, v, k_cache, v_cache, self.layout, slot_t, self.k_scale, self.v_scale)
-        elif self.scheme.scales_in_blocks:
+        elif self.scheme.scales_on_write:
             write_kv(k, v, k_cache, v_cache, self.layout, slot_t, quant=self.scheme, nonfinite=self.nonfinite,
                      validate=False)
         else:

@@ -37,7 +37,7 @@ class DecodeStep:
         if len(tokens) != len(seq_ids):
             raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
         bs = cache._batch(seq_ids)  # validates the ids: one size class, one write per layer
-        if cache.scheme.packed:
+        if cache.scheme.keeps_residual:
             raise ValueError(f"kv_dtype {cache.scheme.name} keeps its newest tokens in an fp16 residual, so it has no "
                              "per-layer decode step: attend with PagedKVCache.decode, then append_batch")
         self.cache, self.seq_ids, self.tokens, self.block_size = cache, seq_ids, tokens, bs
@@ -94,7 +94,7 @@ class DecodeStep:
         plan = self._plans.get(key)
         if plan is None:
             kw = dict(quant=c.scheme, sm_scale=sm_scale, **launch)
-            if c.scheme.static:
+            if c.scheme.needs_static_scales:
                 kw.update(k_scale=c.k_scale, v_scale=c.v_scale)
             if shared_prefix == "off":
                 plan = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache, v_cache=v_cache,

@@ -75,7 +75,7 @@ def _check_batch(k_cache, v_cache, layout, block_table, seq_lens, B, Hq, q_dtype
     check_table_tensors(block_table, seq_lens, device, batch=B, owner="q")
     block_size, hkv, hd = _cache_geometry(k_cache, v_cache, layout, q_dtype, device)
     if D is not None:
-        want = D * scheme.bits // 8 if scheme is not None and scheme.packed else D
+        want = scheme.code_dim(D) if scheme is not None else D
         if hd != want:
             packed = f" ({scheme.name} packs head_dim {D} into {want} bytes)" if want != D else ""
             raise ValueError(f"q head_dim {D} does not match the caches' rows of {hd} elements{packed}")

@@ -197,8 +197,7 @@ class DecodePlan:
             raise ValueError(f"launch options must be among {_config.LAUNCH_KEYS}, got {sorted(bad)}")
         dq = _quant.decode_quant(scheme, k_cache, v_cache, block_size, hkv, D, k_scale, v_scale, q_dtype,
                                  _config._interpreted())
-        if scheme.packed:
-            launch["k3d"] = False  # packed keys are read as [BLOCK_N, bytes] rows, then unpacked
+        launch.update(dq.fixed)  # what the family's codes fix (packed keys are read as [BLOCK_N, bytes] rows)
         if not _config._interpreted():
             for k, v in _quant.launch_defaults(scheme).items():
                 launch.setdefault(k, v)

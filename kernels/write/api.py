@@ -268,7 +268,7 @@ def write_kv(
     """
     if isinstance(k_cache, torch.Tensor) and (quant is not None or k_cache.dtype == torch.uint8):
         qs = common.scheme_of(k_cache.dtype, quant)
-        if qs.scales_in_blocks:
+        if qs.scales_on_write:
             return _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
                                   nonfinite, validate, tokens_per_program, num_warps)
     kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
@@ -311,7 +311,7 @@ def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, 
     layout = Layout.parse(layout)
     block_size, num_blocks = check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme)
     if validate and _check_slot_values(slot_mapping, num_blocks * block_size, k_cache):
-        if scheme.packed and scheme.key_mode == "channel":
+        if scheme.write_group > 1:
             check_group_slots(scheme, slot_mapping, block_size)
         for name, t in (("key", key), ("value", value)):  # finite values the scheme cannot store (NaN is counted)
             scheme.check_input(name, t, allow_nonfinite=True)

@@ -1,5 +1,6 @@
-"""Write-to-cache with scales computed on write: ``token`` schemes (fp8 / int8 / asymmetric int8, one scale per
-token and kv head) and ``group`` schemes (KIVI int4 / int2, packed, fp16 scale and zero point per group).
+"""Write-to-cache with scales computed on write: the ``token`` family (fp8 / int8 / asymmetric int8, one scale per
+token and kv head) and the ``groups`` family (KIVI int4 / int2, packed, fp16 scale and zero point per group);
+:data:`WRITE_MODES` maps a family to the kernel's ``MODE`` of each kind (``workbench.quant.families``).
 
 The codes go where the layout says (``workbench.layout``'s address formula, over ``code_dim`` elements a row);
 the scales go into the same block, after its codes (``workbench.quant.blocks``), so they travel with it.
@@ -151,10 +152,20 @@ from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND  # noqa: E402
 TOKENS_PER_PROGRAM = 16
 
 
+# the kernel's MODE for one kind (K or V) of a scheme, by storage family: the families whose scales are computed on
+# write; a new one adds its entry (docs/quant_families.md)
+WRITE_MODES = {
+    "token": lambda scheme, kind: 1 if scheme.symmetric else 2,
+    "groups": lambda scheme, kind: 4 if kind == "k" and scheme.write_group > 1 else 3,  # per-channel keys: one group
+}
+
+
 def _mode(scheme: Scheme, kind: str) -> int:
-    if scheme.granularity == "token":
-        return 1 if scheme.symmetric else 2
-    return 4 if kind == "k" and scheme.key_mode == "channel" else 3
+    mode = WRITE_MODES.get(scheme.family)
+    if mode is None:
+        raise ValueError(f"the dynamic write kernel has no entry for {scheme.name}'s storage family {scheme.family!r} "
+                         f"(kernels/write/dynamic.py WRITE_MODES: {sorted(WRITE_MODES)})")
+    return mode(scheme, kind)
 
 
 def check_dynamic(scheme: Scheme, key, k_cache, v_cache, layout: Layout, block_size: int) -> None:
@@ -164,8 +175,8 @@ def check_dynamic(scheme: Scheme, key, k_cache, v_cache, layout: Layout, block_s
     common.check_kernel_shape(scheme, head_dim)
     for kind, cache in (("k", k_cache), ("v", v_cache)):
         common.block_scales_in(cache, f"{kind}_cache", scheme, kind, block_size, num_heads, head_dim)
-    if _mode(scheme, "k") == 4 and num_tokens % scheme.group:
-        raise ValueError(f"{scheme.name} quantizes keys per channel over groups of {scheme.group} tokens: key must "
+    if num_tokens % scheme.write_group:
+        raise ValueError(f"{scheme.name} quantizes keys per channel over groups of {scheme.write_group} tokens: key must "
                          f"hold whole groups, got {num_tokens} tokens (the cache keeps the rest in its fp16 residual)")
 
 

@@ -25,8 +25,8 @@ import torch
 
 from workbench import quant
 from workbench.bench import harness
+from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
 
-SMOKE_SCHEMES = ("fp16", "int8/tensor", "int4/token")
 COLUMNS = ["scheme", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift", "max_abs_drift",
            "mean_kl", "perplexity", "seconds"]
 HEADERS = {"bytes_per_token": "bytes/tok", "first_divergence_mean": "1st_div", "mean_abs_drift": "|drift|",

@@ -30,20 +30,17 @@ from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, contiguou
 from workbench.kernels import DecodePlan, decode_config, write_kv
 from workbench.kernels.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
 from workbench.quant import blocks as qblocks
+from workbench.quant.names import DECODE_BENCH_SCHEMES as DECODE_SCHEMES
+from workbench.quant.names import DECODE_SMOKE_SCHEMES as SMOKE_SCHEMES
+from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 
 PAGE = 16
-DECODE_SCHEMES = ("fp16", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor",
-                  "int8/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
-                  "int2/kivi")
-SMOKE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/kivi", "int2/token")
-WRITE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token",
-                 "int4/kivi", "int2/kivi")
 
 
 def bench_scheme(name: str) -> quant.Scheme:
     """The scheme as benchmarked: KIVI key groups of one 16-token page (the group must divide the page)."""
     s = quant.get(name)
-    return s.with_params(group=PAGE, residual=0) if s.packed else s
+    return s.with_params(group=PAGE, residual=0) if "group" in s.param_names else s
 
 
 def quantized_paged(p: PagedKV, scheme: quant.Scheme):
@@ -54,13 +51,14 @@ def quantized_paged(p: PagedKV, scheme: quant.Scheme):
         return p.k_cache, p.v_cache, None, None
     caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, bs, H, D, p.q.device) for kind in "kv"]
     ks = vs = None
-    if scheme.static:
+    if scheme.needs_static_scales:
         ks, vs = scheme.calibrate(src_k[: 1 << 16]), scheme.calibrate(src_v[: 1 << 16])  # a calibration sample
     slots = torch.arange(nb * bs, device=p.q.device)
     step = 1 << 18  # tokens a call: bounded temporaries
     for i in range(0, nb * bs, step):
         sl = slice(i, min(nb * bs, i + step))
-        kw = dict(k_scale=ks, v_scale=vs) if scheme.static else dict(quant=scheme) if scheme.quantized else {}
+        kw = (dict(k_scale=ks, v_scale=vs) if scheme.needs_static_scales else dict(quant=scheme) if scheme.quantized
+              else {})
         src = (src_k[sl], src_v[sl]) if scheme.format.storage != torch.bfloat16 else (src_k[sl].bfloat16(),
                                                                                         src_v[sl].bfloat16())
         write_kv(*src, caches[0], caches[1], "nhd", slots[sl], validate=False, **kw)
@@ -69,8 +67,8 @@ def quantized_paged(p: PagedKV, scheme: quant.Scheme):
 
 def _plan(p: PagedKV, scheme, k_cache, v_cache, ks, vs, q, cfg: dict | None):
     mean = sum(p.lens) / max(1, len(p.lens))
-    kw = dict(k_scale=ks, v_scale=vs) if scheme.static else {}
-    if scheme.scales_in_blocks:
+    kw = dict(k_scale=ks, v_scale=vs) if scheme.needs_static_scales else {}
+    if scheme.scales_on_write:
         kw["quant"] = scheme
     return DecodePlan(p.block_table, p.seq_lens, layout="nhd", k_cache=k_cache, v_cache=v_cache,
                       num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=p.max_seq_len, mean_seq_len=mean,
@@ -211,13 +209,13 @@ def run_write(copy_gbps: float, schemes, rep_ms: float, device, tokens: int = 32
         scheme = bench_scheme(name)
         caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, PAGE, heads, head_dim, device) for kind in "kv"]
         kw = {}
-        if scheme.static:
+        if scheme.needs_static_scales:
             kw = dict(k_scale=scheme.calibrate(key), v_scale=scheme.calibrate(value))
         elif scheme.quantized:
             kw = dict(quant=scheme)
         stored = scheme.bytes_per_token(heads, head_dim) * tokens
         nbytes = int(2 * key.numel() * 2 + stored)  # fp16 source read + codes and scales written
-        for variant, cfg in (WRITE_VARIANTS if tune and scheme.scales_in_blocks else [("default", {})]):
+        for variant, cfg in (WRITE_VARIANTS if tune and scheme.scales_on_write else [("default", {})]):
             fn = functools.partial(write_kv, key, value, caches[0], caches[1], "nhd", slots, validate=False, **kw,
                                    **cfg)
             for c in caches:

@@ -32,6 +32,7 @@ import time
 import torch
 
 from workbench.bench import harness
+from workbench.quant.names import TIER_BENCH_SCHEMES
 
 SIZES_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCHES = (1, 4, 16, 64, 256)
@@ -277,7 +278,7 @@ def check_rows() -> list[dict]:
 
     rows = []
     for path in ("dma", "sm"):
-        for kv_dtype in ("fp16", "int8/token", "fp8_e4m3/token"):
+        for kv_dtype in TIER_BENCH_SCHEMES:
             cache = PagedKVCache(4, 8, 128, num_pages=64, page_tokens=16, kv_dtype=kv_dtype, device="cuda")
             with tempfile.TemporaryDirectory() as d:
                 bb = block_bytes(cache, 16)

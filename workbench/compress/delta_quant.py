@@ -53,11 +53,9 @@ class QuantEncoded:
         if not p:  # made by hand without parameters: the registry's scheme of that name
             return quant.get(self.scheme)
         try:
-            s = quant.Scheme(**p)
+            s = quant.Scheme(**p)  # the family class that stores its granularity (ValueError for none)
             s.check()
             _ = s.format  # a format that exists
-            if s.granularity not in ("none", "tensor", "head", "token", "group"):
-                raise ValueError(f"unknown granularity {s.granularity!r}")
         except (TypeError, ValueError) as e:
             raise ValueError(f"qe is inconsistent: params {p} are not a quantization scheme ({e})") from None
         if s.name != self.scheme:
@@ -98,7 +96,7 @@ def encode_quantized(x: torch.Tensor, scheme="int8/token", *, kind: str = "k", s
                          f"{list(x.shape)}")
     _check_choice("kind", kind, ("k", "v"))
     qz = s.quantize(x.detach().cpu(), kind, scale)
-    codes = quant.unpack(qz.codes, s.bits) if s.packed else qz.codes
+    codes = s.code_values(qz.codes)
     opts = dict(delta=delta, shuffle=shuffle, order=order, rle=rle, level=level)
     res = qz.residual if qz.residual is not None and qz.residual.numel() else None
     params = tuple((f.name, getattr(s, f.name)) for f in fields(s) if f.compare)  # every field but the label
@@ -116,13 +114,11 @@ def decode_codes(qe: QuantEncoded):
     T, H, D = qe.shape
     tq = s.quantized_tokens(T)
     if qe.codes is None:
-        codes = torch.zeros(0, H, D * s.bits // 8 if s.packed else D, dtype=s.format.storage)
+        codes = torch.zeros(0, H, s.code_dim(D), dtype=s.format.storage)
     else:
-        codes = decode(qe.codes)
-        if s.packed:
-            codes = quant.pack(codes, s.bits)
+        codes = s.store_codes(decode(qe.codes))
     residual = decode(qe.residual) if qe.residual is not None else None
-    if residual is None and s.packed:
+    if residual is None and s.keeps_residual:
         residual = torch.zeros(0, H, D, dtype=torch.float16)
     if (residual.shape[0] if residual is not None else 0) + tq != T:
         raise ValueError(f"qe is inconsistent: {tq} quantized + residual tokens do not make {T}")

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from workbench.compress import delta as dz
+from workbench.quant.names import DELTA_SCHEMES as SCHEMES
 
 KINDS = ("k_pre", "k", "v")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -66,7 +67,6 @@ CONFIGS: dict[str, dict] = {
 }
 DEFAULT = "delta+shuffle"
 BEST = "shuffle"  # the best on the real K/V over all kinds and layers (layer 0 repeats rows; values dislike deltas)
-SCHEMES = ("int8/token", "fp8_e4m3/token", "int4/token", "int4/kivi")
 BLOCK_TOKENS = 16
 
 

@@ -121,7 +121,7 @@ def check_evictable(cache) -> None:
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     scheme = cache.scheme
-    if scheme.packed and scheme.residual > 0:
+    if scheme.keeps_residual and scheme.residual > 0:
         raise ValueError(f"cache kv_dtype {scheme.name} keeps each sequence's newest tokens in an fp16 residual "
                          f"outside the blocks: eviction is not supported for it (use a per-token or static scheme)")
     for kind in ("k", "v"):

@@ -333,7 +333,7 @@ class QuestDecode:
                             sm_scale=self.sm_scale, keep_first=self.keep_first, keep_last=self.keep_last,
                             scores=self.scores, out_table=self.block_table, out_lens=self.seq_lens)
             kw = dict(quant=c.scheme, sm_scale=self.sm_scale, **self.launch)
-            if c.scheme.static:
+            if c.scheme.needs_static_scales:
                 kw.update(k_scale=c.k_scale, v_scale=c.v_scale)
             dec = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=c.k_cache(layer, bs),
                              v_cache=c.v_cache(layer, bs), num_q_heads=q.shape[1], q_dtype=q.dtype,

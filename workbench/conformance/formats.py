@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from workbench import quant
+
 
 class SuiteFormat(NamedTuple):
     q_dtype: torch.dtype  # queries (and write sources) of a case in this format
@@ -29,7 +31,8 @@ SUITE_FORMATS: dict[str, SuiteFormat] = {
     "int8_asym/token": SuiteFormat(torch.float16, 1e-2, 0xFF),
 }
 
-CAST = ("fp16", "bf16", "fp32")
-STATIC = ("fp8_e4m3/head", "fp8_e5m2/head", "int8/head")
-IN_BLOCKS = ("fp8_e4m3/token", "int8_asym/token")
+# the suite's formats by what the op is given beside the caches (each scheme's family answers)
+CAST = tuple(f for f in SUITE_FORMATS if not quant.get(f).quantized)
+STATIC = tuple(f for f in SUITE_FORMATS if quant.get(f).needs_static_scales)  # k_scale / v_scale
+IN_BLOCKS = tuple(f for f in SUITE_FORMATS if quant.get(f).scales_on_write)  # quant=; scales in the blocks
 WRITE_FORMATS = CAST + STATIC  # the write op's cases (formats with scales computed on write: see docs/byo_kernel.md)

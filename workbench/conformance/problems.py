@@ -157,7 +157,7 @@ def empty_pool(scheme: quant.Scheme, case: Case, kind: str, num_blocks: int, dev
     beyond their own size."""
     dtype = scheme.format.storage
     stride = qblocks.block_stride_bytes(scheme, case.block_size, case.num_kv_heads, case.head_dim) // dtype.itemsize
-    if not scheme.scales_in_blocks:  # no scales: the block's own size, then the padding (misaligned if pad is odd)
+    if not scheme.scales_on_write:  # no scales: the block's own size, then the padding (misaligned if pad is odd)
         stride = qblocks.code_bytes(scheme, case.block_size, case.num_kv_heads, case.head_dim) // dtype.itemsize
     plane = torch.empty((num_blocks, stride + case.pad), dtype=dtype, device=device)
     plane.view(torch.uint8).fill_(SUITE_FORMATS[case.kv_format].poison)
@@ -227,7 +227,7 @@ def build_decode(case: Case, device) -> dict:
     v = torch.randn(len(slots), H, D, generator=g).to(fmt.q_dtype)
     k_cache, v_cache = (empty_pool(scheme, case, kind, num_blocks, device) for kind in "kv")
     k_scale = v_scale = None
-    if scheme.static:
+    if scheme.needs_static_scales:
         k_scale = scheme.calibrate(k if len(slots) else torch.ones(1, H, D)).reshape(-1).to(device)
         v_scale = scheme.calibrate(v if len(slots) else torch.ones(1, H, D)).reshape(-1).to(device)
     from workbench.kernels.reference import dequantize_cache_ref, paged_decode_ref, write_cache_ref
@@ -252,7 +252,7 @@ def build_decode(case: Case, device) -> dict:
         "block_table": table, "seq_lens": lens_t,
         **csr_export(lists, case.lens, bs, device),
         "max_seq_len": max(case.lens, default=0), "sm_scale": sm_scale, "k_scale": k_scale, "v_scale": v_scale,
-        "quant": case.kv_format if scheme.scales_in_blocks else None, "kv_format": case.kv_format,
+        "quant": case.kv_format if scheme.scales_on_write else None, "kv_format": case.kv_format,
         "ref_counts": counts.to(device),
         "out": torch.full_like(q, float("nan")), "ref": ref,
     }
@@ -264,7 +264,7 @@ def build_write(case: Case, device) -> dict:
     from workbench.kernels.reference import write_kv_ref
 
     scheme = _scheme(case)
-    if scheme.scales_in_blocks:
+    if scheme.scales_on_write:
         raise ValueError(f"the write op's cases take formats with static scales, got {case.kv_format!r}")
     g = torch.Generator().manual_seed(case.seed)
     T, H, D, bs = case.lens[0], case.num_kv_heads, case.head_dim, case.block_size
@@ -282,7 +282,7 @@ def build_write(case: Case, device) -> dict:
             c.copy_(torch.nan_to_num(c.float(), nan=0.5).to(c.dtype))
         caches.append(c)
     k_scale = v_scale = None
-    if scheme.static:
+    if scheme.needs_static_scales:
         k_scale = scheme.calibrate(key if T else torch.ones(1, H, D)).reshape(-1).to(device)
         v_scale = scheme.calibrate(value if T else torch.ones(1, H, D)).reshape(-1).to(device)
     ref_planes = [qblocks.plane_of(c).clone() for c in caches]

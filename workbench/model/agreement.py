@@ -34,8 +34,8 @@ def page_tokens_for(scheme, page_tokens: int = 16) -> int:
     from workbench import quant
 
     s = quant.resolve(scheme)
-    if s.packed and s.key_mode == "channel" and page_tokens % s.group:
-        return -(-page_tokens // s.group) * s.group
+    if page_tokens % s.write_group:
+        return -(-page_tokens // s.write_group) * s.write_group
     return page_tokens
 
 
@@ -60,7 +60,7 @@ def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str 
     tokens = [int(t) for t in tokens]
     pre = prefilled if prefilled is not None else quality.prefill_all(model, [tokens])[0]
     k_scale = v_scale = None
-    if quant.get(scheme).static:
+    if quant.get(scheme).needs_static_scales:
         if calibration is None:
             raise ValueError(f"calibration must be given for {scheme}, whose scales are static "
                              f"(calibration_sample(model, tok))")
@@ -78,7 +78,7 @@ def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme:
 
     ref = ref if ref is not None else greedy(model, tokens, new_tokens, "fp16", ops)
     s = quant.get(scheme)
-    if s.static and calibration is None:
+    if s.needs_static_scales and calibration is None:
         calibration = calibration_sample(model, tok)
     pre = (ref.prefilled or [None])[0]  # the reference's prefill, when it is of these tokens
     run = greedy(model, tokens, new_tokens, scheme, ops, calibration,
@@ -89,8 +89,8 @@ def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme:
     stored = s.bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, context=len(tokens) + new_tokens)
     total = len(tokens) + new_tokens - 1  # the last chosen token is never fed back
     q = run.quantized_tokens.get((0, 0), total)
-    scales = {"none": "a cast, no scales", "group": "scales per group"}.get(s.granularity, f"{s.granularity} scales")
-    if s.static:
+    scales = s.scales_label()
+    if s.needs_static_scales:
         scales += " (static: calibrated on the Gettysburg address, one pair for all layers)"
     note = f"{len(tokens)} prompt tokens, {new_tokens} new; {s.name}: {scales}"
     if q < total:

@@ -109,7 +109,7 @@ def _static_scales(kv_dtype: str, cfg) -> dict:
         scheme = quant.resolve(kv_dtype)
     except ValueError:
         return {}  # PagedKVCache names the bad value
-    if not scheme.static:
+    if not scheme.needs_static_scales:
         return {}
     s = 16.0 / scheme.qmax  # |K|, |V| of this model stay well below 16 (data/activations/stats.json)
     return {"k_scale": s, "v_scale": s}

@@ -36,7 +36,7 @@ class GraphDecoder:
                  compile: bool = False, **launch):
         from workbench.kernels import DecodePlan
 
-        if cache.scheme.packed:
+        if cache.scheme.keeps_residual:
             raise ValueError(f"kv_dtype {cache.scheme.name} keeps an fp16 residual outside the blocks: not graphable")
         if use_graph and model.device.type != "cuda":
             raise ValueError("use_graph needs the model and cache on a CUDA device")
@@ -52,7 +52,7 @@ class GraphDecoder:
         self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
         self.q_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
         kw = dict(quant=cache.scheme, **launch)
-        if cache.scheme.static:
+        if cache.scheme.needs_static_scales:
             kw.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
         self.plan = DecodePlan(self.table, self.lens, layout=cache.layout, k_cache=cache.k_cache(0, self.block_size),
                                v_cache=cache.v_cache(0, self.block_size), num_q_heads=model.config.num_attention_heads,

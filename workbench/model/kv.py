@@ -105,7 +105,7 @@ class PagedKV:
         self.cache.add(seq_id, tokens, k, v)
 
     def begin(self, seq_ids: Sequence, tokens: Sequence[int]):
-        if self.cache.scheme.packed:  # KIVI: attend, merge the own token, append at commit
+        if self.cache.scheme.keeps_residual:  # KIVI: attend, merge the own token, append at commit
             return _Pending(list(seq_ids), [int(t) for t in tokens], self.num_layers)
         return self.cache.begin_step(list(seq_ids), [int(t) for t in tokens])
 

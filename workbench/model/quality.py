@@ -169,7 +169,7 @@ def build_cache(model, scheme, seq_lens: Sequence[int], *, calibration: KVSample
     whole pool every layer, so spare pages cost time); static schemes are calibrated on ``calibration``."""
     s, cfg = get_scheme(scheme), model.config
     kw = {}
-    if s.static:
+    if s.needs_static_scales:
         if not isinstance(calibration, KVSample):
             raise ValueError(f"calibration must be a KVSample (capture_kv of a calibration text) for {s.name}, "
                              f"whose scales are static")
@@ -363,18 +363,18 @@ def evaluate_all(model, text_tokens, prompts, *, calibration: Sequence[int] | KV
             progress(name)
         t0 = time.perf_counter()
         s = quant.get(name)
-        cal = sample if s.static else None
+        cal = sample if s.needs_static_scales else None
         a = agreement(model, prompts, s, new_tokens, calibration=cal, reference=ref_tokens, prefilled=pre_prompts,
                       ops=ops)
         run = ref_forced if name == REFERENCE else forced_run(model, text_tokens, s, chunk, batch, prefill=prefill,
                                                               calibration=cal, prefilled=pre_text, ops=ops)
         tf = compare(run, ref_forced).summary()
-        row = {"scheme": name, "bits": s.bits, "granularity": s.granularity, "static": s.static,
+        row = {"scheme": name, "bits": s.bits, "granularity": s.granularity, "static": s.needs_static_scales,
                "bytes_per_token": s.bytes_per_token(H, D, chunk), "bytes_per_token_long": s.bytes_per_token(H, D),
                "agreement": a["agreement"], "first_divergence_mean": a["first_divergence_mean"],
                "first_divergence_min": a["first_divergence_min"], **{k: v for k, v in tf.items() if k != "scheme"}}
         row["fp16_bytes_fraction"] = row["bytes_per_token"] / fp16_bytes
-        if s.static:  # one scale for all 30 layers: say which
+        if s.needs_static_scales:  # one scale for all 30 layers: say which
             k_scale, v_scale = static_scales(s, sample)
             row["k_scale"], row["v_scale"] = k_scale.tolist(), v_scale.tolist()
         row["seconds"] = time.perf_counter() - t0

@@ -24,7 +24,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .schemes import Scheme
+from .families import Scheme
+from .names import STUDY_FAMILIES as FAMILIES
+from .names import STUDY_GROUP_FAMILIES as GROUP_FAMILIES
+from .names import STUDY_SCALED_FAMILIES as SCALED_FAMILIES
 
 # ---- synthetic data ----------------------------------------------------------------------------------------------
 
@@ -435,10 +438,8 @@ def data_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, outlier_cha
 
 # ---- one scheme from a family and its knobs (the notebook's panel) ------------------------------------------------
 
-#: The families a reader picks from, and which knobs apply to each.
-FAMILIES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_asym", "int4", "int2")
-SCALED_FAMILIES = ("fp8_e4m3", "fp8_e5m2", "int8")  # tensor / head / token scales
-GROUP_FAMILIES = ("int4", "int2")  # KIVI groups: group size, residual, key mode
+# The families a reader picks from (FAMILIES), and which knobs apply to each (SCALED_FAMILIES: tensor / head /
+# token scales; GROUP_FAMILIES: KIVI's group size, residual, key mode): workbench.quant.names, imported above.
 
 
 def scheme_for(family: str, granularity: str = "tensor", group: int = 32, residual: int = 128,
@@ -487,10 +488,11 @@ def byte_ratios(num_kv_heads: int, head_dim: int) -> dict[str, float]:
     scales over fp16) and ``token_scale_cost`` (what per-token fp32 scales add to fp8's bytes, a fraction)."""
     from . import get
 
-    b = {n: get(n).bytes_per_token(num_kv_heads, head_dim) for n in ("fp32", "fp16", "fp8_e4m3/tensor",
-                                                                      "fp8_e4m3/token")}
-    return {"fp16_vs_fp32": b["fp16"] / b["fp32"], "fp8_vs_fp16": b["fp8_e4m3/tensor"] / b["fp16"],
-            "token_scale_cost": b["fp8_e4m3/token"] / b["fp8_e4m3/tensor"] - 1}
+    def b(name: str) -> float:
+        return get(name).bytes_per_token(num_kv_heads, head_dim)
+
+    return {"fp16_vs_fp32": b("fp16") / b("fp32"), "fp8_vs_fp16": b("fp8_e4m3/tensor") / b("fp16"),
+            "token_scale_cost": b("fp8_e4m3/token") / b("fp8_e4m3/tensor") - 1}
 
 
 def data_stats_rows(q: torch.Tensor, keys: dict[str, torch.Tensor], v: torch.Tensor) -> list[dict]:

@@ -67,7 +67,7 @@ def swap_out(tc, seq_ids: list) -> Transfer:
     for s in seq_ids:
         bs, table, entries = m.block_size(s), m.block_table(s), m.published(s)
         n = len(entries)
-        if cache.scheme.packed:  # KIVI: only wholly quantized blocks are complete
+        if cache.scheme.keeps_residual:  # KIVI: only wholly quantized blocks are complete
             n = min(n, cache.quantized_tokens(s) // bs)
         for i, d in enumerate(tc.digests(m.tokens(s), bs, m.extra_key(s), n)):
             if pool.entry_id(bs, table[i]) == entries[i]:  # the block the prefix map holds for this prefix

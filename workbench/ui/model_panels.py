@@ -22,7 +22,7 @@ from workbench.ui.panels import Panel
 
 DEFAULT_PROMPTS = "Name a fruit.\nName a colour."
 RUN_CONTROLS = {"prompt": "prompts", "max_new_tokens": "new tokens", "n": "samples", "temperature": "temperature"}
-AGREEMENT_SCHEMES = tuple(name for name in quant.SCHEMES if name != "fp16")  # fp16 is the reference
+AGREEMENT_SCHEMES = quant.names.AGREEMENT_SCHEMES  # every scheme but fp16, the reference
 
 
 def _texts_html(rows: list[tuple[str, str, str]], note: str = "") -> str:
@@ -239,7 +239,7 @@ def agreement_panel(model, tok, prompts: dict[str, list[int]], new_tokens: int =
         if key not in results:
             if prompt not in refs:
                 refs[prompt] = greedy(model, prompts[prompt], new_tokens, "fp16", ops)
-            if quant.get(scheme).static and not calibration:
+            if quant.get(scheme).needs_static_scales and not calibration:
                 calibration.append(calibration_sample(model, tok))
             results[key] = agreement_result(model, tok, prompts[prompt], new_tokens, scheme, refs[prompt], ops,
                                             calibration[0] if calibration else None)

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import functools
 
+from workbench.quant.names import AGREEMENT_GRID
+from workbench.quant.names import AGREEMENT_SCHEMES as SCHEMES  # workbench.quant.SCHEMES less fp16, the reference
 from workbench.sweeps.catalog import one_thread
 from workbench.sweeps.spec import Param, Sweep, register
 
-# workbench.quant.SCHEMES less fp16, the reference (workbench.ui.model_panels.AGREEMENT_SCHEMES; not imported here:
-# workbench.quant imports torch, and the registry stays cheap to import)
-SCHEMES = ("fp32", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor", "fp8_e5m2/head",
-           "fp8_e5m2/token", "int8/tensor", "int8/head", "int8/token", "int8_asym/token", "int4/kivi", "int4/token",
-           "int2/kivi", "int2/token")
 # workbench.model.capture.PROMPTS (the agreement panel's prompts, by name)
 PROMPTS = ("chat_question", "code", "prose", "numbers", "chat_instructions")
 
@@ -78,7 +75,7 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
 
     with one_thread():
         model, tok, ops = _model(device)
-        calibration = _calibration(device) if quant.get(scheme).static else None
+        calibration = _calibration(device) if quant.get(scheme).needs_static_scales else None
         r = agreement.agreement_result(model, tok, _tokens(device, prompt), new_tokens, scheme,
                                      _reference(device, prompt, new_tokens), ops, calibration)
     drift = r["drift"]
@@ -110,7 +107,7 @@ AGREEMENT_COLUMNS = {
 
 register(Sweep(
     "agreement", "a quantized KV cache's greedy run on SmolLM2-135M against the fp16 cache's: tokens and log-probs", (
-        Param("scheme", "str", "int4/token", choices=SCHEMES, grid=("fp8_e4m3/tensor", "int4/token", "int2/token"),
+        Param("scheme", "str", "int4/token", choices=SCHEMES, grid=AGREEMENT_GRID,
               help="the cache's workbench.quant scheme (fp16 is the reference)"),
         Param("prompt", "str", "chat_question", choices=PROMPTS, help="a captured prompt (workbench.model.capture)"),
         Param("new_tokens", "int", 8, minimum=1, maximum=1024, help="greedy tokens of each run (the notebook: 48)"),

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from workbench.quant.names import QUANT_SWEEP_GRID
+from workbench.quant.names import STUDY_FAMILIES as FAMILIES  # workbench.quant.study.FAMILIES
 from workbench.sweeps.spec import Param, Sweep, register
-
-# workbench.quant.study.FAMILIES (not imported here: it imports torch, and the registry stays cheap to import)
-FAMILIES = ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_asym", "int4", "int2")
 
 
 def quant_point(family: str, granularity: str, group: int, residual: int, key_mode: str, outlier: int,
@@ -49,7 +48,7 @@ QUANT_COLUMNS = {
 
 register(Sweep(
     "quant", "one K/V quantization scheme on synthetic K/V: bytes per token against key, value and attention error", (
-        Param("family", "str", "int4", choices=FAMILIES, grid=("fp8_e4m3", "int8", "int4", "int2")),
+        Param("family", "str", "int4", choices=FAMILIES, grid=QUANT_SWEEP_GRID),
         Param("granularity", "str", "tensor", choices=("tensor", "head", "token"),
               help="scales of fp8 / int8 (other families ignore it)"),
         Param("group", "int", 32, choices=(8, 16, 32, 64, 128), help="KIVI group size of int4 / int2"),
