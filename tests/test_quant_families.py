@@ -183,7 +183,7 @@ def _digest(s) -> str:
     return h.hexdigest()[:16]
 
 
-@pytest.mark.parametrize("name", names.SCHEME_NAMES)
+@pytest.mark.parametrize("name", list(OLD_DIGESTS))  # the schemes of before the families (a new one needs none)
 def test_stored_bytes_equal_the_implementation_before_the_families(name):
     assert _digest(quant.SCHEMES[name]) == OLD_DIGESTS[name]
 
