@@ -33,9 +33,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from workbench.quant.names import ANATOMY_SCHEMES as SCHEMES
+
 H200 = dict(sms=132, schedulers=4, clock_ghz=1.98, copy_tbps=4.0)  # copy rate: bench decode's measured ~4.0 TB/s
-SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
-           "int2/kivi")
 CLASSES = {  # SASS opcode -> what it spends issue slots on
     "mma": ("HMMA", "HGMMA", "IMMA", "QGMMA", "WARPGROUP"),
     "global": ("LDG", "LDGSTS", "STG", "UTMALDG", "LDGDEPBAR", "DEPBAR"),
