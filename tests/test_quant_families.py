@@ -265,3 +265,15 @@ def test_kernel_tables_cover_each_family():
     assert set(quest.BOUNDS_FAMILIES) == {f for f, s in reps.items() if s.supports_key_bounds}
     assert set(common.KERNEL_SHAPE_CHECKS) <= set(names.STORAGE_FAMILIES)
     assert dquant.DECODE_FAMILIES["groups"].fixed == {"k3d": False}
+
+
+def test_decode_launch_defaults_by_family_are_the_measured_ones():
+    """Only a GPU plan reads them (the interpreter keeps its own launch): pinned here as they were before the
+    families (docs/quant_tuning.md)."""
+    from workbench.kernels.decode import quant as dquant
+
+    want = {"cast": {}, "static": {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3}, "groups": {"BLOCK_N": 32}}
+    for name, s in quant.SCHEMES.items():
+        expected = want.get(s.family, {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3} if s.symmetric
+                            else {"BLOCK_N": 32, "num_stages": 3})
+        assert dquant.launch_defaults(s) == expected, name
