@@ -314,6 +314,20 @@ def test_sticky_messages_and_the_context_probe():
         assert isolation.context_lost() == ""
 
 
+def test_a_replaced_worker_forks_from_the_preloaded_server_and_can_use_cuda():
+    """Workers fork from one forkserver that imported torch (a replacement starts in ~0.1 s, not the seconds of a
+    fresh interpreter), never from this process; the server never asked CUDA anything, so on a GPU a worker can
+    still initialize it (a fork of a process that called ``cuInit`` cannot)."""
+    assert "workbench" not in isolation.PRELOAD  # its import asks CUDA for devices
+    with isolation.Worker() as w:
+        first = w.call(os.getppid)
+        w.retire()
+        second = w.call(os.getppid)
+        cuda = w.call(torch.cuda.init) if torch.cuda.is_available() else ("ok", None)
+    assert first[0] == second[0] == "ok" and first[1] == second[1] != os.getpid()
+    assert w.replaced == 2 and cuda[0] == "ok", cuda
+
+
 # ------------------------------------------------------------------------------------------- bench decode --impl
 def _rows(out):
     (path,) = out.glob("byok-decode-*.json")

@@ -2,8 +2,10 @@
 
 A kernel that faults on a GPU (``misaligned address``, ``illegal memory access``) leaves a *sticky* error: every
 later CUDA call of that process fails, so the next case would fail too, under the wrong name. The suite and
-``bench decode --impl`` therefore run each case in a :class:`Worker`: a fresh interpreter (multiprocessing's spawn
-context: CUDA does not survive a fork) that loads the implementation's modules once and runs call after call. After
+``bench decode --impl`` therefore run each case in a :class:`Worker`: a fresh process that loads the implementation's
+modules once and runs call after call. It is forked from multiprocessing's forkserver, a clean interpreter that has
+imported torch and triton but never asked CUDA anything (a fork of a process that did cannot use CUDA), so a
+replacement starts in a fraction of a second instead of importing torch again (seconds). After
 each call it probes its context (``torch.cuda.synchronize()``); a worker that died, timed out, or reports a lost
 context is retired, and the next call starts a fresh one. The call that broke it is the one reported.
 
@@ -77,6 +79,9 @@ def impl_ref(impl) -> tuple | None:
 
 
 _IMPLS: dict = {}
+#: what the forkserver imports once, for every worker forked from it (seconds each). Not workbench: its import asks
+#: CUDA for devices (cuInit), after which a forked child cannot use CUDA; each worker imports it (~0.1 s).
+PRELOAD = ["torch", "triton"]
 
 
 def resolve(ref: tuple):
@@ -135,12 +140,13 @@ def _serve(conn, threads: int) -> None:
 
 
 class Worker:
-    """One spawned process at a time for :meth:`call`; a new one after a death, a timeout or a lost context.
+    """One worker process at a time for :meth:`call`; a new one after a death, a timeout or a lost context.
 
     ``call(fn, *args)`` returns ``(status, value)``: ``("ok", result)``, ``("raised", "Type: message")`` (``fn``
     raised), ``("died", why)`` (the process ended: a crash, ``os._exit``) or ``("timeout", why)``. ``lost`` (the
     last call's context error, "" if none) and ``replaced`` (workers retired so far) say what happened to the worker.
-    ``fn`` must be a module-level function (it is pickled by reference).
+    ``fn`` must be a module-level function (it is pickled by reference). The forkserver takes this process's
+    environment when its first worker starts; later changes to ``os.environ`` do not reach the workers.
     """
 
     def __init__(self, timeout_s: float = 600.0, start_timeout_s: float = 300.0):
@@ -152,7 +158,8 @@ class Worker:
     def _start(self) -> None:
         import multiprocessing as mp
 
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (its first worker), once per process
         self.conn, child = ctx.Pipe(duplex=True)
         import torch
 
