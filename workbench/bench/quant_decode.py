@@ -152,6 +152,8 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
                              else 0)
         variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
+        if scheme.family == "groups":  # the planes kernel (heuristic) beside the generic one, in the same run
+            variants.insert(1, ("generic", {"planes": False}))
         variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
         for variant, cfg in variants:
             row = {"section": "decode", "workload": w.key, "scheme": scheme.name, "variant": variant,
@@ -271,14 +273,15 @@ def run_midpoints(device, rep: int = 2) -> list[dict]:
 
 def _compiled_kernels() -> dict:
     """Compiled decode kernels Triton holds now, by id (introspection: empty where its cache is not reachable)."""
-    from workbench.kernels.decode import kernel as dec
+    from workbench.kernels.decode import groups, kernel
 
     out = {}
     try:
-        for cache in getattr(dec._paged_decode_kernel, "device_caches", {}).values():
-            kc = cache[0] if isinstance(cache, tuple) else cache
-            if isinstance(kc, dict):
-                out.update({id(k): k for k in kc.values()})
+        for fn in (kernel._paged_decode_kernel, groups._groups_decode_kernel):
+            for cache in getattr(fn, "device_caches", {}).values():
+                kc = cache[0] if isinstance(cache, tuple) else cache
+                if isinstance(kc, dict):
+                    out.update({id(k): k for k in kc.values()})
     except Exception:  # noqa: BLE001  (Triton's cache layout differs by version)
         pass
     return out
