@@ -1,8 +1,8 @@
-"""The planes kernel of packed group codes (kernels/decode/groups.py): its bit-trick fields equal the codes for every
-byte, it reads every packed scheme within the bounds of the dequantized reference (fp16, bf16, fp32 queries, GQA
-groups 1-16, head dims 64-256, splits, per-token and per-channel keys), it never lets an unwritten (poisoned) slot
-reach the output, and the plan says which kernel it chose and falls back to the generic one where the planes do not
-apply."""
+"""The planes kernel of packed group codes (kernels/decode/groups.py, ``planes=True``): its bit-trick fields equal the
+codes for every byte, it reads every packed scheme within the bounds of the dequantized reference (fp16, bf16, fp32
+queries, GQA groups 1-16, head dims 64-256, splits, per-token and per-channel keys), it never lets an unwritten
+(poisoned) slot reach the output, and the plan says which kernel it chose and falls back to the generic one where the
+planes do not apply."""
 
 import pytest
 import torch
@@ -82,7 +82,7 @@ def test_planes_read_every_packed_scheme(name, params, layout, block_size, H, G,
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), H * G, D, generator=g).to(dtype).to(device)
     plan = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=H * G, q_dtype=dtype,
-                      num_splits=splits, quant=scheme)
+                      num_splits=splits, quant=scheme, planes=True)
     assert plan.config["kernel"] == "planes"
     out = plan.run(q, kc, vc, out=torch.full_like(q, float("nan")))  # poisoned output
     kd, vd = (dequantize_cache_ref(scheme, c, layout, kind, D) for c, kind in ((kc, "k"), (vc, "v")))
@@ -106,12 +106,11 @@ def test_plan_names_its_kernel_and_falls_back_where_planes_do_not_apply(device):
                                  (quant.get("fp8_e4m3/token"), "nhd", "generic")]:
         kc, vc, table = written_sequences(scheme, layout, 16, H, D, lens, g, device)
         plan = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=4,
-                          q_dtype=torch.float16, quant=scheme)
+                          q_dtype=torch.float16, quant=scheme, planes=True)
         assert plan.config["kernel"] == want, (scheme.name, layout)
-        if want == "planes":
-            off = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=4,
-                             q_dtype=torch.float16, quant=scheme, planes=False)
-            assert off.config["kernel"] == "generic"
+        default = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=4,
+                             q_dtype=torch.float16, quant=scheme)
+        assert default.config["kernel"] == "generic"  # until the H200 has timed both
 
 
 def test_planes_launch_keeps_a_tile_inside_one_key_group():

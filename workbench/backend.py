@@ -56,6 +56,15 @@ def _decide() -> Backend:
     return Backend("cuda", torch.device("cuda"))
 
 
+def compile_target_sms() -> int:
+    """The SM count plans are built for under ``WORKBENCH_BACKEND=compile`` (there is no device to ask): the H200's
+    132 unless ``WORKBENCH_COMPILE_SMS`` says otherwise."""
+    value = os.environ.get("WORKBENCH_COMPILE_SMS", "132")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"WORKBENCH_COMPILE_SMS must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def _no_stale_kernels() -> None:
     """Kernel modules decorated before the choice would run the other way: refuse them."""
     stale = [m for m in sys.modules if m.startswith("workbench.kernels.")]

@@ -67,9 +67,10 @@ def paged_decode(
             blocks (``"fp8_e4m3/token"``, ``"int8_asym/token"``, ``"int4/kivi"``, ...; the dtype alone says fp16 /
             bf16 / fp32 / static fp8 and int8); and overrides of :func:`decode_config`: ``BLOCK_N``, ``num_warps``, ``num_stages``,
             ``use_dot``; ``k3d`` (default True): the vLLM split key read in page runs (see
-            ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower); and ``planes`` (default
-            True): packed int4 / int2 group codes through the planes kernel (``kernels/decode/groups.py``) where it
-            applies (``plan.config["kernel"]`` says which ran), False through the generic one.
+            ``_attend_tile``), False reads ``[BLOCK_N, D]`` tiles (lanes along d, slower); and ``planes``: packed int4 / int2
+            group codes through the planes kernel (``kernels/decode/groups.py``) where it applies
+            (``plan.config["kernel"]`` says which ran); default False, the generic kernel, until the H200 has timed
+            both (``bench quant_decode`` runs them side by side).
 
     Returns:
         ``[B, Hq, D]`` in q's dtype.

@@ -35,7 +35,9 @@ def _next_pow2(n: int) -> int:
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 0
+    from workbench.backend import BACKEND, compile_target_sms
+
+    return compile_target_sms() if BACKEND.name == "compile" else 0  # compile-only: plan as for the target GPU
 
 
 @functools.cache

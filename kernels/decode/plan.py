@@ -221,7 +221,7 @@ class DecodePlan:
             f.update(num_splits=1, chunk=0, config={}, _split=False)
             return _fill(self, f)
         interp = _config._interpreted()
-        planes = launch.pop("planes", True)  # packed groups: the planes kernel where it applies (groups.py)
+        planes = launch.pop("planes", False)  # packed groups: the planes kernel where it applies (groups.py)
         cfg0 = _config.decode_config(B, hkv, Hq // hkv, D, block_size, max(f["max_seq_len"], 1),
                                      kv_dtype=k_cache.dtype, num_sms=0 if interp else _config._num_sms(device),
                                      layout=layout) if planes else None

@@ -152,8 +152,8 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
                              else 0)
         variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
-        if scheme.family == "groups":  # the planes kernel (heuristic) beside the generic one, in the same run
-            variants.insert(1, ("generic", {"planes": False}))
+        if scheme.family == "groups":  # the planes kernel beside the generic one (the heuristic), in the same run
+            variants[1:1] = [(f"planes-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn}) for bn in (32, 64, 128)]
         variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
         for variant, cfg in variants:
             row = {"section": "decode", "workload": w.key, "scheme": scheme.name, "variant": variant,
