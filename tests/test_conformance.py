@@ -21,6 +21,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import workbench
 from workbench import conformance as C
 from workbench.conformance import builtin, registry
 from workbench.conformance.formats import CAST, SUITE_FORMATS
@@ -71,6 +72,39 @@ def test_starter_passes_smoke():
     assert report.results and report.passed, report.summary()
     assert {r.case.layout for r in report.results} == {"nhd", "hnd"}  # what the starter claims, nothing else
     assert {r.case.kv_format for r in report.results} == set(CAST)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the block bug's NaN reads, interpreted
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_the_interpreters_longer_tile_changes_only_the_speed(mistake):
+    """The starter's default tile (128 tokens a step interpreted, 32 compiled: ``default_tile``) gives tile 32's
+    outputs to fp32 rounding, bugs included, on a case with a partial last tile and an empty sequence."""
+    from workbench.conformance.registry import make_impl
+    from workbench.conformance.starter import default_tile
+
+    assert default_tile() == (128 if workbench.is_interpreted() else 32)
+    case = C.Case.parse("decode/hnd/bs16/d64/hkv2/g2/fp32/lens=37,0,150/pad3/seed1")
+    outs = []
+    for tile in (32, None):
+        fn = functools.partial(starter_decode, mistake=mistake, **({} if tile is None else {"tile": tile}))
+        inputs = case.build(workbench.device())
+        inputs.pop("ref")
+        outs.append(make_impl("decode", "t", fn, origin="user", layouts=("hnd",))(dict(inputs)).clone())
+    ok = torch.isfinite(outs[0])
+    assert torch.equal(ok, torch.isfinite(outs[1]))  # a bug's NaN read lands on the same outputs
+    assert torch.allclose(outs[1][ok], outs[0][ok], atol=1e-6, rtol=1e-5), (outs[1] - outs[0]).abs().max()
+
+
+@pytest.mark.parametrize("tile", [0, 3, 48, -32, 1.5, True, "32"])
+def test_the_starter_refuses_a_tile_that_is_not_a_power_of_two(tile):
+    case = C.Case.parse("decode/nhd/bs16/d64/hkv1/g1/fp32/lens=2,1/pad0/seed1")
+    inputs = case.build(workbench.device())
+    inputs.pop("ref")
+    out = inputs["out"].clone()
+    with pytest.raises(ValueError, match="tile must be a power of two"):
+        starter_decode(**{k: inputs[k] for k in ("q", "k_cache", "v_cache", "layout", "block_table", "seq_lens",
+                                                 "sm_scale", "out")}, tile=tile)
+    assert torch.equal(inputs["out"].nan_to_num(), out.nan_to_num())  # nothing written
 
 
 # ---- 2. the broken starters fail, on the cases their bug is about -------------------------------------------------
