@@ -5,15 +5,16 @@ one), ``scripts/gpu_run.sh tests`` selects by the marker, and ``workbench.gpu_te
 
 import ast
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from workbench import gpu_tests
+
+# The pytest runs below are in-process (pytester): a subprocess each cost ~3-12 s of a busy 2-core machine (a fresh
+# interpreter importing torch, triton and every plugin) for what runs here in well under a second.
+pytest_plugins = ["pytester"]
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -144,8 +145,9 @@ def test_results_file_cli_and_bad_input(tmp_path, capsys):
         gpu_tests.write(tmp_path / "o.json", [], META)
 
 
-def test_results_file_from_pytests_own_junit(tmp_path):
+def test_results_file_from_pytests_own_junit(pytester):
     """The XML pytest itself writes (xunit1, as gpu_run.sh asks), not only the fake above."""
+    tmp_path = pytester.path
     sub = tmp_path / "tests"
     sub.mkdir()
     (sub / "test_sample.py").write_text(textwrap.dedent("""
@@ -163,8 +165,8 @@ def test_results_file_from_pytests_own_junit(tmp_path):
                 pass
     """))
     xml = tmp_path / "r.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
-                    f"--junitxml={xml}", "tests"], cwd=tmp_path, capture_output=True, timeout=120)
+    pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-o", "junit_family=xunit1", f"--junitxml={xml}",
+                                 "tests")
     doc = gpu_tests.summarize(gpu_tests.read_junit(xml))
     assert doc["counts"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 1}
     assert [f["id"] for f in doc["failed"]] == ["tests/test_sample.py::test_param[2]"]
@@ -197,35 +199,40 @@ def test_no_launch():
 """
 
 
-@pytest.mark.parametrize("mark", ["", "pytestmark = pytest.mark.kernels"])
-def test_an_unmarked_test_that_launches_a_kernel_fails(tmp_path, mark):
+# the hooks of tests/kernel_launches.py, as tests/conftest.py installs them, for a pytest run in a folder of its own
+HOOKS = f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom kernel_launches import *  # noqa\n"
+
+
+@pytest.mark.kernels  # the run inside launches one, in this process: the rule holds this test to it too
+def test_an_unmarked_test_that_launches_a_kernel_fails(pytester, monkeypatch):
     """The dynamic half of the rule (tests/kernel_launches.py), in a pytest of its own: an unmarked test that launched
     a kernel fails naming the marker; a marked one passes; a test that launched none passes unmarked."""
-    (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                                          "from kernel_launches import *  # noqa\n")
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    kernels: runs a kernel\n")
-    (tmp_path / "test_k.py").write_text(KERNEL_TEST.format(mark=mark))
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_k.py"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    if mark:
-        assert res.returncode == 0 and "2 passed" in res.stdout, res.stdout[-2000:]
-    else:
-        assert res.returncode == 1 and "1 failed, 1 passed" in res.stdout, res.stdout[-2000:]
-        assert "launched 1 Triton kernel(s) but is not marked 'kernels'" in res.stdout
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when a kernel is decorated (the modules written below)
+    pytester.makeconftest(HOOKS)
+    pytester.makeini("[pytest]\nmarkers =\n    kernels: runs a kernel\n")
+    pytester.makepyfile(test_unmarked=KERNEL_TEST.format(mark=""),
+                        test_marked=KERNEL_TEST.format(mark="pytestmark = pytest.mark.kernels"))
+    res = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "-rf")
+    out = res.stdout.str()
+    assert res.ret == 1 and "1 failed, 3 passed" in out, out[-2000:]
+    assert "FAILED test_unmarked.py::test_launches" in out
+    assert "launched 1 Triton kernel(s) but is not marked 'kernels'" in out
 
 
-def test_a_module_missing_a_package_is_skipped_on_the_gpu_box(tmp_path):
+def test_a_module_missing_a_package_is_skipped_on_the_gpu_box(pytester, monkeypatch):
     """WORKBENCH_SKIP_MISSING=1 (gpu_run.sh): a module importing an absent package is a skip naming it, not an
     error; this repository's own modules still error."""
-    (tmp_path / "conftest.py").write_text(f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n"
-                                          "from kernel_launches import *  # noqa\n")
-    (tmp_path / "test_m.py").write_text("import not_a_package_here\n\ndef test_x():\n    pass\n")
-    (tmp_path / "test_own.py").write_text("import workbench.not_a_module\n\ndef test_y():\n    pass\n")
-    (tmp_path / "test_ok.py").write_text("def test_z():\n    pass\n\n\ndef test_lazy():\n    import plotly_absent\n")
-    run = lambda flag: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--continue-on-collection-errors"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "WORKBENCH_SKIP_MISSING": flag})
+    pytester.makeconftest(HOOKS)
+    pytester.makepyfile(test_m="import not_a_package_here\n\ndef test_x():\n    pass\n",
+                        test_own="import workbench.not_a_module\n\ndef test_y():\n    pass\n",
+                        test_ok="def test_z():\n    pass\n\n\ndef test_lazy():\n    import plotly_absent\n")
+
+    def run(flag):
+        monkeypatch.setenv("WORKBENCH_SKIP_MISSING", flag)  # read by the hooks while the run collects and reports
+        return pytester.runpytest_inprocess("-q", "-rs", "-p", "no:cacheprovider",
+                                            "--continue-on-collection-errors").stdout.str()
+
     on, off = run("1"), run("0")
-    assert "1 passed, 2 skipped, 1 error" in on.stdout and "needs not_a_package_here" in on.stdout, on.stdout[-2000:]
-    assert "needs plotly_absent" in on.stdout  # imported inside a test: skipped too
-    assert "1 failed, 1 passed, 2 errors" in off.stdout, off.stdout[-2000:]
+    assert "1 passed, 2 skipped, 1 error" in on and "needs not_a_package_here" in on, on[-2000:]
+    assert "needs plotly_absent" in on  # imported inside a test: skipped too
+    assert "1 failed, 1 passed, 2 errors" in off, off[-2000:]
