@@ -14,16 +14,22 @@ report:
 # One pytest session on two workers, whole files each (--dist loadfile), in the order given (--no-loadscope-reorder):
 # the browser test first (tests/browser, JupyterLab in Chromium, the longest file: one worker from the start),
 # then the longest of the rest, the many short files last, so the two workers finish together. xdist's own order
-# (most tests first) started the browser test minutes late. Measured slower on 2 cores: three workers,
-# OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
-LONG_FIRST := tests/browser tests/test_model.py tests/test_decode_plan.py tests/test_quant_kernels.py \
-	tests/test_compaction.py tests/test_write_copy.py tests/test_conformance.py notebooks tests
+# (most tests first) started the browser test minutes late. pytest keeps the order given only while no argument
+# holds another (given `tests/browser ... tests`, it collects the whole folder in its own order, the browser test
+# after the notebooks), so the rest is listed file by file (tests/test_packaging.py checks it). Measured slower on
+# 2 cores: three workers, OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
+LONG_FIRST := tests/browser tests/test_conformance.py tests/test_sweeps_ray.py tests/test_conformance_isolation.py \
+	notebooks/09_write_your_own_kernel.ipynb tests/test_quant_kernels.py tests/test_decode_plan.py tests/test_model.py \
+	tests/test_decode.py tests/test_compaction.py tests/test_quest.py tests/test_model_quality.py \
+	tests/test_shared_prefix.py notebooks/06_real_model.ipynb notebooks/08_shared_prefix.ipynb \
+	notebooks/04_fragmentation_and_compaction.ipynb
+TEST_ORDER := $(LONG_FIRST) $(filter-out $(LONG_FIRST),$(sort $(wildcard notebooks/[0-9]*.ipynb tests/test_*.py)))
 # Chromium's apt install (a fresh machine: ~30-60 s) runs beside the Python setup, not after it.
 test:
 	@scripts/setup_browser.sh & browser=$$!; \
 	py=$$(scripts/setup.sh) && wait $$browser && \
 	$$py -m ruff check . && \
-	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) $(LONG_FIRST)
+	WORKBENCH_REQUIRE_BROWSER=1 $$py -m pytest -n 2 --dist loadfile --no-loadscope-reorder $(NBVAL) $(TEST_ORDER)
 
 lint:
 	@py=$$(scripts/setup.sh) && $$py -m ruff check .

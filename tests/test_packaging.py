@@ -118,3 +118,24 @@ def test_environment_yml_pip_section_is_valid_for_pip(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation",
                         "--no-index", "-q", "-r", str(req)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_make_test_lists_every_test_file_once_in_an_order_pytest_keeps():
+    """`make test` hands pytest its files in the order the two workers should take them (the browser test first).
+    pytest keeps that order only while no argument holds another (given `tests` after `tests/browser` it collects
+    the folder in its own order), so: no argument inside another, every test file and notebook listed once."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed: `make test` cannot run here either")
+    out = subprocess.run(["make", "-s", "--no-print-directory", "-f", "Makefile", "-f", "-", "print-order"],
+                         input="print-order:\n\t@echo $(TEST_ORDER)\n", cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.split()
+    assert args[0] == "tests/browser" and len(args) == len(set(args)), args
+    inside = [(a, b) for a in args for b in args if a != b and Path(b).is_relative_to(a)]
+    assert not inside, f"pytest would drop the order: {inside}"
+    listed = {p for a in args for p in ([*(ROOT / a).rglob("test_*.py")] if (ROOT / a).is_dir() else [ROOT / a])}
+    wanted = {*ROOT.joinpath("tests").rglob("test_*.py"), *ROOT.joinpath("notebooks").glob("[0-9]*.ipynb")}
+    assert listed == wanted, (sorted(map(str, wanted - listed)), sorted(map(str, listed - wanted)))
