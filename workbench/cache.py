@@ -66,7 +66,9 @@ class PagedKVCache:
             keep them in the blocks (``workbench.quant.blocks``); KIVI keeps each sequence's newest tokens in fp16.
         device: default ``workbench.device()``.
         prefix_caching: reuse cached full blocks of a matching prefix.
-        k_scale, v_scale: fp32 dequantization scales (one element, or one per kv head) for 1-byte dtypes.
+        k_scale, v_scale: fp32 dequantization scales of static fp8/int8 schemes, per cache (one value, or one per
+            kv head: ``[]``, ``[H]``) or per layer (``[L]``, ``[L, H]``: each layer's writes and decodes read its
+            own; ``quant.Calibrator(scheme, num_layers=L)`` gives them), see ``workbench.quant.scale_table``.
         ops: ``"kernels"`` (the Triton kernels: write, copy, paged decode) or ``"torch"`` (their plain PyTorch
             references in ``workbench.kernels.reference``, on the same blocks, tables and scales: fast on a CPU,
             where the kernels run under the Triton interpreter).
@@ -115,11 +117,8 @@ class PagedKVCache:
             check_kernel_devices(f"ops='kernels' with device={self.device}", device=self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.manager = BlockManager(BlockPool(num_pages, page_tokens, block_sizes), policy, prefix_caching)
-        static = self.scheme.needs_static_scales
-        if static != (k_scale is not None) or static != (v_scale is not None):
-            raise ValueError(f"k_scale and v_scale are needed exactly for static-scale schemes (fp8/int8 per tensor or "
-                             f"head), got {self.scheme.name} with k_scale={k_scale is not None}, "
-                             f"v_scale={v_scale is not None}")
+        # the cache's own copy of its static scales, [2, L, S]: each layer reads its row (checked before allocating)
+        self._scales = quant.scale_table(self.scheme, k_scale, v_scale, num_layers, num_kv_heads, self.device)
         if key_bounds and len(self.pool_sizes) > 1:
             raise ValueError(f"key_bounds=True needs a cache with one block size (a Quest page is a block), got "
                              f"block_sizes {self.pool_sizes}")
@@ -151,14 +150,9 @@ class PagedKVCache:
         flat = alloc(num_layers * 2 * plane + ALIGN // elem, dtype=self.dtype, device=self.device)
         self._flat = flat
         self.device = flat.device  # "cuda" -> "cuda:0": the exact device, for comparisons
-        # the cache owns its scales, on its own device (the write kernel reads them there)
-        self.k_scale, self.v_scale = (torch.as_tensor(sc, dtype=torch.float32, device=self.device).reshape(-1)
-                                      if sc is not None else None for sc in (k_scale, v_scale))
-        for name, sc in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
-            if static:
-                self.format.check_scale(name, sc, num_kv_heads)
-            if sc is not None:
-                self.scheme.check_scale_values(name, sc)  # finite, > 0, a saturated code reads back finite
+        # as given (per cache [S], per layer [L, S]), views of the table, on the cache's device
+        self.k_scale, self.v_scale = ((self._scales.k_scale, self._scales.v_scale) if self._scales is not None
+                                      else (None, None))
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=self.device)  # NaN/Inf the write kernels saw
         self._quantized: dict = {}  # seq_id -> tokens stored as codes (the rest is the fp16 residual)
         self._residual: dict = {}  # seq_id -> (k, v) [num_layers, n, heads, head_dim] fp16, the newest tokens
@@ -205,6 +199,20 @@ class PagedKVCache:
         """Per size class: bytes of alignment padding per block (K or V plane, one layer; scales not counted)."""
         return {bs: self.block_stride(bs) * self.dtype.itemsize
                 - qblocks.block_bytes(self.scheme, bs, self.num_kv_heads, self.head_dim) for bs in self.pool_sizes}
+
+    @property
+    def per_layer_scales(self) -> bool:
+        """The static scales were given per layer (``[L]`` / ``[L, H]``)."""
+        return self._scales is not None and self._scales.per_layer
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(k_scale, v_scale)`` that layer ``layer``'s writes and decodes use, ``[1]`` or ``[H]`` fp32 views
+        (``(None, None)`` without static scales): what the kernels take for that layer."""
+        if self._scales is None:
+            return None, None
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer!r}")
+        return self._scales.layer(layer)
 
     def scales(self, layer: int, kind: str, block_size: int | None = None):
         """``(scale, zero)`` views ``[num_blocks, token groups, heads, channel groups]`` of the scales kept in the
@@ -417,11 +425,11 @@ class PagedKVCache:
         lens = torch.tensor([n], dtype=torch.int32, device=self.device)
         out = []
         for kind, view in (("k", self.k_cache), ("v", self.v_cache)):
-            scale = self.k_scale if kind == "k" else self.v_scale
             layers = []
             for layer in range(self.num_layers):
                 vals = dequantize_cache_ref(self.scheme, view(layer, bs), self.layout, kind, self.head_dim)
                 x = paged_gather_ref(vals, "nhd", kind, table, lens)  # [n, H, D]
+                scale = self.layer_scales(layer)["kv".index(kind)]
                 if scale is not None:
                     x = x * scale.reshape(1, -1, 1)
                 layers.append(x)
@@ -452,7 +460,7 @@ class PagedKVCache:
             return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
         kw = dict(quant=self.scheme, sm_scale=sm_scale, **launch)
         if self.scheme.needs_static_scales:
-            kw.update(k_scale=self.k_scale, v_scale=self.v_scale)
+            kw.update(zip(("k_scale", "v_scale"), self.layer_scales(layer), strict=True))
         residuals = [self._residual.get(s) for s in seq_ids]
         if not any(r is not None for r in residuals):
             if not return_lse:
@@ -549,7 +557,7 @@ class PagedKVCache:
                                         self.scheme, launch=launch)
                 else:
                     check_write_kv(k[0], v[0], self.k_cache(0, bs), self.v_cache(0, bs), self.layout.value,
-                                   self.k_scale, self.v_scale, launch=launch)
+                                   *self.layer_scales(0), launch=launch)  # every layer's scales have one shape
             except ValueError as e:
                 raise ValueError(f"k/v cannot be written to this cache: {e}") from None
 
@@ -625,7 +633,7 @@ class PagedKVCache:
 
         blocks, counts = touched
         k_cache = self.k_cache(layer, bs)
-        k_scale = self.k_scale if self.scheme.needs_static_scales else None
+        k_scale = self.layer_scales(layer)[0]
         if self.ops == "torch":
             self.k_bounds[layer, blocks] = key_bounds_ref(self.scheme, k_cache, self.layout, self.head_dim, blocks,
                                                           counts, k_scale)
@@ -649,14 +657,15 @@ class PagedKVCache:
         from workbench.kernels.write.config import interpreter_launch
 
         k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
+        k_scale, v_scale = self.layer_scales(layer)
         if self.ops == "torch":
-            write_cache_ref(self.scheme, k, v, k_cache, v_cache, self.layout, slot_t, self.k_scale, self.v_scale)
+            write_cache_ref(self.scheme, k, v, k_cache, v_cache, self.layout, slot_t, k_scale, v_scale)
         elif self.scheme.scales_on_write:
             write_kv(k, v, k_cache, v_cache, self.layout, slot_t, quant=self.scheme, nonfinite=self.nonfinite,
                      validate=False)
         else:
             launch = interpreter_launch(k.shape[0], bs, self.layout) if is_interpreted() else {}
-            write_kv(k, v, k_cache, v_cache, self.layout, slot_t, k_scale=self.k_scale, v_scale=self.v_scale,
+            write_kv(k, v, k_cache, v_cache, self.layout, slot_t, k_scale=k_scale, v_scale=v_scale,
                      validate=False, **launch)
         if self.k_bounds is not None:
             self._refresh_bounds(layer, bs, touched if touched is not None else self._touched(bs, slot_t))
@@ -668,6 +677,7 @@ class PagedKVCache:
         from workbench.kernels.reference import decode_cache_ref
 
         bs = block_size
+        k_scale, v_scale = self.layer_scales(layer)
         return decode_cache_ref(self.scheme, q, self.k_cache(layer, bs), self.v_cache(layer, bs), self.layout,
-                                block_table, seq_lens, self.head_dim, k_scale=self.k_scale, v_scale=self.v_scale,
+                                block_table, seq_lens, self.head_dim, k_scale=k_scale, v_scale=v_scale,
                                 sm_scale=sm_scale, residual=residual)

@@ -72,7 +72,8 @@ class DecodeStep:
 
     def attend(self, q: torch.Tensor, layer: int, *, sm_scale: float | None = None, shared_prefix: str = "off",
                **launch) -> torch.Tensor:
-        """Decode attention of ``q`` ``[B, Hq, head_dim]`` over ``layer`` (the new tokens included, once written).
+        """Decode attention of ``q`` ``[B, Hq, head_dim]`` over ``layer`` (the new tokens included, once written),
+        with the layer's static scales (``cache.layer_scales``).
 
         ``shared_prefix``: ``"off"`` (plain paged decode), ``"auto"`` (the blocks the batch's sequences share are found
         from the tables and the allocator's reference counts, and read once per tile of stacked query heads where the
@@ -92,10 +93,11 @@ class DecodeStep:
         k_cache, v_cache = c.k_cache(layer, self.block_size), c.v_cache(layer, self.block_size)
         key = (tuple(q.shape), q.dtype, sm_scale, shared_prefix, tuple(sorted(launch.items())))
         plan = self._plans.get(key)
+        k_scale, v_scale = c.layer_scales(layer)  # static scales: this layer's (per-layer scales), run's argument
         if plan is None:
             kw = dict(quant=c.scheme, sm_scale=sm_scale, **launch)
             if c.scheme.needs_static_scales:
-                kw.update(k_scale=c.k_scale, v_scale=c.v_scale)
+                kw.update(k_scale=k_scale, v_scale=v_scale)
             if shared_prefix == "off":
                 plan = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache, v_cache=v_cache,
                                   num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=self.max_seq_len, **kw)
@@ -106,7 +108,7 @@ class DecodeStep:
                                           v_cache=v_cache, num_q_heads=q.shape[1], q_dtype=q.dtype,
                                           ref_counts=self._ref_counts(), path=shared_prefix, **kw)
             self._plans[key] = plan
-        return plan.run(q, k_cache, v_cache)
+        return plan.run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
 
     def _ref_counts(self) -> torch.Tensor:
         """The allocator's holder count of every block this step's sequences hold (0 for the others)."""

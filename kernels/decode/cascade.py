@@ -167,8 +167,10 @@ class CascadePlan:
         """``(shared pass, suffix pass)``: the two decode plans (the shared one is None without segments)."""
         return self._shared, self._suffix
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """Decode attention of one layer: ``q`` ``[B, Hq, D]`` -> ``out`` (and, ``return_lse``, ``lse`` ``[B, Hq]``)."""
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+        """Decode attention of one layer: ``q`` ``[B, Hq, D]`` -> ``out`` (and, ``return_lse``, ``lse`` ``[B, Hq]``);
+        ``k_scale``, ``v_scale``: the layer's own static scales, as for :meth:`DecodePlan.run`."""
         if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
                 or q.device != self.device or not q.is_contiguous():
             raise ValueError(f"q must be a contiguous {self.q_dtype} tensor of shape {self._q_shape} on {self.device}; "
@@ -177,6 +179,8 @@ class CascadePlan:
                                 or out.dtype != self.q_dtype or out.device != self.device or out.stride(2) != 1):
             raise ValueError(f"out must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with "
                              f"unit last stride; got {_describe(out)}")
+        self._suffix.layer_scales(k_scale, v_scale)  # checked before either pass (both plans share the scales)
+        sc = dict(k_scale=k_scale, v_scale=v_scale)
         B, Hq, D = self._q_shape
         n_sh = self._n_shared
         # the passes' plans check the caches' geometry (a ValueError naming k_cache / v_cache) before launching;
@@ -190,9 +194,9 @@ class CascadePlan:
             torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
             V = self.num_tiles
             self._shared.run(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, out=self._o[:n_sh].view(V, -1, D),
-                             lse=self._s[:n_sh].view(V, -1))
+                             lse=self._s[:n_sh].view(V, -1), **sc)
         self._suffix.run(q, k_cache, v_cache, out=self._o[n_sh:n_sh + B * Hq].view(B, Hq, D),
-                         lse=self._s[n_sh:n_sh + B * Hq].view(B, Hq))
+                         lse=self._s[n_sh:n_sh + B * Hq].view(B, Hq), **sc)
         _merge_indexed_kernel[(B, Hq)](
             self._o, self._s, self._state_idx, out, lse if lse is not None else self._s, out.stride(0), out.stride(1),
             self.num_states, Hq, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HAS_LSE=lse is not None, num_warps=1,

@@ -58,7 +58,8 @@ class DecodePlan:
         max_seq_len: ``max(seq_lens)`` if known. Without it the plan reads the lengths (one device sync).
         mean_seq_len: mean length, a hint for the split heuristic (ragged batches).
         num_splits: split-KV chunks per sequence; ``None`` asks :func:`~workbench.kernels.decode.decode_config`.
-        k_scale, v_scale: dequantization scales (floats or one-element fp32 tensors), shared by the layers.
+        k_scale, v_scale: dequantization scales (floats, or fp32 tensors of one value or one per kv head), shared
+            by the layers unless ``run`` is given a layer's own (tensors of the planned shape: per-layer scales).
         sm_scale: softmax scale, default ``1 / sqrt(head_dim)``.
         validate: check the used block ids against the caches' blocks and the lengths against the table
             (one reduction and one device sync, shared with the read of the lengths). Skipped while a CUDA graph
@@ -272,14 +273,19 @@ class DecodePlan:
         return _fill(self, f)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+            lse: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+            v_scale: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of one layer: ``q`` ``[B, Hq, D]`` over ``k_cache``/``v_cache`` (the planned geometry).
 
         Checks metadata only (shapes, strides, dtypes, devices against the plan; ValueError naming the
         argument), then launches: no host sync, no allocation except ``out`` (and ``lse``) when None, so a whole
         multi-layer step can be captured in one CUDA graph. Returns ``out`` (``[B, Hq, D]``, q's dtype); a plan
         built with ``return_lse=True`` returns ``(out, lse)``, ``lse`` ``[B, Hq]`` fp32 in base 2 (``-inf`` for an
-        empty sequence), ready for :func:`merge_state` with another plan's (a shared prefix)."""
+        empty sequence), ready for :func:`merge_state` with another plan's (a shared prefix).
+
+        ``k_scale``, ``v_scale``: this layer's static scales (per-layer scales; each defaults to the planned one), fp32
+        tensors of the planned scales' shape (:attr:`scale_shape`) on the plan's device with unit stride, e.g. a
+        row view of a ``[L, Hkv]`` table: only their addresses change, so a captured graph holds one per layer."""
         if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
                 or q.device != self.device or q.stride(2) != 1:
             raise ValueError(f"q must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with unit "
@@ -300,9 +306,39 @@ class DecodePlan:
                     or lse.device != self.device:
                 raise ValueError(f"lse must be an fp32 tensor of shape {self._q_shape[:2]} on {self.device}; got "
                                  f"{_describe(lse)}")
-        return self._launch(q, k_cache, v_cache, out, lse=lse)
+        scales = self.layer_scales(k_scale, v_scale)
+        return self._launch(q, k_cache, v_cache, out, lse=lse, scales=scales)
 
-    def _launch(self, q, k_cache, v_cache, out, fresh_scratch=False, lse=None):
+    @property
+    def scale_shape(self) -> tuple[int, ...] | None:
+        """The shape ``run``'s ``k_scale`` / ``v_scale`` must have (``(1,)`` or ``(Hkv,)``); None: planned without
+        scale tensors (no static scales, or floats), so ``run`` takes none."""
+        ks_ptr = self._scale_args[0] if self.batch_size else None  # an empty batch plans no scales
+        return None if ks_ptr is None else tuple(ks_ptr.shape)
+
+    def layer_scales(self, k_scale=None, v_scale=None) -> tuple | None:
+        """``(k_scale, v_scale)`` pointers for a run with a layer's own scales (checked as ``run`` states, naming the
+        argument); None when neither is given (the planned ones)."""
+        if (k_scale is None and v_scale is None) or not self.batch_size:  # nothing launched for an empty batch
+            return None
+        want = self.scale_shape
+        if want is None:
+            raise ValueError("k_scale/v_scale can be given to run only by a plan built with fp32 scale tensors "
+                             "(k_scale, v_scale of a static fp8/int8 cache)")
+        planned = self._scale_args
+        got = []
+        for i, (name, sc) in enumerate((("k_scale", k_scale), ("v_scale", v_scale))):
+            if sc is None:
+                got.append(planned[i])
+            elif not isinstance(sc, torch.Tensor) or tuple(sc.shape) != want or sc.dtype != torch.float32 \
+                    or sc.device != self.device or (sc.numel() > 1 and sc.stride(0) != 1):
+                raise ValueError(f"{name} must be an fp32 tensor of the planned shape {want} on {self.device} with unit "
+                                 f"stride (a layer's scales); got {_describe(sc)}")
+            else:
+                got.append(sc)
+        return tuple(got)
+
+    def _launch(self, q, k_cache, v_cache, out, fresh_scratch=False, lse=None, scales=None):
         if out is None:
             out = torch.empty(self._q_shape, dtype=self.q_dtype, device=self.device)
         if self.return_lse and lse is None:
@@ -316,7 +352,7 @@ class DecodePlan:
             lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
         else:
             o_part, lse_part = self._o_part, self._lse
-        kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, out, o_part, lse_part)
+        kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, out, o_part, lse_part, scales)
         kernel[self._grid](*args, **constexprs)
         if self.return_lse:
             _merge_states_kernel[(self.batch_size, self.num_q_heads)](
@@ -331,8 +367,10 @@ class DecodePlan:
             )
         return out
 
-    def _decode_call(self, q, k_cache, v_cache, out, o_part, lse_part):
+    def _decode_call(self, q, k_cache, v_cache, out, o_part, lse_part, scales=None):
         ks_ptr, vs_ptr, ks_val, vs_val = self._scale_args
+        if scales is not None:  # a layer's own scales, checked by layer_scales
+            ks_ptr, vs_ptr = scales
         args = (q, k_cache, v_cache, self.block_table, self.seq_lens, out, o_part, lse_part,
                 q if ks_ptr is None else ks_ptr, q if vs_ptr is None else vs_ptr, ks_val, vs_val, self._qk_scale,
                 q.stride(0), q.stride(1), out.stride(0), out.stride(1), *self._tail, *self._qargs)

@@ -333,8 +333,8 @@ class QuestDecode:
                             sm_scale=self.sm_scale, keep_first=self.keep_first, keep_last=self.keep_last,
                             scores=self.scores, out_table=self.block_table, out_lens=self.seq_lens)
             kw = dict(quant=c.scheme, sm_scale=self.sm_scale, **self.launch)
-            if c.scheme.needs_static_scales:
-                kw.update(k_scale=c.k_scale, v_scale=c.v_scale)
+            if c.scheme.needs_static_scales:  # each run passes its layer's (per-layer scales)
+                kw.update(zip(("k_scale", "v_scale"), c.layer_scales(layer), strict=True))
             dec = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=c.k_cache(layer, bs),
                              v_cache=c.v_cache(layer, bs), num_q_heads=q.shape[1], q_dtype=q.dtype,
                              max_seq_len=self.max_seq_len, mean_seq_len=self.mean_seq_len, validate=False, **kw)
@@ -378,7 +378,9 @@ class QuestDecode:
             o, _ = c.decode_torch(q, layer, self.page_size, table, lens, sm_scale=self.sm_scale)
             return o.to(q.dtype) if out is None else out.copy_(o)
         _, plan = self._kernel_plans(q, layer)
-        return plan.run(q, c.k_cache(layer, self.page_size), c.v_cache(layer, self.page_size), out)
+        k_scale, v_scale = c.layer_scales(layer)
+        return plan.run(q, c.k_cache(layer, self.page_size), c.v_cache(layer, self.page_size), out, k_scale=k_scale,
+                        v_scale=v_scale)
 
 
 def _check_q(c, q, batch: int, layer) -> None:

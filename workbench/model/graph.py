@@ -52,8 +52,8 @@ class GraphDecoder:
         self.lens = torch.ones(batch_size, dtype=torch.int32, device=dev)
         self.q_dtype = model.dtype if model.dtype in (torch.float16, torch.bfloat16, torch.float32) else torch.float16
         kw = dict(quant=cache.scheme, **launch)
-        if cache.scheme.needs_static_scales:
-            kw.update(k_scale=cache.k_scale, v_scale=cache.v_scale)
+        if cache.scheme.needs_static_scales:  # planned with layer 0's; each layer's run passes its own (row views)
+            kw.update(zip(("k_scale", "v_scale"), cache.layer_scales(0), strict=True))
         self.plan = DecodePlan(self.table, self.lens, layout=cache.layout, k_cache=cache.k_cache(0, self.block_size),
                                v_cache=cache.v_cache(0, self.block_size), num_q_heads=model.config.num_attention_heads,
                                q_dtype=self.q_dtype, max_seq_len=max_seq_len, validate=False, **kw)
@@ -73,7 +73,8 @@ class GraphDecoder:
             if c.ops == "torch":
                 attn = c.decode_torch(q, layer, bs, self.table, self.lens)[0].to(q.dtype)
             else:
-                attn = self.plan.run(q.to(self.q_dtype), c.k_cache(layer, bs), c.v_cache(layer, bs))
+                attn = self.plan.run(q.to(self.q_dtype), c.k_cache(layer, bs), c.v_cache(layer, bs),
+                                     **self._scales(layer))
             x = m.finish_layer(layer, x, attn)
         return m.logits(x)
 
@@ -91,7 +92,12 @@ class GraphDecoder:
         q, k = self._qkv
         for layer in range(m.num_layers):
             c._write_layer(layer, bs, self.slots, k, k)
-            self.plan.run(q, c.k_cache(layer, bs), c.v_cache(layer, bs))
+            self.plan.run(q, c.k_cache(layer, bs), c.v_cache(layer, bs), **self._scales(layer))
+
+    def _scales(self, layer: int) -> dict:
+        """The layer's static scales for the plan's run (views: a captured graph holds each layer's address)."""
+        k_scale, v_scale = self.cache.layer_scales(layer)
+        return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
     def capture(self) -> None:
         s = torch.cuda.Stream()

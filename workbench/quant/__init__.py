@@ -1,6 +1,7 @@
 """Quantized K/V: the schemes, one class per storage family (``families``), their names (``names``), by name
 (:func:`get`), where blocks keep their scales (``blocks``), static scales from a calibration pass
-(:class:`Calibrator`), and the error study (``study``).
+(:class:`Calibrator`, per cache or per layer; a cache's table of them: ``scale_table``), and the error study
+(``study``).
 
 ``get("fp8_e4m3/token")``, ``get("int4", group=32, residual=128)``; :data:`SCHEMES` lists every name.
 The kernels (``workbench.kernels``) quantize on write and dequantize inside paged decode for every scheme;
@@ -26,6 +27,7 @@ from .families import (
     unpack,
 )
 from .names import ALIASES
+from .scale_table import ScaleTable, scale_table
 
 
 def _registry() -> dict[str, Scheme]:
@@ -82,5 +84,5 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
 
 
 __all__ = ["ALIASES", "FAMILY_CLASSES", "SCHEMES", "Calibrator", "CastScheme", "GroupScheme", "NonFiniteError",
-           "Quantized", "Scheme", "StaticScheme", "TokenScheme", "check_finite", "get", "names", "pack", "resolve",
-           "to_fp16", "unpack"]
+           "Quantized", "ScaleTable", "Scheme", "StaticScheme", "TokenScheme", "check_finite", "get", "names", "pack",
+           "resolve", "scale_table", "to_fp16", "unpack"]

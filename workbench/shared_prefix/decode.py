@@ -109,9 +109,11 @@ class SharedPrefixDecode:
         else:
             self.plan = DecodePlan(block_table, seq_lens, max_seq_len=max(lens, default=0), **kw)
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None):
-        """Decode attention of one layer, by the chosen path (``[B, Hq, D]``)."""
-        return self.plan.run(q, k_cache, v_cache, out=out)
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None, *,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+        """Decode attention of one layer, by the chosen path (``[B, Hq, D]``); ``k_scale``, ``v_scale``: the layer's
+        own static scales (:meth:`~workbench.kernels.DecodePlan.run`)."""
+        return self.plan.run(q, k_cache, v_cache, out=out, k_scale=k_scale, v_scale=v_scale)
 
     def __repr__(self) -> str:
         c = self.choice

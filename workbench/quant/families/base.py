@@ -213,6 +213,14 @@ class Scheme:
         """Static scales from per-head absolute maxima ``[H]`` (:class:`~workbench.quant.Calibrator`)."""
         raise ValueError(f"{self.name} takes no static scales: its scales are computed on write or it has none")
 
+    def layer_scales_from_amax(self, amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
+        """Per-layer static scales from per-layer, per-head maxima ``[L, H]`` (``Calibrator(num_layers=L)``)."""
+        raise ValueError(f"{self.name} takes no static scales: its scales are computed on write or it has none")
+
+    def static_scale_count(self, num_heads: int) -> int:
+        """Static scales one layer's K (or V) takes: 1 (per tensor), ``num_heads`` (per head), 0 (none)."""
+        return 0
+
     # ---- quantize / dequantize -----------------------------------------------------------------------------
     def quantize(self, x: torch.Tensor, kind: str = "k", scale: torch.Tensor | None = None) -> Quantized:
         """Codes (and scales) of ``x`` ``[T, H, D]`` as K (``kind="k"``) or V.

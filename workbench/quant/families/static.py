@@ -36,6 +36,14 @@ class StaticScheme(Scheme):
         amax = (amax if self.granularity == "head" else amax.amax().reshape(1)) * margin
         return torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
 
+    def layer_scales_from_amax(self, amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
+        """:meth:`scales_from_amax` of each layer's maxima ``[L, H]``: ``[L]`` (``tensor``) or ``[L, H]``."""
+        rows = torch.stack([self.scales_from_amax(a, margin) for a in amax])
+        return rows if self.granularity == "head" else rows.reshape(-1)
+
+    def static_scale_count(self, num_heads: int) -> int:
+        return num_heads if self.granularity == "head" else 1
+
     def _quantize(self, x: torch.Tensor, kind: str, scale: torch.Tensor | None) -> Quantized:
         xf = x.float()
         s = self.calibrate(x) if scale is None else scale.float().reshape(-1)
