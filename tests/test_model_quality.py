@@ -6,6 +6,7 @@ otherwise); the model is loaded once, and every run is a few tokens (the whole f
 import json
 
 import pytest
+import torch
 
 from workbench.model.gguf_weights import model_available
 
@@ -63,14 +64,23 @@ def test_int2_drifts_more_than_int8_and_perplexity_is_plausible(smol, text, pre,
     assert abs(fine["perplexity"] / fine["ref_perplexity"] - 1) < 0.2
 
 
-def test_static_scheme_is_calibrated_with_one_scale_for_all_layers(smol):
+def test_static_scheme_is_calibrated_per_cache_or_per_layer(smol):
     model, tok = smol
     sample = quality.capture_kv(model, tok.encode("We hold these truths to be self-evident."))
+    H, L = model.config.num_key_value_heads, model.num_layers
     k, v = quality.static_scales("int8/head", sample)
-    assert k.shape == v.shape == (model.config.num_key_value_heads,)  # per head, not per layer
-    assert len(sample.layer_amax()["k"]) == model.num_layers
+    assert k.shape == v.shape == (H,)  # per head, one pair for all layers
+    assert len(sample.layer_amax()["k"]) == L
+    kl, vl = quality.static_scales("int8/head", sample, per_layer=True)
+    assert kl.shape == vl.shape == (L, H) and torch.equal(kl.amax(0), k)  # the widest layer's is the per-cache one
+    amax = torch.tensor(sample.layer_amax()["v"])
+    assert torch.allclose(quality.static_scales("int8/tensor", sample, per_layer=True)[1], amax / 127)
+    cache = quality.build_cache(model, "int8/tensor", [8], calibration=sample, per_layer_scales=True)
+    assert cache.per_layer_scales and cache.k_scale.shape == (L, 1)
     with pytest.raises(ValueError, match="calibration"):
         quality.build_cache(model, "int8/tensor", [8])
+    with pytest.raises(ValueError, match="per_layer"):
+        quality.static_scales("int8/tensor", sample, per_layer="yes")
 
 
 def test_bench_smoke_writes_the_rows(tmp_path, capsys):
@@ -78,11 +88,16 @@ def test_bench_smoke_writes_the_rows(tmp_path, capsys):
     (path,) = tmp_path.glob("model-quality-*.json")
     doc = json.loads(path.read_text())
     rows = doc["rows"]
-    assert [r["scheme"] for r in rows] == list(model_quality.SMOKE_SCHEMES)
+    static = [n for n in model_quality.SMOKE_SCHEMES if quality.get_scheme(n).needs_static_scales]
+    assert static and [r["scheme"] for r in rows] == [x for n in model_quality.SMOKE_SCHEMES
+                                                      for x in ([n, n] if n in static else [n])]
+    assert [r.get("scales") for r in rows if r["static"]] == ["cache", "layer"] * len(static)  # a row of each
     assert doc["mode"] == "smoke" and doc["meta"]["gpu"].startswith("cpu") and "commit" in rows[0]
     fp16 = rows[0]
     assert fp16["agreement"] == 1.0 and fp16["mean_kl"] == 0.0 and fp16["bytes_per_token"] == 2 * 3 * 64 * 2
     assert rows[1]["bytes_per_token"] == fp16["bytes_per_token"] / 2 and "k_scale" in rows[1]
+    assert len(rows[2]["k_scale"]) == len(doc["calibration_layer_amax"]["k"])  # per layer: one per layer
+    assert doc["static_scales_by"] == ["cache", "layer"]
     assert "agreement" in capsys.readouterr().out
 
 
@@ -103,6 +118,12 @@ def test_bad_arguments_are_refused_by_name(smol, text):
     with pytest.raises(SystemExit) as e:
         model_quality.main(["--schemes", "int3/token"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        model_quality.main(["--static-scales", "cache,tensor"])
+    assert e.value.code == 2
+    for bad in ((), ["layer", "layer"], ["head"], "layer"):
+        with pytest.raises(ValueError, match="static_scales_by"):
+            quality.evaluate_all(model, text, [text[:8]], calibration=text[:8], static_scales_by=bad)
 
 
 def test_bench_without_the_model_exits_2(monkeypatch, tmp_path, capsys):

@@ -9,7 +9,8 @@ the next-token distributions (``mean_abs_drift``, ``max_abs_drift``, ``mean_kl``
 V, scales counted, at a ``--chunk``-token context; ``bytes_per_token_long``: the long-context limit).
 
 Text: ``data/text`` (the Declaration of Independence and chapter 1 of Pride and Prejudice; static schemes are
-calibrated on the Gettysburg Address, with ONE k_scale/v_scale for all 30 layers, as the cache takes them).
+calibrated on the Gettysburg Address, each twice (``--static-scales``, the row's ``scales``): ONE k_scale/v_scale
+pair for all 30 layers (``cache``), and one pair per layer (``layer``), which the cache takes as ``[L]`` / ``[L, H]``).
 ``--smoke``: three schemes on a few tokens (under a minute, most of it loading the model).
 """
 
@@ -27,8 +28,8 @@ from workbench import quant
 from workbench.bench import harness
 from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
 
-COLUMNS = ["scheme", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift", "max_abs_drift",
-           "mean_kl", "perplexity", "seconds"]
+COLUMNS = ["scheme", "scales", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift",
+           "max_abs_drift", "mean_kl", "perplexity", "seconds"]
 HEADERS = {"bytes_per_token": "bytes/tok", "first_divergence_mean": "1st_div", "mean_abs_drift": "|drift|",
            "max_abs_drift": "max|drift|", "perplexity": "ppl", "seconds": "s"}
 
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="agreement prompts taken from the text (default 4; --smoke 2)")
     ap.add_argument("--prompt-tokens", type=harness.positive_int, default=None,
                     help="tokens per agreement prompt (default 256; --smoke 16)")
+    ap.add_argument("--static-scales", default=",".join(quality.SCALES_BY),
+                    help="static schemes' scales, comma separated: cache (one pair for all layers), layer (one pair "
+                         "per layer); a row each (default both)")
     ap.add_argument("--threads", type=harness.positive_int, default=None,
                     help="torch CPU threads (default torch's; on a busy 2-core CPU 1 is several times faster)")
     ap.add_argument("--smoke", action="store_true", help="a tiny run (three schemes, a few tokens)")
@@ -79,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         names = [quality.get_scheme(n.strip()).name for n in names]
     except ValueError as e:
         ap.error(f"argument --schemes: {e}")
+    scales_by = [b.strip() for b in args.static_scales.split(",")]
+    if not scales_by or any(b not in quality.SCALES_BY for b in scales_by) or len(set(scales_by)) != len(scales_by):
+        ap.error(f"argument --static-scales: must list distinct entries of {','.join(quality.SCALES_BY)}, got "
+                 f"{args.static_scales!r}")
     if chunk - prefill < 2:
         ap.error(f"argument --prefill: must leave at least 2 tokens of --chunk {chunk} to step, got {prefill}")
     out = harness.output_dir(ap, args.out)  # checked before the work, not after
@@ -109,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     rows = quality.evaluate_all(model, forced, prompts, calibration=sample, schemes=names, new_tokens=new_tokens,
-                                chunk=chunk, batch=batch, prefill=prefill, progress=progress)
+                                chunk=chunk, batch=batch, prefill=prefill, static_scales_by=scales_by,
+                                progress=progress)
     total_s = time.perf_counter() - start
     harness.print_table(rows, COLUMNS, HEADERS)
     meta = harness.machine_meta()
@@ -125,14 +134,17 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": n_prompts, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "page_tokens": quality.PAGE_TOKENS, "calibration_text": quality.CALIBRATION_TEXT,
         "calibration_tokens": int(sample.k.shape[1]), "calibration_layer_amax": amax,
-        "static_scales": "one k_scale and one v_scale (scalar or per kv head) for all layers: the cache takes one",
+        "static_scales": {"cache": "one k_scale and one v_scale (scalar or per kv head) for all layers",
+                          "layer": "one k_scale and one v_scale per layer ([L] or [L, H]), calibrated per layer"},
+        "static_scales_by": scales_by,
         "load_seconds": load_s, "total_seconds": total_s,
     }
     path = harness.write_results("model-quality", rows, meta, out, extra=extra)
     spread = {n: max(a) / min(a) for n, a in amax.items()}
     print(f"calibration |K| max per layer {min(amax['k']):.3g}..{max(amax['k']):.3g} ({spread['k']:.1f}x), "
-          f"|V| {min(amax['v']):.3g}..{max(amax['v']):.3g} ({spread['v']:.1f}x): one static scale serves all")
-    print(f"{len(rows)} schemes in {total_s:.0f} s; wrote {path}")
+          f"|V| {min(amax['v']):.3g}..{max(amax['v']):.3g} ({spread['v']:.1f}x); static scales by "
+          f"{' and '.join(scales_by)}")
+    print(f"{len(rows)} rows ({len(names)} schemes) in {total_s:.0f} s; wrote {path}")
     return 0
 
 

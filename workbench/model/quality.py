@@ -22,10 +22,11 @@ Greedy agreement is a blunt measure: one near-tie in a prompt flips under any pe
 divergence the texts differ. Drift and KL on the same teacher-forced tokens rank schemes more steadily.
 
 Static schemes (fp8 / int8 per ``tensor`` or ``head``) take their scales from a calibration pass
-(:class:`~workbench.quant.Calibrator` over every layer's K/V of a calibration text). The cache holds ONE
-``k_scale`` and ONE ``v_scale`` (a scalar, or one per kv head) shared by all layers, so the scale fits the
-layer of widest range and layers of narrower range use only part of the codes; :meth:`KVSample.layer_amax`
-shows how far the layers differ.
+(:class:`~workbench.quant.Calibrator` over every layer's K/V of a calibration text), per cache or per layer
+(``per_layer_scales``). Per cache, ONE ``k_scale`` and ONE ``v_scale`` (a scalar, or one per kv head) serve all
+layers, so the scale fits the layer of widest range and layers of narrower range use only part of the codes
+(:meth:`KVSample.layer_amax` shows how far the layers differ: SmolLM2's largest ``|V|`` spans 22x); per layer, each
+layer's pair fits its own range. :func:`evaluate_all` gives a row of each (``scales``: ``"cache"`` / ``"layer"``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ PAGE_TOKENS = 32  # a multiple of KIVI's 32-token key group, as its blocks need
 # evaluate_all's defaults: 8 chunks of 288 tokens, 256 prefilled (KIVI then holds 128 of them quantized), 31
 # stepped and scored each; on 2 CPU cores the torch ops' decode costs 0.3-1 s a step, so steps are what we spend
 CHUNK, PREFILL, BATCH = 288, 256, 8
+SCALES_BY = ("cache", "layer")  # a static scheme's scales: one pair for all layers, or one pair per layer
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,10 +130,12 @@ def prefill_all(model, seqs) -> list[Prefilled]:
     return out
 
 
-def _start(model, scheme, prefilled: list[Prefilled], extra: int, calibration, ops: str) -> Runner:
+def _start(model, scheme, prefilled: list[Prefilled], extra: int, calibration, ops: str,
+           per_layer_scales: bool = False) -> Runner:
     """A runner over a fresh ``scheme`` cache holding ``prefilled`` as sequences 0, 1, ... (room for ``extra``
     more tokens each)."""
-    cache = build_cache(model, scheme, [len(p.tokens) + extra for p in prefilled], calibration=calibration, ops=ops)
+    cache = build_cache(model, scheme, [len(p.tokens) + extra for p in prefilled], calibration=calibration, ops=ops,
+                        per_layer_scales=per_layer_scales)
     for i, p in enumerate(prefilled):
         cache.add(i, p.tokens, p.k, p.v)
     return Runner(model, PagedKV(cache))
@@ -156,24 +160,29 @@ def capture_kv(model, tokens: Sequence[int]) -> KVSample:
     return KVSample(p.k.float().cpu(), p.v.float().cpu())
 
 
-def static_scales(scheme, sample: KVSample, margin: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(k_scale, v_scale)`` of a static scheme from ``sample``: one for ALL layers (the cache takes one)."""
-    cal = quant.Calibrator(get_scheme(scheme), margin)
-    cal.observe(sample.k, sample.v)  # [L, T, H, D]: the maximum over every layer
+def static_scales(scheme, sample: KVSample, margin: float = 1.0, *,
+                  per_layer: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k_scale, v_scale)`` of a static scheme from ``sample``: one pair for ALL layers (``[1]`` or ``[H]``), or
+    with ``per_layer`` one per layer (``[L]`` or ``[L, H]``)."""
+    if not isinstance(per_layer, bool):
+        raise ValueError(f"per_layer must be True or False, got {per_layer!r}")
+    cal = quant.Calibrator(get_scheme(scheme), margin, num_layers=sample.k.shape[0] if per_layer else None)
+    cal.observe(sample.k, sample.v)  # [L, T, H, D]: each layer's maximum, or the maximum over every layer
     return cal.scales()
 
 
 def build_cache(model, scheme, seq_lens: Sequence[int], *, calibration: KVSample | None = None,
-                page_tokens: int = PAGE_TOKENS, ops: str = "torch") -> PagedKVCache:
+                page_tokens: int = PAGE_TOKENS, ops: str = "torch", per_layer_scales: bool = False) -> PagedKVCache:
     """A cache of ``scheme`` just big enough for sequences of ``seq_lens`` tokens (the torch ops dequantize the
-    whole pool every layer, so spare pages cost time); static schemes are calibrated on ``calibration``."""
+    whole pool every layer, so spare pages cost time); static schemes are calibrated on ``calibration``, one pair of
+    scales for all layers or (``per_layer_scales``) one per layer."""
     s, cfg = get_scheme(scheme), model.config
     kw = {}
     if s.needs_static_scales:
         if not isinstance(calibration, KVSample):
             raise ValueError(f"calibration must be a KVSample (capture_kv of a calibration text) for {s.name}, "
                              f"whose scales are static")
-        kw["k_scale"], kw["v_scale"] = static_scales(s, calibration)
+        kw["k_scale"], kw["v_scale"] = static_scales(s, calibration, per_layer=per_layer_scales)
     pages = sum(-(-n // page_tokens) for n in seq_lens)
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max(pages, 1),
                         page_tokens=page_tokens, kv_dtype=s, device=model.device, ops=ops, prefix_caching=False,
@@ -182,12 +191,13 @@ def build_cache(model, scheme, seq_lens: Sequence[int], *, calibration: KVSample
 
 # ---- greedy agreement ---------------------------------------------------------------------------------------------
 def generate(model, prompts, scheme, new_tokens: int, *, calibration: KVSample | None = None,
-             prefilled: list[Prefilled] | None = None, ops: str = "torch") -> list[list[int]]:
+             prefilled: list[Prefilled] | None = None, ops: str = "torch",
+             per_layer_scales: bool = False) -> list[list[int]]:
     """Greedy ``new_tokens`` for each prompt (one batch) with K/V in a ``scheme`` cache, as
     :meth:`Runner.generate` makes them; ``prefilled``: the prompts' :func:`prefill_all`, if already made."""
     _positive("new_tokens", new_tokens)
     pre = prefilled if prefilled is not None else prefill_all(model, prompts)
-    runner = _start(model, scheme, pre, new_tokens, calibration, ops)
+    runner = _start(model, scheme, pre, new_tokens, calibration, ops, per_layer_scales)
     ids = list(range(len(pre)))
     out = [[int(p.logits.argmax())] for p in pre]
     for _ in range(new_tokens - 1):
@@ -199,7 +209,7 @@ def generate(model, prompts, scheme, new_tokens: int, *, calibration: KVSample |
 
 def agreement(model, prompts, scheme, new_tokens: int, *, calibration: KVSample | None = None,
               reference: list[list[int]] | None = None, prefilled: list[Prefilled] | None = None,
-              ops: str = "torch") -> dict:
+              ops: str = "torch", per_layer_scales: bool = False) -> dict:
     """Greedy generation under ``scheme`` against the fp16 cache's (``reference``: its tokens, if already known;
     ``prefilled``: the prompts' :func:`prefill_all`, if already made).
 
@@ -209,7 +219,8 @@ def agreement(model, prompts, scheme, new_tokens: int, *, calibration: KVSample 
     s = get_scheme(scheme)
     _positive("new_tokens", new_tokens)
     pre = prefilled if prefilled is not None else prefill_all(model, prompts)
-    got = generate(model, prompts, s, new_tokens, calibration=calibration, prefilled=pre, ops=ops)
+    got = generate(model, prompts, s, new_tokens, calibration=calibration, prefilled=pre, ops=ops,
+                   per_layer_scales=per_layer_scales)
     ref = reference if reference is not None else generate(model, prompts, REFERENCE, new_tokens, prefilled=pre,
                                                            ops=ops)
     if [len(r) for r in ref] != [len(g) for g in got]:
@@ -258,7 +269,7 @@ def prefill_chunks(model, text_tokens, chunk: int, prefill: int) -> list[Prefill
 
 def forced_run(model, text_tokens, scheme, chunk: int, batch: int, *, prefill: int = 1,
                calibration: KVSample | None = None, prefilled: list[Prefilled] | None = None,
-               ops: str = "torch") -> Forced:
+               ops: str = "torch", per_layer_scales: bool = False) -> Forced:
     """Prefill each chunk's first ``prefill`` tokens into a ``scheme`` cache (``prefilled``: made once by
     :func:`prefill_chunks`), then step the rest through it, ``batch`` chunks at a time. Scored: each token whose
     prediction came from a decode step (``chunk - prefill - 1`` a chunk; the prefill's own prediction never reads
@@ -272,7 +283,7 @@ def forced_run(model, text_tokens, scheme, chunk: int, batch: int, *, prefill: i
     logp, dist = [], []
     for g in range(0, len(windows), batch):
         group = windows[g:g + batch]
-        runner = _start(model, s, pre[g:g + batch], chunk - prefill, calibration, ops)
+        runner = _start(model, s, pre[g:g + batch], chunk - prefill, calibration, ops, per_layer_scales)
         ids = list(range(len(group)))
         out = []  # per step [B, vocab] log-distributions of the next token
         for t in range(prefill, chunk - 1):
@@ -319,13 +330,14 @@ def compare(run: Forced, ref: Forced) -> TeacherForced:
 
 def teacher_forced(model, text_tokens, scheme, chunk: int, batch: int, *, prefill: int = 1,
                    calibration: KVSample | None = None, reference: Forced | None = None,
-                   prefilled: list[Prefilled] | None = None, ops: str = "torch") -> TeacherForced:
+                   prefilled: list[Prefilled] | None = None, ops: str = "torch",
+                   per_layer_scales: bool = False) -> TeacherForced:
     """The text through the ``scheme`` cache and the fp16 cache (``reference``: that run, if already made), as
     :func:`forced_run` feeds it; ``.summary()`` gives perplexity, log-prob drift and KL."""
     get_scheme(scheme)  # before any work
     pre = prefilled if prefilled is not None else prefill_chunks(model, text_tokens, chunk, prefill)
     run = forced_run(model, text_tokens, scheme, chunk, batch, prefill=prefill, calibration=calibration,
-                     prefilled=pre, ops=ops)
+                     prefilled=pre, ops=ops, per_layer_scales=per_layer_scales)
     ref = reference or forced_run(model, text_tokens, REFERENCE, chunk, batch, prefill=prefill, prefilled=pre,
                                   ops=ops)
     return compare(run, ref)
@@ -334,18 +346,23 @@ def teacher_forced(model, text_tokens, scheme, chunk: int, batch: int, *, prefil
 # ---- every scheme -------------------------------------------------------------------------------------------------
 def evaluate_all(model, text_tokens, prompts, *, calibration: Sequence[int] | KVSample, schemes=None,
                  new_tokens: int = 32, chunk: int = CHUNK, batch: int = BATCH, prefill: int = PREFILL,
-                 ops: str = "torch",
+                 ops: str = "torch", static_scales_by: Sequence[str] = SCALES_BY,
                  progress: Callable[[str], None] | None = None) -> list[dict]:
     """One row per scheme (default every name of ``quant.SCHEMES``; fp32, fp16 and bf16 are references):
     :func:`agreement` and :func:`teacher_forced` against fp16, with the stored bytes per token and layer
     (``bytes_per_token`` at a ``chunk``-token context, KIVI's fp16 residual counted; ``bytes_per_token_long``
     in the long-context limit) and the seconds it took. ``calibration``: token ids of the calibration text (or
-    their :func:`capture_kv`) for the static schemes; ``progress(name)`` is called before each scheme."""
+    their :func:`capture_kv`) for the static schemes, which get a row for each of ``static_scales_by``
+    (``"cache"``: one pair of scales for all layers, ``"layer"``: one per layer; the row's ``scales``, and its
+    ``k_scale`` / ``v_scale``); ``progress(name)`` is called before each scheme."""
     if isinstance(schemes, (str, quant.Scheme)):
         schemes = [schemes]
     names = list(quant.SCHEMES) if schemes is None else [get_scheme(s).name for s in schemes]
     if not names:
         raise ValueError("schemes must name at least one scheme")
+    by = list(static_scales_by) if isinstance(static_scales_by, (list, tuple)) else None
+    if not by or any(b not in SCALES_BY for b in by) or len(set(by)) != len(by):
+        raise ValueError(f"static_scales_by must list distinct entries of {SCALES_BY}, got {static_scales_by!r}")
     _positive("new_tokens", new_tokens)
     _check_forced(chunk, batch, prefill)
     prompts = _token_lists("prompts", prompts)
@@ -361,22 +378,34 @@ def evaluate_all(model, text_tokens, prompts, *, calibration: Sequence[int] | KV
     for name in names:
         if progress:
             progress(name)
-        t0 = time.perf_counter()
         s = quant.get(name)
-        cal = sample if s.needs_static_scales else None
-        a = agreement(model, prompts, s, new_tokens, calibration=cal, reference=ref_tokens, prefilled=pre_prompts,
-                      ops=ops)
-        run = ref_forced if name == REFERENCE else forced_run(model, text_tokens, s, chunk, batch, prefill=prefill,
-                                                              calibration=cal, prefilled=pre_text, ops=ops)
-        tf = compare(run, ref_forced).summary()
-        row = {"scheme": name, "bits": s.bits, "granularity": s.granularity, "static": s.needs_static_scales,
-               "bytes_per_token": s.bytes_per_token(H, D, chunk), "bytes_per_token_long": s.bytes_per_token(H, D),
-               "agreement": a["agreement"], "first_divergence_mean": a["first_divergence_mean"],
-               "first_divergence_min": a["first_divergence_min"], **{k: v for k, v in tf.items() if k != "scheme"}}
-        row["fp16_bytes_fraction"] = row["bytes_per_token"] / fp16_bytes
-        if s.needs_static_scales:  # one scale for all 30 layers: say which
-            k_scale, v_scale = static_scales(s, sample)
-            row["k_scale"], row["v_scale"] = k_scale.tolist(), v_scale.tolist()
-        row["seconds"] = time.perf_counter() - t0
-        rows.append(row)
+        for scales in by if s.needs_static_scales else [None]:
+            rows.append(_row(model, s, scales, sample, prompts, text_tokens, pre_prompts, pre_text, ref_tokens,
+                             ref_forced, new_tokens, chunk, batch, prefill, ops, fp16_bytes))
     return rows
+
+
+def _row(model, s, scales, sample, prompts, text_tokens, pre_prompts, pre_text, ref_tokens, ref_forced, new_tokens,
+         chunk, batch, prefill, ops, fp16_bytes) -> dict:
+    """:func:`evaluate_all`'s row of scheme ``s`` (static: with scales by ``scales``, ``"cache"`` or ``"layer"``)."""
+    t0 = time.perf_counter()
+    cfg = model.config
+    H, D = cfg.num_key_value_heads, cfg.head_dim
+    cal = sample if s.needs_static_scales else None
+    per_layer = scales == "layer"
+    a = agreement(model, prompts, s, new_tokens, calibration=cal, reference=ref_tokens, prefilled=pre_prompts,
+                  ops=ops, per_layer_scales=per_layer)
+    run = ref_forced if s.name == REFERENCE else forced_run(model, text_tokens, s, chunk, batch, prefill=prefill,
+                                                            calibration=cal, prefilled=pre_text, ops=ops,
+                                                            per_layer_scales=per_layer)
+    tf = compare(run, ref_forced).summary()
+    row = {"scheme": s.name, "bits": s.bits, "granularity": s.granularity, "static": s.needs_static_scales,
+           "bytes_per_token": s.bytes_per_token(H, D, chunk), "bytes_per_token_long": s.bytes_per_token(H, D),
+           "agreement": a["agreement"], "first_divergence_mean": a["first_divergence_mean"],
+           "first_divergence_min": a["first_divergence_min"], **{k: v for k, v in tf.items() if k != "scheme"}}
+    row["fp16_bytes_fraction"] = row["bytes_per_token"] / fp16_bytes
+    if s.needs_static_scales:  # which scales: one pair for all layers, or one per layer
+        k_scale, v_scale = static_scales(s, sample, per_layer=per_layer)
+        row["scales"], row["k_scale"], row["v_scale"] = scales, k_scale.tolist(), v_scale.tolist()
+    row["seconds"] = time.perf_counter() - t0
+    return row
