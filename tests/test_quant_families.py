@@ -20,6 +20,8 @@ from workbench import quant
 from workbench.quant import blocks as qblocks
 from workbench.quant import families, names
 
+pytestmark = pytest.mark.kernels  # reads the kernels' family tables (workbench.kernels): the GPU run covers it too
+
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY_DIR = ROOT / "workbench" / "quant" / "families"
 
