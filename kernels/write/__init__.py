@@ -2,11 +2,12 @@
 conventions, in its docstring), ``config`` (the launch choice and the measured prefill table), ``api``
 (``write_kv``, ``check_write_kv``). The plain PyTorch references are ``kernels/reference.py``'s."""
 
-from .api import _PLANS, check_write_kv, write_kv
+from .api import _PLANS, check_write_kv, write_kv, write_launches
 from .config import (
     _QUANT_MATH,
     PREFILL_DEFAULTS,
     PREFILL_MIN_ROWS,
+    Launch,
     WriteConfig,
     default_launch,
     launch_config,
@@ -16,6 +17,6 @@ from .config import (
 )
 from .kernel import FP8_DTYPES, QUANT_MATHS, SCHEMES
 
-__all__ = ["FP8_DTYPES", "PREFILL_DEFAULTS", "PREFILL_MIN_ROWS", "QUANT_MATHS", "SCHEMES", "WriteConfig",
+__all__ = ["FP8_DTYPES", "PREFILL_DEFAULTS", "PREFILL_MIN_ROWS", "QUANT_MATHS", "SCHEMES", "Launch", "WriteConfig",
            "_PLANS", "_QUANT_MATH", "check_write_kv", "default_launch", "launch_config", "prefill_defaults",
-           "quant_mode", "rows_launch", "write_kv"]
+           "quant_mode", "rows_launch", "write_kv", "write_launches"]

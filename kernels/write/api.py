@@ -13,7 +13,7 @@ from workbench.backend import kernel_device_problem
 from workbench.layout import Layout, addressing
 
 from .. import common
-from .config import launch_config, quant_mode
+from .config import Launch, launch_config, quant_mode
 from .kernel import FP8_GRID, QUANT_MATHS, QUANT_NONE, SOFT_ROUND, SOURCE_DTYPES, _write_kv_kernel, _write_rows_kernel
 
 
@@ -266,21 +266,61 @@ def write_kv(
     Validation of shapes and the launch choice are cached per geometry, so a repeated call costs a
     dictionary lookup on the host; with ``validate=False`` the call does no device work besides the kernel.
     """
+    kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
+              heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
+    qs = _dynamic_scheme(k_cache, quant)
+    if qs is not None:
+        _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs, nonfinite, validate,
+                       tokens_per_program, num_warps)
+        return
+    plan, launches = _static_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
+    if validate:
+        _check_slot_values(slot_mapping, plan.num_slots, k_cache)
+    for launch in launches:
+        launch()
+
+
+def write_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale=None, v_scale=None, *,
+                   quant=None, nonfinite=None, launch: bool = True, **kw) -> list[Launch]:
+    """The kernel launches :func:`write_kv` makes for these arguments, checked as it checks them (slot values
+    aside) but not made: for tools that compile them ahead of time (``workbench.bench.anatomy --kernel write``).
+    ``kw``: write_kv's launch keywords; ``launch``: as in :func:`check_write_kv`. A dynamic scheme's launches count
+    non-finite inputs into ``nonfinite`` (a fresh counter when None)."""
+    unknown = set(kw) - set(_WRITE_KEYWORDS)
+    if unknown:
+        raise ValueError(f"write_launches takes write_kv's launch keywords {_WRITE_KEYWORDS}, got {sorted(unknown)}")
+    kw = {k: kw.get(k) for k in _WRITE_KEYWORDS}
+    qs = _dynamic_scheme(k_cache, quant)
+    if qs is None:
+        return _static_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch)[1]
+    from .dynamic import dynamic_launches
+
+    block_size, num_blocks = _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
+                                             nonfinite, launch)
+    counter = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=k_cache.device)
+    return dynamic_launches(key, value, k_cache, v_cache, Layout.parse(layout), slot_mapping, qs, block_size,
+                            num_blocks, counter, kw["tokens_per_program"], kw["num_warps"])
+
+
+def _dynamic_scheme(k_cache, quant):
+    """The scheme whose scales ``write_kv`` computes on write for this cache (``quant`` named, or a uint8 cache),
+    else None (plain and static writes: the dtype says)."""
     if isinstance(k_cache, torch.Tensor) and (quant is not None or k_cache.dtype == torch.uint8):
         qs = common.scheme_of(k_cache.dtype, quant)
         if qs.scales_on_write:
-            return _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
-                                  nonfinite, validate, tokens_per_program, num_warps)
-    kw = dict(scheme=scheme, tokens_per_program=tokens_per_program, num_warps=num_warps,
-              heads_per_program=heads_per_program, kv_split=kv_split, quant_math=quant_math)
-    plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw)
-    if validate:
-        _check_slot_values(slot_mapping, plan.num_slots, k_cache)
+            return qs
+    return None
+
+
+def _static_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch=True):
+    """``(plan, launches)`` of a plain or static-scale write (one launch, none when there is nothing to write)."""
+    plan = _cached_plan(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch)
     if plan.empty:
-        return
+        return plan, []
     if plan.consts["QUANT"] == QUANT_NONE:
         k_scale, v_scale = k_cache, v_cache  # placeholders: never read
-    plan.kernel[plan.grid](key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *plan.args, **plan.consts)
+    args = (key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, *plan.args)
+    return plan, [Launch(plan.kernel, plan.grid, args, plan.consts)]
 
 
 def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, *, launch=True) -> tuple[int, int]:
@@ -297,10 +337,9 @@ def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, sche
     return block_size, num_blocks
 
 
-def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate,
-                   tokens_per_program=None, num_warps=None):
-    from .dynamic import check_group_slots, write_dynamic
-
+def _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite,
+                    launch=True) -> tuple[int, int]:
+    """The checks of a dynamic-scheme write but the slot values; ``(block_size, num_blocks)``."""
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is not None:
             raise ValueError(f"{name} must be None for {scheme.name}: its scales are computed on write")
@@ -308,8 +347,16 @@ def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, 
                                   or nonfinite.numel() != 1 or nonfinite.device != k_cache.device):
         raise ValueError(f"nonfinite must be an int32 tensor of one element on {k_cache.device}, got "
                          f"{getattr(nonfinite, 'dtype', type(nonfinite).__name__)}")
+    return check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, launch=launch)
+
+
+def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate,
+                   tokens_per_program=None, num_warps=None):
+    from .dynamic import check_group_slots, write_dynamic
+
+    block_size, num_blocks = _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale,
+                                             scheme, nonfinite)
     layout = Layout.parse(layout)
-    block_size, num_blocks = check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme)
     if validate and _check_slot_values(slot_mapping, num_blocks * block_size, k_cache):
         if scheme.write_group > 1:
             check_group_slots(scheme, slot_mapping, block_size)

@@ -63,6 +63,20 @@ def rows_launch(
     return bt, num_warps
 
 
+class Launch(NamedTuple):
+    """One kernel launch of a write, resolved but not made: ``kernel[grid](*args, **consts)``
+    (``consts``: constexprs and launch options, as Triton takes them). ``write_launches`` gives a write's list, so
+    tools compile them ahead of time (``workbench.bench.anatomy --kernel write``)."""
+
+    kernel: object
+    grid: tuple[int, ...]
+    args: tuple
+    consts: dict
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.consts)
+
+
 class WriteConfig(NamedTuple):
     """One launch of :func:`write_kv`, resolved (every field is a ``write_kv`` keyword)."""
 

@@ -1,11 +1,12 @@
 """Write-to-cache with scales computed on write: the ``token`` family (fp8 / int8 / asymmetric int8, one scale per
-token and kv head) and the ``groups`` family (KIVI int4 / int2, packed, fp16 scale and zero point per group);
-:data:`WRITE_MODES` maps a family to the kernel's ``MODE`` of each kind (``workbench.quant.families``).
+token and kv head) and the ``groups`` family (KIVI int4 / int2, packed, fp16 scale and zero point per group).
 
-The codes go where the layout says (``workbench.layout``'s address formula, over ``code_dim`` elements a row);
-the scales go into the same block, after its codes (``workbench.quant.blocks``), so they travel with it.
-
-One program quantizes ``BLOCK_T`` tokens of one kv head, K or V (``KIND`` picks the kind's mode):
+Each family has its own kernel (:data:`FAMILY_KERNELS`: ``kernels/write/token.py``, ``kernels/write/groups.py``):
+one pass over the fp16 source, the reductions for its scales in registers, the division as three FMAs from a
+reciprocal per row or group (IEEE's quotient), packed codes as sums of shifted words over the source's planes,
+tiles sized by bytes. The generic kernel below (one kernel of modes; :data:`WRITE_MODES` maps a family to the
+``MODE`` of each kind) writes the shapes a family's kernel does not take, and is the plain reference beside them
+(``dynamic_launches(..., generic=True)``):
 
 - ``MODE 1`` symmetric per token: ``scale = amax / QMAX`` (1 if ``amax == 0``), codes as the static write's.
 - ``MODE 2`` asymmetric per token: ``scale = (max - min) / QMAX``, ``code = round((x - min) / scale)``.
@@ -13,6 +14,8 @@ One program quantizes ``BLOCK_T`` tokens of one kv head, K or V (``KIND`` picks 
 - ``MODE 4`` keys per channel over the program's ``BLOCK_T`` tokens, one group (``key_mode="channel"``): the
   tokens must be one whole group of consecutive slots (the wrapper checks).
 
+The codes go where the layout says (``workbench.layout``'s address formula, over ``code_dim`` elements a row);
+the scales go into the same block, after its codes (``workbench.quant.blocks``), so they travel with it.
 Non-finite inputs are counted into ``bad_ptr`` (one int32 per call), never silently spread: their rows
 get NaN scales, and the count says how many values were bad.
 """
@@ -23,27 +26,7 @@ import triton
 import triton.language as tl
 
 from .kernel import _quantize
-
-
-@triton.jit
-def _fp16_params(b_lo, b_hi, QMAX: tl.constexpr):
-    """Group scale and zero point, saturated and rounded to fp16 as they are stored (``workbench.quant.schemes``:
-    ``zero = clamp(lo, +-65504)``, ``scale = clamp((hi - zero) / QMAX, 0, 65504)``, 1 where 0); NaN stays NaN."""
-    b_z = tl.minimum(tl.maximum(b_lo, -65504.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
-                     propagate_nan=tl.PropagateNan.ALL)
-    b_s = tl.math.div_rn(b_hi - b_z, tl.full(b_hi.shape, QMAX, tl.float32))
-    b_s = tl.minimum(tl.maximum(b_s, 0.0, propagate_nan=tl.PropagateNan.ALL), 65504.0,
-                     propagate_nan=tl.PropagateNan.ALL).to(tl.float16)  # <= 0 becomes 1 below
-    b_s = tl.where(b_s > 0, b_s, tl.full(b_s.shape, 1.0, tl.float16))
-    return b_s, b_z.to(tl.float16)
-
-
-@triton.jit
-def _int_codes(b_y, QMAX: tl.constexpr):
-    """Clamp to ``[0, QMAX]`` and round half to even (``|y| < 2**22``)."""
-    b_y = tl.minimum(tl.maximum(b_y, 0.0, propagate_nan=tl.PropagateNan.ALL), QMAX,
-                     propagate_nan=tl.PropagateNan.ALL)
-    return (b_y + 12582912.0) - 12582912.0
+from .qmath import _fp16_params, _int_codes
 
 
 @triton.jit
@@ -147,17 +130,26 @@ from workbench.quant import Scheme  # noqa: E402
 from workbench.quant import blocks as qblocks  # noqa: E402
 
 from .. import common  # noqa: E402
+from .config import Launch  # noqa: E402
+from .groups import groups_kernel  # noqa: E402
 from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND  # noqa: E402
+from .qmath import block_shift  # noqa: E402
+from .token import token_kernel  # noqa: E402
 
-TOKENS_PER_PROGRAM = 16
+TOKENS_PER_PROGRAM = 16  # the generic kernel's
 
 
-# the kernel's MODE for one kind (K or V) of a scheme, by storage family: the families whose scales are computed on
-# write; a new one adds its entry (docs/quant_families.md)
+# the generic kernel's MODE for one kind (K or V) of a scheme, by storage family: the families whose scales are
+# computed on write; a new one adds its entry (docs/quant_families.md)
 WRITE_MODES = {
     "token": lambda scheme, kind: 1 if scheme.symmetric else 2,
     "groups": lambda scheme, kind: 4 if kind == "k" and scheme.write_group > 1 else 3,  # per-channel keys: one group
 }
+
+
+# each family's own kernel: ``(kernel, tokens a program, constexprs)`` for one kind, or None where its shape is not
+# one the family's kernel takes (the generic kernel then writes it)
+FAMILY_KERNELS = {"token": token_kernel, "groups": groups_kernel}
 
 
 def _mode(scheme: Scheme, kind: str) -> int:
@@ -192,40 +184,60 @@ def check_group_slots(scheme: Scheme, slot_mapping: torch.Tensor, block_size: in
                          f"from a multiple of {g} for {scheme.name}'s per-channel keys, got {s[i].tolist()}")
 
 
+def dynamic_launches(key, value, k_cache, v_cache, layout: Layout, slot_mapping, scheme: Scheme, block_size: int,
+                     num_blocks: int, counter: torch.Tensor, tokens_per_program: int | None = None,
+                     num_warps: int | None = None, generic: bool = False) -> list[Launch]:
+    """The launches that quantize ``key``/``value`` ``[T, H, D]`` with scales computed now and write codes and
+    scales (checked already by ``write_kv``), counting non-finite inputs into ``counter`` (int32 ``[1]``): the
+    family's kernel (:data:`FAMILY_KERNELS`) where it takes the shape, else (or ``generic``) the generic one."""
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0 or num_heads == 0:
+        return []
+    out = []
+    for kind, src, cache in (("k", key, k_cache), ("v", value, v_cache)):
+        a = addressing(cache, layout, kind)
+        sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
+        item = sc.dtype.itemsize
+        s_tg, s_h, _ = sc.strides
+        args = (src, cache, slot_mapping, counter, num_tokens, block_size, num_blocks * block_size,
+                src.stride(0), src.stride(1), a.s_blk, a.s_tok, a.s_head, a.s_dgrp,
+                cache.stride(0) * cache.element_size() // item, sc.offset // item, s_tg, s_h, sc.count)
+        family = None if generic else FAMILY_KERNELS.get(scheme.family)
+        made = family(scheme, kind, head_dim, sc, tokens_per_program, num_warps) if family else None
+        kernel, bt, consts = made or _generic_kernel(scheme, kind, head_dim, sc, tokens_per_program, num_warps)
+        consts.update(S_D=a.s_d, X=a.x)
+        if made:
+            consts["SHIFT"] = block_shift(block_size)
+        out.append(Launch(kernel, (triton.cdiv(num_tokens, bt), num_heads), args, consts))
+    return out
+
+
+def _generic_kernel(scheme: Scheme, kind: str, head_dim: int, sc, tokens_per_program, num_warps):
+    fmt = scheme.format
+    mant, emin = FP8_GRID.get(fmt.storage, (0, 0))
+    mode = _mode(scheme, kind)
+    bt = scheme.group if mode == 4 else (tokens_per_program or TOKENS_PER_PROGRAM)
+    consts = dict(MODE=mode, QUANT=QUANT_FP8 if fmt.codes == "fp8" else QUANT_INT8, QMIN=fmt.qmin, QMAX=fmt.qmax,
+                  MANT=mant, EMIN=emin, SOFT=SOFT_ROUND, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+                  DC=scheme.code_dim(head_dim), BITS=scheme.bits, DG=sc.channels_per_group if mode == 3 else 1,
+                  SC_DTYPE=common.SCALE_DTYPES[sc.dtype], BLOCK_T=bt, num_warps=num_warps or 4)
+    return _write_dynamic_kernel, bt, consts
+
+
 def write_dynamic(key, value, k_cache, v_cache, layout: Layout, slot_mapping, scheme: Scheme, block_size: int,
                   num_blocks: int, nonfinite: torch.Tensor | None = None, validate: bool = True,
                   tokens_per_program: int | None = None, num_warps: int | None = None) -> None:
     """Quantize ``key``/``value`` ``[T, H, D]`` with scales computed now and write codes and scales (checked
     already by ``write_kv``). Non-finite inputs are counted into ``nonfinite`` (int32 ``[1]``); without one,
     a validated call warns when it saw any."""
-    num_tokens, num_heads, head_dim = key.shape
-    if num_tokens == 0 or num_heads == 0:
-        return
     counter = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=k_cache.device)
-    fmt = scheme.format
-    mant, emin = FP8_GRID.get(fmt.storage, (0, 0))
-    dc = qblocks.code_dim(scheme, head_dim)
-    for kind, src, cache in (("k", key, k_cache), ("v", value, v_cache)):
-        mode = _mode(scheme, kind)
-        a = addressing(cache, layout, kind)
-        sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
-        item = sc.dtype.itemsize
-        s_tg, s_h, _ = sc.strides
-        bt = scheme.group if mode == 4 else (tokens_per_program or TOKENS_PER_PROGRAM)
-        grid = (triton.cdiv(num_tokens, bt), num_heads)
-        _write_dynamic_kernel[grid](
-            src, cache, slot_mapping, counter, num_tokens, block_size, num_blocks * block_size,
-            src.stride(0), src.stride(1), a.s_blk, a.s_tok, a.s_head, a.s_dgrp,
-            cache.stride(0) * cache.element_size() // item, sc.offset // item, s_tg, s_h, sc.count,
-            S_D=a.s_d, X=a.x, MODE=mode,
-            QUANT=QUANT_FP8 if fmt.codes == "fp8" else QUANT_INT8, QMIN=fmt.qmin, QMAX=fmt.qmax, MANT=mant, EMIN=emin,
-            SOFT=SOFT_ROUND, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DC=dc, BITS=scheme.bits,
-            DG=sc.channels_per_group if mode == 3 else 1, SC_DTYPE=common.SCALE_DTYPES[sc.dtype], BLOCK_T=bt,
-            num_warps=num_warps or 4,
-        )
-    if nonfinite is None and validate and not (k_cache.is_cuda and torch.cuda.is_current_stream_capturing()):
+    launches = dynamic_launches(key, value, k_cache, v_cache, layout, slot_mapping, scheme, block_size, num_blocks,
+                                counter, tokens_per_program, num_warps)
+    for launch in launches:
+        launch()
+    if launches and nonfinite is None and validate and not (k_cache.is_cuda and
+                                                             torch.cuda.is_current_stream_capturing()):
         n = int(counter)
         if n:
             warnings.warn(f"write_kv ({scheme.name}): {n} NaN/Inf values in key/value were written; their rows hold "
                           f"NaN scales. Pass nonfinite= to count them without this warning.", stacklevel=3)
-

@@ -24,10 +24,15 @@ How the codes are computed (``quant_math``):
 - ``"exact"``: IEEE division (``div_rn``), then rounding (half to even) onto the fp8 grid in fp32
   arithmetic before an exact cast, so the codes do not depend on the converter (the
   interpreter's fp32 -> fp8 cast rounds ties up and drops carries into the exponent: the midpoint
-  cases of ``tests/test_write_copy.py``). Some 30 instructions an element: the fp8 write is compute-bound on the H200.
+  cases of ``tests/test_write_copy.py``).
 - ``"cast"``: IEEE division, then the converter rounds. On the GPU that is one
-  ``cvt.rn.satfinite`` (round half to even, saturating), so the codes equal ``"exact"``'s; under
-  the interpreter the software rounding is kept, because its converter is not exact.
+  ``cvt.rn.satfinite`` (round half to even, saturating: no clamp before it), so the codes equal
+  ``"exact"``'s; under the interpreter the software rounding is kept, because its converter is not exact.
+
+For an fp16 source ``"exact"`` and ``"cast"`` divide in three FMAs from the program's ``1 / scale``
+(``qmath._div_rcp``: IEEE's quotient, ``-0`` kept for fp8), not an IEEE division an element; the reciprocal is
+capped at ``2**100`` (``|x| <= 65504`` then keeps every product finite, and ``x / scale`` past ``2**76``
+saturates either way). Scales must be finite and > 0 (the cache checks).
 - ``"rcp"``: ``x * (1 / scale)`` with the reciprocal computed once per program, then the converter.
   The product can differ from ``x / scale`` in the last fp32 bit, so a code can differ from
   torch's by one where ``x / scale`` lies within an fp32 ulp of a midpoint between two codes
@@ -51,6 +56,7 @@ import triton.language as tl
 from workbench.backend import is_interpreted
 
 from .. import common
+from .qmath import _div_rcp, _div_rcp_signed
 
 FP8_DTYPES = common.FP8_DTYPES
 SOURCE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what K/V may arrive in
@@ -70,7 +76,8 @@ def _round_to_grid(b_f, MANT: tl.constexpr, EMIN: tl.constexpr):
     b_ulp = tl.maximum(b_e, EMIN) - MANT  # log2 of the target format's spacing at |b_f|
     b_c = (((b_ulp + 23 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)  # 1.5 * 2**(ulp + 23)
     b_r = (b_a + b_c) - b_c  # the add rounds |b_f| to a multiple of 2**ulp, ties to even
-    b_r = tl.where(b_f < 0, -b_r, b_r)  # keeps -0.0
+    b_r = (b_r.to(tl.int32, bitcast=True) | (b_f.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32,
+                                                                                                bitcast=True)  # -0.0 too
     return tl.where(b_e > 100, b_f, b_r)  # huge, inf, NaN: left to the cast (b_c would overflow)
 
 
@@ -88,10 +95,18 @@ def _quantize(
     else:
         if QMATH == 2:
             b_f = b_x.to(tl.float32) * b_scale  # one multiply; may differ from x / scale in the last bit
+        elif b_x.dtype == tl.float16:  # IEEE's quotient in three FMAs from the program's 1 / scale (qmath._div_rcp)
+            b_r = tl.math.div_rn(tl.full(b_scale.shape, 1.0, tl.float32), b_scale)
+            b_r = tl.minimum(b_r, 2.0**100)  # |x| <= 65504 keeps x * r finite; x / scale > 2**76 saturates anyway
+            if QUANT == 1:  # the sign of a zero is in an fp8 code
+                b_f = _div_rcp_signed(b_x.to(tl.float32), b_scale, b_r)
+            else:
+                b_f = _div_rcp(b_x.to(tl.float32), b_scale, b_r)
         else:
             b_f = tl.math.div_rn(b_x.to(tl.float32), b_scale)  # IEEE division, as torch does
-        b_f = tl.maximum(b_f, QMIN, propagate_nan=tl.PropagateNan.ALL)
-        b_f = tl.minimum(b_f, QMAX, propagate_nan=tl.PropagateNan.ALL)
+        if QUANT == 2 or QMATH == 0 or SOFT:  # the GPU's fp8 convert saturates (cvt.rn.satfinite): no clamp
+            b_f = tl.maximum(b_f, QMIN, propagate_nan=tl.PropagateNan.ALL)
+            b_f = tl.minimum(b_f, QMAX, propagate_nan=tl.PropagateNan.ALL)
         if QUANT == 2:
             b_f = (b_f + 12582912.0) - 12582912.0  # round half to even (|b_f| <= 128 here)
         elif QMATH == 0 or SOFT:

@@ -26,5 +26,6 @@ BENCHMARKS = {
                      "selector (--smoke: tiny CPU check)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
     "anatomy": "no GPU needed: each decode kernel compiled for sm_90a; registers, spills and its main loop's SASS per "
-               "stored byte against the issue budget (what limits a scheme that is not at copy bandwidth)",
+               "stored byte against the issue budget (what limits a scheme that is not at copy bandwidth); "
+               "--kernel write: the quantize-on-write kernels, their programs' SASS per byte moved",
 }

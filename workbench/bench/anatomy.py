@@ -17,6 +17,13 @@ longest backward branch that holds the tile's MMAs) by instruction class. Then
   copy rate); ``issue_fraction = warp_instr_per_byte / issue_budget`` above ~0.7 means the loop, not memory,
   sets the pace (the schedulers also need slack for the loads' latency).
 
+``--kernel write``: the quantize-on-write of ``bench quant_decode``'s write section (a 32k-token fp16 chunk, 8 kv
+heads of 128, into 16-token NHD pages; ``write_kv``'s launches, from ``kernels.write.write_launches``). A write
+kernel has no main loop (one program per tile of tokens): :func:`hot_path` counts the instructions a program runs
+when no rare path is taken (not the slow paths' calls, not the rare branch that counts non-finite inputs), and a
+row sums them over every launch's programs and warps against the bytes the bench counts (the fp16 source read,
+codes, scales and zero points written): the same ``warp_instr_per_byte`` and ``issue_fraction``.
+
 ``python -m workbench bench anatomy`` prints one row per scheme and workload; ``--out`` writes them. Compiler
 versions differ (this machine's Triton against the GPU's): the counts are the design's shape, the GPU run is the
 measure.
@@ -34,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from workbench.quant.names import ANATOMY_SCHEMES as SCHEMES
+from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 
 H200 = dict(sms=132, schedulers=4, clock_ghz=1.98, copy_tbps=4.0)  # copy rate: bench decode's measured ~4.0 TB/s
 CLASSES = {  # SASS opcode -> what it spends issue slots on
@@ -42,7 +50,7 @@ CLASSES = {  # SASS opcode -> what it spends issue slots on
     "shared": ("LDS", "STS", "LDSM", "STSM", "BAR", "SYNCS"),
     "convert": ("F2F", "I2F", "F2I", "F2FP", "I2FP", "F2IP"),
     "int": ("LOP3", "PRMT", "SHF", "IADD3", "IMAD", "LEA", "ISETP", "SEL", "IABS", "IMNMX", "BMSK", "SGXT", "LOP"),
-    "fp": ("HFMA2", "HADD2", "HMUL2", "FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "HMNMX2"),
+    "fp": ("HFMA2", "HADD2", "HMUL2", "FFMA", "FMUL", "FADD", "FMNMX", "FSETP", "FSEL", "HMNMX2", "VHMNMX", "HSETP2"),
     "special": ("MUFU",),
     "move": ("MOV", "SHFL", "S2R", "S2UR", "R2UR", "UMOV", "ULDC", "CS2R", "R2P", "P2R"),
     "branch": ("BRA", "BSYNC", "BSSY", "WARPSYNC", "EXIT", "NOP", "YIELD"),
@@ -146,6 +154,60 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
     return [(int(m.group(1), 16), m.group(3), m.group(4).strip()) for m in _LINE.finditer(sass)]
 
 
+_RARE = ("ATOM", "ATOMG", "RED", "REDG")  # a rare path's mark: a count of non-finite inputs
+_SLOW_CALL = 16  # a predicated branch over a CALL in at most this many instructions skips a slow path's call
+
+
+def hot_path(sass: str) -> list[tuple[int, str, str]]:
+    """The instructions a program of a loop-less kernel runs when no rare path is taken: those reachable from the
+    entry through the branches, not following a CALL (IEEE division's and 64-bit division's slow paths), nor the
+    side of a predicated forward branch that holds an atomic before the two sides meet (a rare path's count of
+    non-finite inputs), nor the fall-through of one that skips a CALL within a few instructions (a slow path).
+    Both sides of other branches are counted: an upper bound where a kernel branches on its data."""
+    lines = [(int(m.group(1), 16), bool(m.group(2)), m.group(3), m.group(4).strip()) for m in _LINE.finditer(sass)]
+    index = {a: i for i, (a, _, _, _) in enumerate(lines)}
+    base = [op.split(".")[0] for _, _, op, _ in lines]
+
+    def target(i):
+        m = re.search(r"0x([0-9a-f]+)", lines[i][3])
+        return index.get(int(m.group(1), 16)) if m else None
+
+    def region(lo, hi):  # instructions lo..hi-1, or from lo to the next unconditional BRA/EXIT when hi is None
+        out = []
+        for j in range(lo, len(lines) if hi is None else hi):
+            out.append(base[j])
+            if hi is None and base[j] in ("BRA", "EXIT", "RET") and not lines[j][1]:
+                break
+        return out
+
+    seen, todo = set(), [0]
+    while todo:
+        i = todo.pop()
+        if i is None or i in seen or i >= len(lines):
+            continue
+        seen.add(i)
+        a, pred, op, _ = lines[i]
+        if base[i] in ("EXIT", "RET"):
+            todo += [i + 1] if pred else []
+        elif base[i] == "BRA":
+            t = target(i)
+            if not pred:
+                todo.append(t)
+                continue
+            if t is not None and t > i:
+                fall, taken = region(i + 1, t), region(t, None)
+                if any(o in _RARE for o in fall) or (len(fall) <= _SLOW_CALL and "CALL" in fall):
+                    todo.append(t)
+                    continue
+                if any(o in _RARE for o in taken):
+                    todo.append(i + 1)
+                    continue
+            todo += [t, i + 1]
+        else:
+            todo.append(i + 1)
+    return [(lines[i][0], lines[i][2], lines[i][3]) for i in sorted(seen)]
+
+
 def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     """The instructions of the main loop: of the backward branches, the one whose body holds the most MMAs (then the
     longest). Empty when there is none."""
@@ -216,10 +278,76 @@ def anatomy(scheme_name: str, workload: str = "W1", arch: int = 90, gpu: dict = 
     }
 
 
+def write_launches(scheme_name: str, tokens: int = 32768, heads: int = 8, head_dim: int = 128, **launch):
+    """``(scheme, launches, nbytes)``: the launches ``bench quant_decode``'s write section makes for ``scheme_name``
+    (a ``tokens``-token fp16 chunk into 16-token NHD pages, all of it written; nothing launched) and the bytes it
+    counts for them (the source read, codes, scales and zero points written)."""
+    import torch
+
+    from workbench.bench.quant_decode import PAGE, bench_scheme
+    from workbench.kernels.write import write_launches as launches_of
+    from workbench.quant import blocks as qblocks
+
+    scheme = bench_scheme(scheme_name)
+    nb = -(-tokens // PAGE)
+    caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, PAGE, heads, head_dim) for kind in "kv"]
+    key = torch.empty(tokens, heads, head_dim, dtype=torch.float16)
+    slots = torch.arange(tokens)  # int64, as the bench's
+    kw = dict(launch)
+    if scheme.needs_static_scales:
+        sample = torch.ones(PAGE, heads, head_dim)
+        kw.update(k_scale=scheme.calibrate(sample), v_scale=scheme.calibrate(sample))
+    elif scheme.quantized:
+        kw.update(quant=scheme)
+    launches = launches_of(key, key, caches[0], caches[1], "nhd", slots, launch=False, **kw)
+    nbytes = 2 * key.numel() * key.element_size() + scheme.bytes_per_token(heads, head_dim) * tokens
+    return scheme, launches, int(nbytes)
+
+
+def write_anatomy(scheme_name: str, tokens: int = 32768, arch: int = 90, gpu: dict = H200, **launch) -> dict:
+    """One row for a write (``bench quant_decode``'s write section, compiled): every launch's program compiled,
+    its hot path (:func:`hot_path`: a write kernel has no main loop) times its warps and programs, over the bytes
+    the write moves; the same columns as :func:`anatomy` (``loop_*``: the hot path, summed over the launches)."""
+    import math
+
+    scheme, launches, nbytes = write_launches(scheme_name, tokens, **launch)
+    warp_instr, counts, per = 0, collections.Counter(), []
+    for ln in launches:
+        compiled = compile_call(ln.kernel, ln.args, ln.consts, arch)
+        sass, res = sass_of(compiled.asm["cubin"])
+        body, r = hot_path(sass), resources(res)
+        warps, programs = ln.consts.get("num_warps", 4), math.prod(ln.grid)
+        warp_instr += len(body) * warps * programs
+        counts.update(classify(body))
+        per.append(dict(kernel=ln.kernel.__name__, programs=programs, num_warps=warps, registers=r["reg"],
+                        spill_bytes=r["local"], shared_bytes=(r["shared"] or 0) + compiled.metadata.shared,
+                        instructions=len(body)))
+    budget = gpu["sms"] * gpu["schedulers"] * gpu["clock_ghz"] * 1e9 / (gpu["copy_tbps"] * 1e12)
+    per_byte = warp_instr / nbytes
+    regs = max(p["registers"] for p in per)
+    warps = max(p["num_warps"] for p in per)
+    return {
+        "scheme": scheme_name, "workload": f"write-{tokens // 1024}k", "kernel": "+".join(p["kernel"] for p in per),
+        "arch": f"sm_{arch}", "counted": "hot path", "launches": per,
+        "num_warps": warps, "registers": regs, "spill_bytes": max(p["spill_bytes"] or 0 for p in per),
+        "shared_bytes": max(p["shared_bytes"] for p in per),
+        "programs_per_sm_by_registers": 65536 // max(1, regs * 32 * warps),
+        "loop_instructions": sum(p["instructions"] for p in per),
+        **{f"loop_{k}": v for k, v in sorted(counts.items())},
+        "bytes": nbytes, "bytes_per_tile": round(nbytes / sum(p["programs"] for p in per), 1),
+        "warp_instr_per_byte": round(per_byte, 4), "issue_budget": round(budget, 4),
+        "issue_fraction": round(per_byte / budget, 3),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m workbench bench anatomy", description=__doc__.split("\n")[0])
-    parser.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated scheme names")
+    parser.add_argument("--kernel", choices=("decode", "write"), default="decode",
+                        help="the decode plan's kernel (per workload), or the quantize-on-write of a 32k-token chunk")
+    parser.add_argument("--schemes", default=None,
+                        help=f"comma-separated scheme names (default: {','.join(SCHEMES)}; --kernel write: "
+                             f"{','.join(WRITE_SCHEMES)})")
     parser.add_argument("--workloads", default="W1", help="comma-separated workloads (W1..W5)")
     parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: sm_90a)")
     parser.add_argument("--planes", choices=("on", "off", "both"), default="both",
@@ -234,8 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     if rerun is not None:
         return rerun
     rows = []
-    for w in args.workloads.split(","):
-        for name in args.schemes.split(","):
+    if args.kernel == "write":
+        for name in (args.schemes or ",".join(WRITE_SCHEMES)).split(","):
+            row = write_anatomy(name, arch=args.arch)
+            rows.append(row)
+            print(f"write {name:18s} {row['kernel']:40s} warps {row['num_warps']} regs {row['registers']} spill "
+                  f"{row['spill_bytes']} {row['loop_instructions']:5d} instr ({row.get('loop_int', 0)} int, "
+                  f"{row.get('loop_fp', 0)} fp, {row.get('loop_convert', 0)} cvt) {row['warp_instr_per_byte']} "
+                  f"warp-instr/B = {row['issue_fraction']} of the issue budget", flush=True)
+    for w in args.workloads.split(",") if args.kernel == "decode" else ():
+        for name in (args.schemes or ",".join(SCHEMES)).split(","):
             variants = {"on": [True], "off": [False], "both": [True, False]}[args.planes]
             seen = set()
             for planes in variants:
