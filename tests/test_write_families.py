@@ -105,6 +105,23 @@ def test_family_kernel_matches_the_reference_at_128_dims(name, layout):
     assert_matches_reference(scheme, layout, bs, H, D, nb, slots, caches, k, v)
 
 
+@pytest.mark.parametrize("name", ["int4/kivi", "int2/kivi"])
+@pytest.mark.parametrize("tok", [0, 1])
+def test_key_groups_kernel_takes_its_tokens_on_either_axis(name, tok, monkeypatch):
+    """The KIVI key kernel's token axis follows the Triton version (groups.TOKEN_AXIS: 1 under the GPU's 3.6, 0 under
+    3.9 here): both tiles write the reference's codes."""
+    from workbench.kernels.write import groups
+
+    monkeypatch.setattr(groups, "TOKEN_AXIS", tok)
+    scheme = scheme_for(name)
+    g = torch.Generator().manual_seed(tok)
+    H, D, bs, nb = 2, 128, 32, 3
+    slots = group_slots(4, 16, bs, nb, g)
+    k, v = awkward(g, slots.numel(), H, D), awkward(g, slots.numel(), H, D)
+    caches = written(scheme, "nhd", bs, H, D, nb, slots, k, v)
+    assert_matches_reference(scheme, "nhd", bs, H, D, nb, slots, caches, k, v)
+
+
 @pytest.mark.parametrize("name", ["fp8_e4m3/token", "int8_asym/token", "int4/token", "int4/kivi"])
 def test_family_kernel_matches_the_reference_on_an_fp32_source(name):
     """fp32 rows beyond fp16, tiny rows (scales below 2**-80: the rare path divides) and -0.0."""

@@ -12,8 +12,9 @@ one add, pack, store. No clamp for an fp16 source whose scales are normal fp16 (
 - :func:`_write_groups_kernel`: groups of ``DG`` channels per token (values; keys with ``key_mode="token"``), where
   ``DG`` divides a plane: a plane is ``[BLOCK_T, NGI, DG]`` (``NGI = DC / DG`` groups), its group ``k * NGI + g``.
 - :func:`_write_key_groups_kernel`: keys per channel over groups of ``G`` consecutive slots (KIVI), ``NKG`` groups a
-  program; a plane is ``[G, NKG * DC]`` with a group's tokens in one thread (the slow axis) and ``VEC`` channels a
-  thread, so the min/max over tokens is in registers and a channel's scale is computed once for its ``G`` codes.
+  program; a plane is ``[G, NKG, DC]`` (or ``[NKG, G, DC]``: :data:`TOKEN_AXIS`) with a group's tokens in one
+  thread and ``VEC`` channels a thread, so the min/max over tokens is in registers and a channel's scale is
+  computed once for its ``G`` codes.
 
 The rare path (a NaN/Inf in the program, an overflow, a subnormal fp16 scale) recomputes the codes with IEEE
 division and clamps, the generic kernel's arithmetic (``kernels/write/dynamic.py``), and counts the NaN/Inf into
@@ -153,11 +154,11 @@ def _write_groups_kernel(
 
 
 @triton.jit
-def _key_plane(b_xs, k: tl.constexpr, b_q, b_bad, p_sc, m_sc, z_off, BITS: tl.constexpr, QMAX: tl.constexpr,
-               RQ: tl.constexpr):
-    """Key plane ``k`` (``[G, NC]``): its per-channel scales and zero points stored at ``p_sc``, its bits into the
-    packed words ``b_q``, its rare groups into ``b_bad``."""
-    b_w, b_s, b_z, b_g, b_nf = _plane(b_xs, 0, True, QMAX, RQ)
+def _key_plane(b_xs, k: tl.constexpr, b_q, b_bad, p_sc, m_sc, z_off, TOK: tl.constexpr, BITS: tl.constexpr,
+               QMAX: tl.constexpr, RQ: tl.constexpr):
+    """Key plane ``k`` (tokens on axis ``TOK``): its per-channel scales and zero points stored at ``p_sc``, its bits
+    into the packed words ``b_q``, its rare groups into ``b_bad``."""
+    b_w, b_s, b_z, b_g, b_nf = _plane(b_xs, TOK, True, QMAX, RQ)
     tl.store(p_sc, b_s, mask=m_sc)
     tl.store(p_sc + z_off, b_z, mask=m_sc)
     return b_q + (b_w << (k * BITS)), b_bad | b_g
@@ -173,48 +174,56 @@ def _write_key_groups_kernel(
     G: tl.constexpr,  # tokens a key group (consecutive slots from a multiple of G: the wrapper checks)
     NKG: tl.constexpr,  # key groups per program
     VEC: tl.constexpr,  # channels a thread loads at once (fewer: more tokens a thread, one scale for more codes)
+    TOK: tl.constexpr,  # the tile's token axis, 0 ([G, NKG, DC]) or 1 ([NKG, G, DC]): the one Triton keeps in a thread
     SHIFT: tl.constexpr,
 ):
-    # a plane is [G, NKG * DC]: column c is byte c % DC of key group c // DC; one axis for both (a 3-D tile's two
-    # unit-stride axes are ordered one way by Triton 3.6 and the other by 3.9), the tokens the slow axis
     P: tl.constexpr = 8 // BITS
-    NC: tl.constexpr = NKG * DC
     i_p = tl.program_id(0)
     i_h = tl.program_id(1)
-    o_c = tl.arange(0, NC)
-    o_j = tl.max_contiguous(tl.multiple_of(o_c % DC, VEC), VEC)  # [NC] byte
-    o_n = i_p.to(tl.int64) * NKG + o_c // DC  # [NC] key group
-    o_t = o_n[None, :] * G + tl.arange(0, G)[:, None]  # [G, NC] token
-    p_x = src_ptr + o_t * s_st + i_h.to(tl.int64) * s_sh + o_j[None, :]  # plane 0
-    m_x = o_t < num_tokens
+    o_n = i_p.to(tl.int64) * NKG + tl.arange(0, NKG)  # [NKG] key groups
+    o_g = tl.arange(0, G)
     # a group is G consecutive slots from a multiple of G (the wrapper checks), or G padding slots: its first
     # slot says where its codes and scales go
-    m_g, i_blk, i_off0 = _slot_rows(slot_ptr, o_n * G, num_tokens, block_size, num_slots, SHIFT)  # [NC]
-    # one value for a group's DC columns: said, so the stores keep VEC bytes a thread
-    m_g = tl.max_constancy(m_g, VEC)
-    i_blk = tl.max_constancy(i_blk, VEC)
-    i_off0 = tl.max_constancy(i_off0, VEC)
-    m_w = m_g[None, :] & m_x  # [G, NC]
+    m_g, i_blk, i_off0 = _slot_rows(slot_ptr, o_n * G, num_tokens, block_size, num_slots, SHIFT)  # [NKG]
+    o_sg = i_blk * sc_blk + (i_off0 // G) * sc_tg  # [NKG] the group's scale row
+    if TOK == 0:
+        o_t = o_g[:, None] + o_n[None, :] * G  # [G, NKG] tokens
+        i_row = i_blk[None, :] * s_blk + (i_off0[None, :] + o_g[:, None]) * s_tok
+        m_g2 = m_g[None, :]
+        o_sg2 = o_sg[None, :]
+    else:
+        o_t = o_n[:, None] * G + o_g[None, :]  # [NKG, G]
+        i_row = i_blk[:, None] * s_blk + (i_off0[:, None] + o_g[None, :]) * s_tok
+        m_g2 = m_g[:, None]
+        o_sg2 = o_sg[:, None]
+    o_j = tl.max_contiguous(tl.multiple_of(tl.arange(0, DC), VEC), VEC)[None, None, :]  # [1, 1, DC] byte
+    p_x = src_ptr + (o_t * s_st + i_h.to(tl.int64) * s_sh)[:, :, None] + o_j  # plane 0
+    m_x = (o_t < num_tokens)[:, :, None]
+    m_w = m_g2[:, :, None] & m_x
     b_x0 = tl.load(p_x, mask=m_x, other=0.0)  # every plane's load first, as in _write_groups_kernel
     b_x1 = tl.load(p_x + DC, mask=m_x, other=0.0)
     if P == 4:
         b_x2 = tl.load(p_x + 2 * DC, mask=m_x, other=0.0)
         b_x3 = tl.load(p_x + 3 * DC, mask=m_x, other=0.0)
     p_sc = (cache_ptr.to(tl.pointer_type(tl.float16)) + sc_off + i_h.to(tl.int64) * sc_h
-            + (i_blk * sc_blk + (i_off0 // G) * sc_tg + o_j)[None, :])  # [1, NC]: channel k * DC + j of plane k
-    m_sc = m_g[None, :]
-    b_q = tl.zeros([G, NC], tl.int32)
-    b_bad = tl.zeros([1, NC], tl.int32)
-    b_q, b_bad = _key_plane(b_x0, 0, b_q, b_bad, p_sc, m_sc, z_off, BITS, QMAX, RQ)
-    b_q, b_bad = _key_plane(b_x1, 1, b_q, b_bad, p_sc + DC, m_sc, z_off, BITS, QMAX, RQ)
+            + o_sg2[:, :, None] + o_j)  # [1, NKG, DC] or [NKG, 1, DC]: channel k * DC + j of plane k
+    m_sc = m_g2[:, :, None]
+    b_q = tl.zeros(b_x0.shape, tl.int32)
+    b_bad = tl.zeros(m_sc.shape, tl.int32)
+    b_q, b_bad = _key_plane(b_x0, 0, b_q, b_bad, p_sc, m_sc, z_off, TOK, BITS, QMAX, RQ)
+    b_q, b_bad = _key_plane(b_x1, 1, b_q, b_bad, p_sc + DC, m_sc, z_off, TOK, BITS, QMAX, RQ)
     if P == 4:
-        b_q, b_bad = _key_plane(b_x2, 2, b_q, b_bad, p_sc + 2 * DC, m_sc, z_off, BITS, QMAX, RQ)
-        b_q, b_bad = _key_plane(b_x3, 3, b_q, b_bad, p_sc + 3 * DC, m_sc, z_off, BITS, QMAX, RQ)
+        b_q, b_bad = _key_plane(b_x2, 2, b_q, b_bad, p_sc + 2 * DC, m_sc, z_off, TOK, BITS, QMAX, RQ)
+        b_q, b_bad = _key_plane(b_x3, 3, b_q, b_bad, p_sc + 3 * DC, m_sc, z_off, TOK, BITS, QMAX, RQ)
     if tl.sum(b_bad) > 0:  # the rare path, as in _write_groups_kernel
-        b_q = _rare_words(p_x, m_x, m_w, bad_ptr, b_q, 0, P, DC, BITS, QMAX, RQ)
-    p_c = (cache_ptr + (i_blk[None, :] * s_blk + (i_off0[None, :] + tl.arange(0, G)[:, None]) * s_tok
-                        + i_h.to(tl.int64) * s_head) + _columns(o_j, s_dgrp, S_D, X, DC)[None, :])
+        b_q = _rare_words(p_x, m_x, m_w, bad_ptr, b_q, TOK, P, DC, BITS, QMAX, RQ)
+    p_c = cache_ptr + (i_row + i_h.to(tl.int64) * s_head)[:, :, None] + _columns(o_j, s_dgrp, S_D, X, DC)
     tl.store(p_c, b_q.to(tl.uint8), mask=m_w)
+
+
+# A 3-D tile's two axes of unit contiguity (tokens, key groups): Triton 3.9 gives lanes to the later one, 3.6 to the
+# earlier one. The token axis goes where the lanes do not, so a group's tokens stay in one thread.
+TOKEN_AXIS = 0 if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 9) else 1
 
 
 def groups_kernel(scheme, kind: str, head_dim: int, sc, tokens_per_program: int | None, num_warps: int | None):
@@ -235,5 +244,5 @@ def groups_kernel(scheme, kind: str, head_dim: int, sc, tokens_per_program: int 
         return _write_groups_kernel, bt, dict(base, NGI=dc // dg, DG=dg, BLOCK_T=bt)
     g = sc.tokens_per_group  # per channel over g consecutive tokens
     vec = max(1, min(8, 128 // (g * per), dc))  # <= 128 elements a thread: g tokens x per planes x vec bytes
-    nkg = max(1, 32 * warps * vec // dc)  # the lanes and warps across the columns, the tokens in a thread
-    return _write_key_groups_kernel, nkg * g, dict(base, G=g, NKG=nkg, VEC=vec)
+    nkg = max(1, 32 * warps * vec // dc)  # the lanes and warps across groups and bytes, the tokens in a thread
+    return _write_key_groups_kernel, nkg * g, dict(base, G=g, NKG=nkg, VEC=vec, TOK=TOKEN_AXIS)
