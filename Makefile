@@ -18,11 +18,14 @@ report:
 # holds another (given `tests/browser ... tests`, it collects the whole folder in its own order, the browser test
 # after the notebooks), so the rest is listed file by file (tests/test_packaging.py checks it). Measured slower on
 # 2 cores: three workers, OMP_NUM_THREADS=1, and the browser test split in two halves (two browsers at once).
-LONG_FIRST := tests/browser tests/test_conformance.py tests/test_sweeps_ray.py tests/test_conformance_isolation.py \
+LONG_FIRST := tests/browser tests/test_conformance.py tests/test_conformance_isolation.py tests/test_sweeps_ray.py \
 	notebooks/09_write_your_own_kernel.ipynb tests/test_quant_kernels.py tests/test_decode_plan.py tests/test_model.py \
-	tests/test_decode.py tests/test_compaction.py tests/test_quest.py tests/test_model_quality.py \
-	tests/test_shared_prefix.py notebooks/06_real_model.ipynb notebooks/08_shared_prefix.ipynb \
-	notebooks/04_fragmentation_and_compaction.ipynb
+	tests/test_decode.py tests/test_compaction.py tests/test_quest.py notebooks/06_real_model.ipynb \
+	tests/test_model_quality.py tests/test_shared_prefix.py notebooks/08_shared_prefix.ipynb \
+	notebooks/04_fragmentation_and_compaction.ipynb notebooks/07_compression.ipynb tests/test_bench_cache_kernels.py \
+	tests/test_cache.py tests/test_write_copy.py tests/test_notebook_float_stability.py tests/test_bench_decode.py \
+	notebooks/05_prefetch_and_tiers.ipynb tests/test_tiers_sharing.py tests/test_kernel_validation.py \
+	tests/test_conformance_cli.py tests/test_allocator.py
 TEST_ORDER := $(LONG_FIRST) $(filter-out $(LONG_FIRST),$(sort $(wildcard notebooks/[0-9]*.ipynb tests/test_*.py)))
 # Chromium's apt install (a fresh machine: ~30-60 s) runs beside the Python setup, not after it.
 test:
