@@ -9,20 +9,22 @@ function render({ model, el }) {
   // a narrowed domain) survives a redraw, so the page shows exactly what a fresh figure would.
   // One draw at a time: both calls are asynchronous, and a newPlot (a resize) started while a react was still
   // drawing left the page with parts of neither figure (its layout emptied, or an old axis's autorange kept).
+  // A view renders before JupyterLab attaches it (0 px wide: plotly would draw at its 700-px fallback, then again
+  // at the real width). Nothing is drawn while the view has no width; the ResizeObserver draws it once it has one.
   let drawing = Promise.resolve();
   const draw = (plot = Plotly.react) => {
     drawing = drawing.then(() => {
+      if (gd.clientWidth === 0) return;  // not attached (yet): drawn when the observer sees a width
       const fig = model.get("figure") || {};
       return plot(gd, fig.data || [], fig.layout || {}, config);
     }).catch((e) => setTimeout(() => { throw e; }));  // reported as the page's error; the next draw still runs
   };
   draw();
   model.on("change:figure", () => draw());
-  // A view renders before JupyterLab attaches it (0 px wide, so plotly falls back to 700 px); follow the
-  // output area's real width from then on, including sidebar toggles and window resizes. A fresh plot, not
+  // The output area's real width from then on, including sidebar toggles and window resizes. A fresh plot, not
   // Plots.resize: that one relayouts with autosize and drops the figure's own height from the layout.
   const observer = new ResizeObserver(() => {
-    if (gd.clientWidth > 0 && gd._fullLayout && Math.abs(gd._fullLayout.width - gd.clientWidth) > 1) {
+    if (gd.clientWidth > 0 && (!gd._fullLayout || Math.abs(gd._fullLayout.width - gd.clientWidth) > 1)) {
       draw(Plotly.newPlot);
     }
   });
