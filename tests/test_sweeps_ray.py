@@ -127,10 +127,14 @@ def _journal(run) -> dict[str, dict]:
     return {k: {f: r[f] for f in CORE} for k, r in store.Journal(run.journal_path).records.items()}
 
 
-def test_gpu_points_are_refused_on_a_cluster_without_gpus(cluster, tmp_path):
+def test_gpu_points_are_refused_on_a_cluster_without_gpus(cluster, tmp_path, monkeypatch):
     """Refused before any task is sent, nothing written. No driver yet: ``run_ray`` connects to ``address``
-    itself, and closes only the connection it opened."""
-    sweeps.register(GPU_SWEEP)
+    itself, and closes only the connection it opened. The test's sweep is registered for this test only: a sweep
+    left in the registry would be one of every catalog test that follows in the same process."""
+    from workbench.sweeps import spec
+
+    sweeps.names()  # the catalog loaded first, so the removal below leaves it whole
+    monkeypatch.setitem(spec._SWEEPS, GPU_SWEEP.name, GPU_SWEEP)
     connected = ray.is_initialized()
     with pytest.raises(RuntimeError, match=r"need a GPU \(num_gpus=1\) and the Ray cluster at 127.0.0.1:\d+ has none"):
         sweeps.run(GPU_SWEEP, executor="ray", address=cluster.address, out=tmp_path, progress=False)
