@@ -7,6 +7,7 @@ what ``write_kv`` launches. The property beside the generic kernel is tests/test
 
 import pytest
 import torch
+from test_quant_kernels import assert_matches_reference
 from workbench.kernels import write_kv
 from workbench.kernels.reference import quant_code_distance, write_kv_ref
 from workbench.kernels.write import write_launches
@@ -58,29 +59,6 @@ def written(scheme, layout, block_size, H, D, nb, slots, k, v, **kw):
     caches = [qblocks.empty_cache(scheme, layout, kind, nb, block_size, H, D, DEV, fill=POISON) for kind in "kv"]
     write_kv(k.to(DEV), v.to(DEV), caches[0], caches[1], layout, slots.to(DEV), quant=scheme, **kw)
     return caches
-
-
-def assert_matches_reference(scheme, layout, block_size, H, D, nb, slots, caches, k, v):
-    for kind, x, cache in (("k", k, caches[0]), ("v", v, caches[1])):
-        want = scheme.quantize(x.cpu(), kind)
-        got = to_nhd(cache, layout, kind).reshape(nb * block_size, H, -1)[slots].cpu()
-        if got.dtype.is_floating_point:  # fp8: the bytes, so -0.0 and +0.0 differ
-            bad = (got.view(torch.uint8) != want.codes.view(torch.uint8)).nonzero()[:3].tolist()
-            assert torch.equal(got.view(torch.uint8), want.codes.view(torch.uint8)), f"{kind} codes differ at {bad}"
-        else:
-            assert torch.equal(got, want.codes), f"{kind} codes differ at {(got != want.codes).nonzero()[:3].tolist()}"
-        sc = qblocks.block_scales(scheme, kind, block_size, H, D)
-        scale, zero = qblocks.scale_views(qblocks.plane_of(cache), sc)
-        if sc.tokens_per_group == 1:
-            got_s = scale.reshape(nb * block_size, H, -1)[slots].cpu()
-            got_z = zero.reshape(nb * block_size, H, -1)[slots].cpu() if zero is not None else None
-        else:  # per key group: one row per group, in slot order
-            rows = slots[::scheme.group]
-            got_s = scale[rows // block_size, (rows % block_size) // scheme.group].cpu()
-            got_z = zero[rows // block_size, (rows % block_size) // scheme.group].cpu()
-        assert torch.equal(got_s.reshape(want.scale.shape), want.scale), f"{kind} scales differ"
-        if want.zero is not None:
-            assert torch.equal(got_z.reshape(want.zero.shape), want.zero), f"{kind} zero points differ"
 
 
 def kernels_of(scheme, layout, block_size, H, D, nb=2, T=16) -> list[str]:
