@@ -1,7 +1,9 @@
 """Block pool and block tables: where every token's K/V lives, who shares it, what can be reused.
 
-- :mod:`~workbench.allocator.pool`: physical pages carved into size classes, ref counts, the prefix
-  map (exact keys chained on entry ids) and eviction.
+- :mod:`~workbench.allocator.pool`: physical pages carved into size classes, ref counts and eviction;
+  the methods the manager needs (its unchecked forms and its undo), so nothing outside reads the pool's fields.
+- :mod:`~workbench.allocator.prefix_map`: the prefix map (exact keys chained on entry ids), mixed into the pool.
+- :mod:`~workbench.allocator.invariants`: the pool's invariants, asserted (tests call them after every step).
 - :mod:`~workbench.allocator.free_queue`: the free blocks' order (what is handed out, and evicted, first).
 - :mod:`~workbench.allocator.size_class`: one size class's descriptors and their read-only view.
 - :mod:`~workbench.allocator.moves`: what compaction needs (clone, take chosen blocks, move, release).

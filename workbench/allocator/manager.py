@@ -179,19 +179,16 @@ class BlockManager:
         hashable("extra_key", extra_key)
         bs = self.policy.choose(len(prompt), expected_len) if block_size is None else block_size
         pool = self.pool
-        c = pool._cls(bs)  # validates the policy's choice
-        hits = self._prefix_hits(prompt, bs, extra_key)
-        entries = [c.entry[b] for b in hits]
+        hits, entries = self._prefix_hits(prompt, bs, extra_key)  # validates the policy's choice
         need = -(-len(prompt) // bs) - len(hits)
-        hits_in_free = sum(1 for b in hits if b in c.free)
-        if need > pool._available(c) - hits_in_free:
-            raise OutOfBlocks(f"sequence {seq_id!r} needs {need} new blocks of {bs} tokens, "
-                              f"{pool._available(c) - hits_in_free} available")
+        available = pool.free_blocks(bs) - pool.count_free(bs, hits)  # free hits leave the queue: not allocatable
+        if need > available:
+            raise OutOfBlocks(f"sequence {seq_id!r} needs {need} new blocks of {bs} tokens, {available} available")
         # ---- nothing can fail below ----
         if self.prefix_caching:
             pool.record_lookups(len(hits), len(prompt) // bs - len(hits))
-        pool._incref(c, hits)
-        pool._touch(c, hits)
+        pool.incref_unchecked(bs, hits)
+        pool.touch_unchecked(bs, hits)
         s = _Seq(bs, table=hits + pool.allocate(bs, need), prompt_len=len(prompt), extra_key=extra_key)
         self._seqs[seq_id] = s
         first = len(hits) * bs
@@ -208,23 +205,12 @@ class BlockManager:
             raise ValueError("prompt must hold at least one token")
         hashable("extra_key", extra_key)
         bs = self.policy.choose(len(prompt), expected_len)
-        self.pool._cls(bs)  # validates the policy's choice
-        return bs, self._prefix_hits(prompt, bs, extra_key)
+        return bs, self._prefix_hits(prompt, bs, extra_key)[0]  # validates the policy's choice
 
-    def _prefix_hits(self, prompt: list[int], bs: int, extra_key) -> list[int]:
-        # Prefix hits: leading full blocks whose chained key is cached. A block holding the
-        # last prompt token is never a hit, so at least one token is computed (as engines do).
-        hits, entries = [], []
-        if self.prefix_caching:
-            c = self.pool._cls(bs)
-            for i in range((len(prompt) - 1) // bs):
-                bid = c.cached.get(self.pool.block_key(entries[-1] if entries else None, prompt[i * bs:(i + 1) * bs],
-                                                       extra_key))
-                if bid is None:
-                    break
-                hits.append(bid)
-                entries.append(c.entry[bid])
-        return hits
+    def _prefix_hits(self, prompt: list[int], bs: int, extra_key) -> tuple[list[int], list[int]]:
+        """Prefix hits and their entry ids: leading full blocks whose chained key is cached. A block holding the
+        last prompt token is never a hit, so at least one token is computed (as engines do)."""
+        return self.pool.cached_chain(bs, prompt, extra_key, end=len(prompt) - 1 if self.prefix_caching else 0)
 
     def append(self, seq_id, tokens: Sequence[int], *, publish: bool = True) -> Placement:
         """Append generated tokens; copy-on-write a shared, partly filled last block first."""
@@ -274,14 +260,14 @@ class BlockManager:
         hashable("child_id", child_id)
         if child_id in self._seqs:
             raise SequenceExists(f"sequence {child_id!r} already exists")
-        self.pool._incref(self.pool._cls(p.block_size), p.table)
+        self.pool.incref_unchecked(p.block_size, p.table)
         self._seqs[child_id] = p.copy()
 
     def free(self, seq_id, *, observe: bool = True) -> None:
         """Release the sequence; its blocks go back in reverse order, so shared prefixes are evicted last.
         ``observe=False``: the block-size policy does not learn from it (a sequence swapped out, not finished)."""
         s = self._get(seq_id)
-        self.pool._decref(self.pool._cls(s.block_size), reversed(s.table))
+        self.pool.decref_unchecked(s.block_size, reversed(s.table))
         if observe:
             self.policy.observe(len(s.tokens), s.prompt_len)
         del self._seqs[seq_id]
@@ -312,11 +298,10 @@ class BlockManager:
         s = self._seqs.get(seq_id) if seq_id in self else None
         if s is None or not s.table:
             return Checkpoint(seq_id, s is not None, len(s.tokens) if s else 0, 0, -1, 0, 0, pool.hits, pool.misses,
-                              pool._clock)
-        c = pool._cls(s.block_size)
-        last = s.table[-1]
-        return Checkpoint(seq_id, True, len(s.tokens), len(s.table), last, c.valid[last], c.last_access[last],
-                          pool.hits, pool.misses, pool._clock)
+                              pool.clock)
+        bs, last = s.block_size, s.table[-1]
+        return Checkpoint(seq_id, True, len(s.tokens), len(s.table), last, pool.valid_tokens(bs, last),
+                          pool.last_access(bs, last), pool.hits, pool.misses, pool.clock)
 
     def restore(self, cp: Checkpoint, placement: Placement) -> None:
         """Undo the ``add``/``append(..., publish=False)`` that returned ``placement`` after ``cp`` was taken.
@@ -338,17 +323,15 @@ class BlockManager:
         allocated = [s.table[i] for i in changed if i >= hits]
         pool.incref(bs, [b for i, b in enumerate(old_table) if s.table[i] != b])  # copy-on-write sources
         pool.decref(bs, [s.table[i] for i in changed])
-        c = pool._cls(bs)
-        for b in reversed(allocated):  # back where allocation found them
-            c.free.push_head(b)
+        pool.return_to_head(bs, allocated)  # back where allocation found them
         pool.hits, pool.misses = cp.hits, cp.misses
-        pool._clock = cp.clock
+        pool.rewind_clock(cp.clock)
         if not cp.existed:
             del self._seqs[cp.seq_id]
             return
         if old_table:
-            c.valid[cp.last_block] = cp.tail_valid
-            c.last_access[cp.last_block] = cp.tail_access  # the LRU order as it was
+            pool.set_valid(bs, cp.last_block, cp.tail_valid)
+            pool.set_last_access(bs, cp.last_block, cp.tail_access)  # the LRU order as it was
         s.table[:] = old_table
         del s.tokens[cp.num_tokens:]
 
@@ -365,41 +348,16 @@ class BlockManager:
         s.tokens.extend(new)
         end = len(s.tokens)
         slots = [s.table[p // bs] * bs + p % bs for p in range(first, end)]
-        c = pool._cls(bs)
-        for i in range(first // bs, -(-end // bs)):
-            c.valid[s.table[i]] = min(bs, end - i * bs)
+        i, j = first // bs, -(-end // bs)  # the blocks that hold the new tokens
+        pool.fill_unchecked(bs, s.table[i:j], end - i * bs)
         if publish:
             self.publish(seq_id)
-        pool._touch(c, s.table[first // bs:])
+        pool.touch_unchecked(bs, s.table[first // bs:])
         return Placement(seq_id, bs, first, slots, copies)
 
     def check_invariants(self) -> None:
         """Assert the allocator's invariants (tests call this after every step)."""
-        pool = self.pool
-        for bs, c in pool._classes.items():
-            holders = [0] * len(c.ref)
-            for s in self._seqs.values():
-                if s.block_size == bs:
-                    for b in s.table:
-                        holders[b] += 1
-            carved = {b for p in c.pages for b in range(p * c.blocks_per_page, (p + 1) * c.blocks_per_page)}
-            for b in range(len(c.ref)):
-                assert c.ref[b] == holders[b], f"block {b}/{bs}: ref {c.ref[b]} != holders {holders[b]}"
-                assert not (c.ref[b] and b in c.free), f"block {b}/{bs} is both free and in use"
-                assert (c.key[b] is None) == (c.entry[b] is None), f"block {b}/{bs}: key and entry disagree"
-                if b in carved:
-                    assert c.ref[b] or b in c.free, f"block {b}/{bs} is neither free nor in use (leaked)"
-                else:
-                    assert not c.ref[b] and b not in c.free, f"block {b}/{bs} is in an uncarved page"
-            for key, b in c.cached.items():
-                assert c.key[b] == key, f"prefix map entry {key!r} -> {b} is stale"
-            assert len(c.cached) == sum(k is not None for k in c.key), f"size {bs}: unmapped cached keys"
-            for p, nfree in c.free_in_page.items():
-                count = sum(1 for b in range(p * c.blocks_per_page, (p + 1) * c.blocks_per_page) if b in c.free)
-                assert nfree == count, f"page {p}/{bs}: free count {nfree} != {count}"
-        pages = [p for c in pool._classes.values() for p in c.pages] + pool._uncarved
-        assert sorted(pages) == list(range(pool.num_pages)), "pages lost or carved twice"
-        assert pool.used_slots() + pool.free_slots() == pool.num_pages * pool.page_tokens
+        self.pool.check_invariants((s.block_size, s.table) for s in self._seqs.values())
         for sid, s in self._seqs.items():
             assert len(s.table) == math.ceil(len(s.tokens) / s.block_size), f"{sid}: table length"
             assert len(s.entries) <= len(s.tokens) // s.block_size, f"{sid}: entries past the full blocks"
@@ -439,7 +397,7 @@ class BlockManager:
         """
         s = self._get(seq_id)
         pool = self.pool
-        pool._cls(block_size)
+        pool.check_block_size(block_size)
         blocks = list(blocks)
         n = len(s.tokens)
         if len(blocks) != -(-n // block_size):

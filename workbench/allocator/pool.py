@@ -13,14 +13,9 @@ Per block (a :class:`Block` descriptor): ref count, valid tokens, prefix-cache k
 access (:mod:`~workbench.allocator.size_class`). Free blocks wait in a
 :class:`~workbench.allocator.free_queue.FreeBlockQueue`, whose docstring states the order.
 
-Prefix cache. A full block's key is ``(parent_entry, tokens, extra_key)``: its own tokens
-plus the *entry id* of the block before it, a number the pool hands out once per cached
-entry and never reuses. The map is a dict keyed by the whole key, so two contents never
-alias, and a chain is only as long as its links: once a parent entry leaves the cache, no
-prompt can form its children's keys again (they are unreachable and age out of the queue).
-When its last user frees a cached block it stays in the queue *and* in the map, so a later
-prompt with the same prefix reuses it without copying, until allocation pops it from the
-head of the queue (eviction).
+The prefix map (exact keys chained on entry ids, lookups, registration) is
+:mod:`~workbench.allocator.prefix_map`; a cached block stays in the free queue until allocation
+pops it from the head (eviction, :meth:`BlockPool.evict`).
 """
 
 from __future__ import annotations
@@ -30,7 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from workbench.allocator.errors import OutOfBlocks, as_index, positive
+from workbench.allocator.invariants import PoolInvariants
 from workbench.allocator.moves import PoolMoves
+from workbench.allocator.prefix_map import PrefixMap
 from workbench.allocator.size_class import SizeClass, SizeClassView
 
 
@@ -57,7 +54,7 @@ def _in_use_list(ref: list[int], ids: object) -> bool:
     return True
 
 
-class BlockPool(PoolMoves):
+class BlockPool(PrefixMap, PoolMoves, PoolInvariants):
     """Physical pages carved into blocks of the configured sizes; prefix map; eviction.
 
     Args:
@@ -91,6 +88,15 @@ class BlockPool(PoolMoves):
         self.evicted: list[tuple[int, int, int]] | None = None
 
     # ---- queries -------------------------------------------------------------------
+    def check_block_size(self, block_size: int) -> int:
+        """``block_size`` as an int when it is one of :attr:`block_sizes`; else ValueError naming them."""
+        return self._cls(block_size).block_size
+
+    @property
+    def clock(self) -> int:
+        """The LRU clock: allocation, a free and a touch each tick it once; a block's last access is a reading."""
+        return self._clock
+
     def blocks_per_page(self, block_size: int) -> int:
         return self._cls(block_size).blocks_per_page
 
@@ -108,6 +114,11 @@ class BlockPool(PoolMoves):
     def ref_count(self, block_size: int, block_id: int) -> int:
         c = self._cls(block_size)
         return c.ref[self._check_id(c, block_id)]
+
+    def last_access(self, block_size: int, block_id: int) -> int:
+        """The :attr:`clock` reading when the block was last allocated, freed or touched."""
+        c = self._cls(block_size)
+        return c.last_access[self._check_id(c, block_id)]
 
     def is_free(self, block_size: int, block_id: int) -> bool:
         c = self._cls(block_size)
@@ -225,56 +236,7 @@ class BlockPool(PoolMoves):
                     done += 1
         return done
 
-    # ---- prefix cache --------------------------------------------------------------
-    def record_lookups(self, hits: int, misses: int) -> None:
-        """Count prefix-cache lookups (the manager reports each prompt's hits and misses)."""
-        self.hits += hits
-        self.misses += misses
-
-    @staticmethod
-    def block_key(parent_entry: int | None, tokens: Sequence[int], extra_key: object = None) -> tuple:
-        """The exact identity of a full block's content: its tokens after the cached entry ``parent_entry``.
-
-        ``parent_entry`` is the :meth:`entry_id` of the previous block's content (None for a first block).
-        """
-        return (parent_entry, tuple(tokens), extra_key)
-
-    def lookup(self, block_size: int, key: tuple) -> int | None:
-        """The cached block holding exactly ``key``, or None. Does not take a reference."""
-        c = self._cls(block_size)
-        try:
-            return c.cached.get(key)
-        except TypeError:
-            raise ValueError(f"key must be hashable (see block_key), got {key!r}") from None
-
-    def entry_id(self, block_size: int, block_id: int) -> int | None:
-        """The prefix-cache entry this block holds (what a child block's key chains on), or None."""
-        c = self._cls(block_size)
-        return c.entry[self._check_id(c, block_id)]
-
-    def register(self, block_size: int, block_id: int, key: tuple) -> int | None:
-        """Make a full, in-use block findable by ``key``; returns the entry id that now holds ``key``.
-
-        If another block caches ``key`` already, that block's entry id is returned and this block
-        stays unregistered; if this block caches a different key, returns None.
-        """
-        c = self._cls(block_size)
-        block_id = self._check_id(c, block_id)
-        if c.ref[block_id] < 1:
-            raise ValueError(f"block {block_id} of size {block_size} must be in use to be registered")
-        try:
-            other = c.cached.get(key)
-        except TypeError:
-            raise ValueError(f"key must be hashable (see block_key), got {key!r}") from None
-        if other is not None:
-            return c.entry[other]
-        if c.key[block_id] is not None:
-            return None
-        c.cached[key] = block_id
-        c.key[block_id], c.entry[block_id] = key, self._next_entry
-        self._next_entry += 1
-        return c.entry[block_id]
-
+    # ---- block contents ------------------------------------------------------------
     def set_valid(self, block_size: int, block_id: int, valid: int) -> None:
         c = self._cls(block_size)
         block_id = self._check_id(c, block_id)
@@ -289,6 +251,46 @@ class BlockPool(PoolMoves):
     def touch(self, block_size: int, ids: Iterable[int]) -> None:
         c = self._cls(block_size)
         self._touch(c, self._check_ids(c, ids))
+
+    # ---- for a manager: block ids from its own tables or lookups, valid by its invariants: not checked again ----
+    def incref_unchecked(self, block_size: int, ids: Iterable[int]) -> None:
+        """:meth:`incref` without its checks (a fork, prefix hits found by :meth:`cached_chain`)."""
+        self._incref(self._cls(block_size), ids)
+
+    def decref_unchecked(self, block_size: int, ids: Iterable[int]) -> None:
+        """:meth:`decref` without its checks (a sequence freed)."""
+        self._decref(self._cls(block_size), ids)
+
+    def touch_unchecked(self, block_size: int, ids: Iterable[int]) -> None:
+        """:meth:`touch` without its checks."""
+        self._touch(self._cls(block_size), ids)
+
+    def count_free(self, block_size: int, ids: Iterable[int]) -> int:
+        """How many of ``ids`` are in the free queue (cached free blocks that prefix hits take back)."""
+        free = self._cls(block_size).free
+        return sum(1 for b in ids if b in free)
+
+    def fill_unchecked(self, block_size: int, ids: Sequence[int], tokens: int) -> None:
+        """Blocks ``ids``, in order, hold ``tokens`` tokens from the first one's start: each gets its valid count."""
+        c = self._cls(block_size)
+        bs, valid = c.block_size, c.valid
+        for j, bid in enumerate(ids):
+            valid[bid] = min(bs, tokens - j * bs)
+
+    # the manager's undo (BlockManager.restore): values read before the undone add or append
+    def set_last_access(self, block_size: int, block_id: int, clock: int) -> None:
+        c = self._cls(block_size)
+        c.last_access[self._check_id(c, block_id)] = clock
+
+    def rewind_clock(self, clock: int) -> None:
+        """Set the LRU clock back to an earlier reading (:attr:`clock` before the undone operation)."""
+        self._clock = clock
+
+    def return_to_head(self, block_size: int, ids: Sequence[int]) -> None:
+        """Free blocks go back to the head of the queue, ``ids[0]`` first: where an undone allocation took them."""
+        free = self._cls(block_size).free
+        for bid in reversed(ids):
+            free.push_head(bid)
 
     # ---- internals -----------------------------------------------------------------
     def _cls(self, block_size: int) -> SizeClass:

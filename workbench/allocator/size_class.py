@@ -1,7 +1,7 @@
 """One size class's block descriptors, and the read-only view of them that planners use.
 
 :class:`SizeClass` is the pool's own state (plain lists indexed by block id, for speed); only
-:class:`~workbench.allocator.pool.BlockPool` and the manager in this package change it.
+:class:`~workbench.allocator.pool.BlockPool` (with its mixins) reads or changes it: the manager asks the pool.
 :class:`SizeClassView` is what everything outside the package reads (compaction, fragmentation):
 the same facts through methods, with nothing to assign.
 """
