@@ -1,11 +1,18 @@
 """Triton kernels of the workbench, imported as ``workbench.kernels``.
 
-Arranged by op (as flash-linear-attention's ``fla/ops/<op>/``): ``decode/`` and ``write/`` are folders
-(kernel, launch config, wrapper), ``gather.py`` and ``copy.py`` single files (kernel and wrapper);
-``quest.py`` the Quest page-selection kernels (key bounds, page scores, compacted table), ``common.py`` holds the
-shared helpers, ``validate.py`` the block-table check, ``tuning/`` the measured
-launch tables per GPU, and ``reference.py`` a plain PyTorch version of every kernel, which the tests
-compare against on random data.
+One folder per op, each with its plain PyTorch reference beside the kernel (as flash-linear-attention's
+``fla/ops/<op>/`` keeps ``naive.py``), which the tests compare against on random data:
+
+- ``decode/``: paged decode attention (kernels, launch config, ``DecodePlan``, merge of states, the shared-prefix
+  ``CascadePlan``, ``paged_decode``) and ``reference.py``;
+- ``write/``: write-to-cache, quantizing on write per storage family (``write_kv``) and ``reference.py`` (with the
+  values a cache's blocks hold, which the decode and Quest references read);
+- ``gather/``, ``copy/``, ``swap/``: the paged gather, the block copy (copy-on-write, compaction) and the block moves
+  between block spaces (the tiers), each ``kernel.py`` (kernel and wrapper) and ``reference.py``;
+- ``quest/``: Quest page selection (key bounds, page scores, the compacted table, ``QuestPlan``) and ``reference.py``.
+
+Shared by the ops: ``common.py`` (helpers), ``validate.py`` (the block-table check), ``tuning/`` (the measured
+launch tables per GPU).
 """
 
 import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)

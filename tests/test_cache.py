@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from test_allocator import snapshot
-from workbench.kernels.reference import paged_gather_ref
+from workbench.kernels.gather.reference import paged_gather_ref
 
 import workbench
 from workbench.allocator import ByExpectedLength, OutOfBlocks

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import dtype_id, poison_like
 from workbench.kernels import decode_config, paged_decode
-from workbench.kernels.reference import paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
 
 from workbench.layout import from_nhd
 from workbench.pairwise import pairwise

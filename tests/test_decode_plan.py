@@ -10,7 +10,8 @@ from test_kernel_validation import _count_host_reads, _NoLaunch
 from workbench.kernels import DecodePlan, merge_state, merge_states, paged_decode
 from workbench.kernels.decode import api as decode_mod
 from workbench.kernels.decode import kernel as decode_kernels
-from workbench.kernels.reference import merge_states_ref, paged_decode_ref
+from workbench.kernels.decode.reference import merge_states_ref, paged_decode_ref
+from workbench.kernels.gather.reference import paged_gather_ref
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 
@@ -254,8 +255,6 @@ def test_two_plans_and_merge_state_give_the_whole_context(layout, num_splits, de
     ref = paged_decode_ref(q, k, v, layout, table, lens)
     assert rel_err(merged, ref) < TOL[torch.float16], rel_err(merged, ref)
     # the LSE of the whole context, from the gathered keys
-    from workbench.kernels.reference import paged_gather_ref
-
     for b, n in enumerate(LENS):
         if n == 0:
             assert torch.isinf(lse[b]).all() and (lse[b] < 0).all()

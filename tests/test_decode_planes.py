@@ -11,7 +11,8 @@ import triton.language as tl
 from conftest import rel_err
 from workbench.kernels import DecodePlan, paged_decode
 from workbench.kernels.decode.groups import _planes, planes_launch
-from workbench.kernels.reference import dequantize_cache_ref, paged_decode_ref, write_cache_ref
+from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.kernels.write.reference import dequantize_cache_ref, write_cache_ref
 
 from workbench import quant
 from workbench.backend import is_interpreted

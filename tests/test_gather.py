@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import assert_close_report, dtype_id, poison_like
 from workbench.kernels import paged_gather
-from workbench.kernels.reference import paged_gather_ref
+from workbench.kernels.gather.reference import paged_gather_ref
 
 from workbench.layout import Layout, block_shape, from_nhd, to_nhd
 

@@ -23,7 +23,7 @@ META = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.
 
 
 GPU_ONLY = "not torch.cuda." + "is_available()"  # split: this file's own text needs no marker
-REFERENCE = "workbench.kernels.reference"  # the kernels' PyTorch references: no launch
+REFERENCE = "reference"  # an op's PyTorch reference (workbench.kernels.<op>.reference): no launch
 
 
 def marked(tree: ast.Module) -> bool:
@@ -38,7 +38,7 @@ def marked(tree: ast.Module) -> bool:
 
 def _kernel_module(name: str | None) -> bool:
     parts = (name or "").split(".")
-    return (parts[:2] == ["workbench", "kernels"] or parts[0] == "kernels") and name != REFERENCE
+    return (parts[:2] == ["workbench", "kernels"] or parts[0] == "kernels") and parts[-1] != REFERENCE
 
 
 def needs_marker(tree: ast.Module) -> str | None:
@@ -75,7 +75,8 @@ def test_the_rule_reads_markers_and_reasons():
     for src, why in [("from workbench.kernels import write_kv", "imports workbench.kernels"),
                      ("import workbench.kernels.decode", "imports workbench.kernels"),
                      ("from kernels.write import api", "imports kernels.write"),
-                     ("from workbench.kernels.reference import write_kv_ref", None),
+                     ("from workbench.kernels.write.reference import write_kv_ref", None),
+                     ("from workbench.kernels.decode.reference import paged_decode_ref", None),
                      (f"@pytest.mark.skipif({GPU_ONLY}, reason='GPU')\ndef test(): pass", "has a GPU-only test"),
                      ("x = torch.zeros(1, device='cuda')", "has a GPU-only test"),
                      ("NO_GPU = not torch.cuda.is_available()", None), ("import torch", None)]:

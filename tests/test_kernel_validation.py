@@ -7,12 +7,14 @@ import random
 import pytest
 import torch
 from conftest import dtype_id, poison_like
-from workbench.kernels import gather as gather_mod
 from workbench.kernels import paged_decode, paged_gather
 from workbench.kernels import validate as validate_mod
 from workbench.kernels.decode import kernel as decode_kernels
-from workbench.kernels.reference import paged_decode_ref, paged_gather_ref, write_kv_ref
+from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.kernels.gather import kernel as gather_mod
+from workbench.kernels.gather.reference import paged_gather_ref
 from workbench.kernels.validate import check_block_table
+from workbench.kernels.write.reference import write_kv_ref
 
 from workbench.layout import Layout, block_shape, block_view
 from workbench.pairwise import pairwise

@@ -8,7 +8,7 @@ from conftest import bits, rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocator import snapshot
-from workbench.kernels.reference import paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
 
 import workbench
 from workbench import compaction, quant

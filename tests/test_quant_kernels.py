@@ -6,13 +6,8 @@ import pytest
 import torch
 from conftest import rel_err
 from workbench.kernels import paged_decode, write_kv
-from workbench.kernels.reference import (
-    dequantize_cache_ref,
-    paged_decode_ref,
-    quant_code_distance,
-    write_cache_ref,
-    write_kv_ref,
-)
+from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_distance, write_cache_ref, write_kv_ref
 
 from workbench import quant
 from workbench.layout import to_nhd

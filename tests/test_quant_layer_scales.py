@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from workbench.kernels.reference import paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
 
 from workbench import quant
 from workbench.cache import PagedKVCache

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_quant_layer_scales import STATIC, D, H, L, cache_of, calibrated, layered_kv
 from workbench.kernels import DecodePlan, paged_decode
-from workbench.kernels.reference import key_bounds_ref, paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.kernels.quest.reference import key_bounds_ref
 
 import workbench
 from workbench.cache import PagedKVCache

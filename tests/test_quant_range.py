@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocator import snapshot
 from workbench.kernels import write_kv
-from workbench.kernels.reference import quant_code_distance
+from workbench.kernels.write.reference import quant_code_distance
 
 import workbench
 from workbench import quant

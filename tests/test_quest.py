@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores, quest_select
-from workbench.kernels.reference import key_bounds_ref, quest_page_scores_ref
+from workbench.kernels.quest.reference import key_bounds_ref, quest_page_scores_ref
 
 import workbench
 from workbench import compaction, quant

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_decode import rel_err
 from workbench.kernels import CascadePlan
-from workbench.kernels.reference import cascade_decode_ref, paged_decode_ref
+from workbench.kernels.decode.reference import cascade_decode_ref, paged_decode_ref
 
 import workbench
 from workbench.layout import from_nhd

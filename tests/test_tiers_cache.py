@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from workbench.kernels.reference import move_blocks_ref
+from workbench.kernels.swap.reference import move_blocks_ref
 
 import workbench
 from workbench.allocator import AllocatorError, OutOfBlocks

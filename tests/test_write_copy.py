@@ -11,15 +11,10 @@ import torch
 from conftest import assert_close_report, dtype_id, kw_id
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels import write as write_mod
-from workbench.kernels.copy import _word_view
-from workbench.kernels.reference import (
-    copy_blocks_ref,
-    quant_code_distance,
-    quantize_rcp_ref,
-    quantize_ref,
-    write_kv_ref,
-)
+from workbench.kernels.copy.kernel import _word_view
+from workbench.kernels.copy.reference import copy_blocks_ref
 from workbench.kernels.write import WriteConfig, default_launch, launch_config, quant_mode
+from workbench.kernels.write.reference import quant_code_distance, quantize_rcp_ref, quantize_ref, write_kv_ref
 
 from workbench.bench.cache_kernels import block_stride, layer_views, make_pool
 from workbench.layout import Layout, block_shape, to_nhd

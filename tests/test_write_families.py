@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_quant_kernels import assert_matches_reference
 from workbench.kernels import write_kv
-from workbench.kernels.reference import quant_code_distance, write_kv_ref
 from workbench.kernels.write import write_launches
+from workbench.kernels.write.reference import quant_code_distance, write_kv_ref
 
 import workbench
 from workbench import quant

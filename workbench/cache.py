@@ -70,7 +70,7 @@ class PagedKVCache:
             kv head: ``[]``, ``[H]``) or per layer (``[L]``, ``[L, H]``: each layer's writes and decodes read its
             own; ``quant.Calibrator(scheme, num_layers=L)`` gives them), see ``workbench.quant.scale_table``.
         ops: ``"kernels"`` (the Triton kernels: write, copy, paged decode) or ``"torch"`` (their plain PyTorch
-            references in ``workbench.kernels.reference``, on the same blocks, tables and scales: fast on a CPU,
+            references (``workbench.kernels.<op>.reference``), on the same blocks, tables and scales: fast on a CPU,
             where the kernels run under the Triton interpreter).
         zero_storage: fill the storage with zeros. By default it is ``torch.empty`` (whatever the
             allocator hands out, NaN included): kernels never read an unwritten slot, but a user who
@@ -419,7 +419,8 @@ class PagedKVCache:
         return self._read_blocks(bs, hits, len(hits) * bs, None)
 
     def _read_blocks(self, bs: int, blocks: list[int], n: int, res) -> tuple[torch.Tensor, torch.Tensor]:
-        from workbench.kernels.reference import dequantize_cache_ref, paged_gather_ref
+        from workbench.kernels.gather.reference import paged_gather_ref
+        from workbench.kernels.write.reference import dequantize_cache_ref
 
         table = torch.tensor([blocks or [0]], dtype=torch.int32, device=self.device)
         lens = torch.tensor([n], dtype=torch.int32, device=self.device)
@@ -629,7 +630,7 @@ class PagedKVCache:
     def _refresh_bounds(self, layer: int, bs: int, touched) -> None:
         """Recompute layer ``layer``'s key bounds of the ``touched`` blocks from their stored keys."""
         from workbench.kernels.quest import key_bounds
-        from workbench.kernels.reference import key_bounds_ref
+        from workbench.kernels.quest.reference import key_bounds_ref
 
         blocks, counts = touched
         k_cache = self.k_cache(layer, bs)
@@ -653,8 +654,8 @@ class PagedKVCache:
         the key bounds of the ``touched`` blocks (:meth:`_touched`; default: one slot per block)."""
         from workbench.backend import is_interpreted
         from workbench.kernels import write_kv
-        from workbench.kernels.reference import write_cache_ref
         from workbench.kernels.write.config import interpreter_launch
+        from workbench.kernels.write.reference import write_cache_ref
 
         k_cache, v_cache = self.k_cache(layer, bs), self.v_cache(layer, bs)
         k_scale, v_scale = self.layer_scales(layer)
@@ -674,7 +675,7 @@ class PagedKVCache:
                      seq_lens: torch.Tensor, *, sm_scale: float | None = None,
                      residual=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The paged decode in PyTorch (``ops="torch"``): ``(out [B, Hq, D] fp32, lse [B, Hq] base 2)``."""
-        from workbench.kernels.reference import decode_cache_ref
+        from workbench.kernels.decode.reference import decode_cache_ref
 
         bs = block_size
         k_scale, v_scale = self.layer_scales(layer)

@@ -1,7 +1,8 @@
-"""Paged decode attention, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels), ``config``
-(the split heuristic and launch arithmetic), ``plan`` (:class:`DecodePlan`: plan once per step, run per
-layer), ``merge`` (merging attention states), ``cascade`` (shared-prefix decode: :class:`CascadePlan`), ``checks`` (the arguments' host-side checks), ``api``
-(``paged_decode``, the one-shot entry point). The plain PyTorch references are ``kernels/reference.py``'s."""
+"""Paged decode attention, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels), ``groups`` (the
+kernel of packed group codes), ``quant`` (what each storage family needs read), ``config`` (the split heuristic
+and launch arithmetic), ``plan`` (:class:`DecodePlan`: plan once per step, run per layer), ``merge`` (merging
+attention states), ``cascade`` (shared-prefix decode: :class:`CascadePlan`), ``checks`` (the arguments' host-side
+checks), ``api`` (``paged_decode``, the one-shot entry point), ``reference`` (the plain PyTorch versions)."""
 
 from .api import paged_decode
 from .cascade import CascadePlan

@@ -1,6 +1,8 @@
 """Write-to-cache, arranged as fla's ``ops/<op>/``: ``kernel`` (the Triton kernels and the storage
 conventions, in its docstring), ``config`` (the launch choice and the measured prefill table), ``api``
-(``write_kv``, ``check_write_kv``). The plain PyTorch references are ``kernels/reference.py``'s."""
+(``write_kv``, ``check_write_kv``); ``dynamic`` (scales computed on write, per family), its kernels ``token``
+and ``groups`` and their arithmetic ``qmath``; ``reference`` (the plain PyTorch versions, and the values a
+cache's blocks hold)."""
 
 from .api import _PLANS, check_write_kv, write_kv, write_launches
 from .config import (

@@ -11,7 +11,7 @@ padding token, skipped). One launch writes K and V, in one of two program shapes
   program waits for memory once. In NHD a run of consecutive slots is one contiguous
   ``[BLOCK_T, H * D]`` region of the page. ``kv_split=True`` gives K and V separate programs.
 
-Storage conventions (the same as :func:`workbench.kernels.reference.write_kv_ref`):
+Storage conventions (the same as :func:`workbench.kernels.write.reference.write_kv_ref`):
 
 - fp32 / fp16 / bf16 caches: a plain cast (round to nearest even).
 - fp8 (e4m3fn / e5m2) caches, vLLM's convention: ``stored = fp8(clamp(x / scale, -max, max))``

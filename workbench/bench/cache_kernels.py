@@ -28,8 +28,9 @@ from tqdm import tqdm
 import workbench
 from workbench.bench import harness
 from workbench.kernels import copy_blocks, write_kv
-from workbench.kernels.reference import copy_blocks_ref, quant_code_distance, write_kv_ref
+from workbench.kernels.copy.reference import copy_blocks_ref
 from workbench.kernels.write import WriteConfig, launch_config
+from workbench.kernels.write.reference import quant_code_distance, write_kv_ref
 from workbench.layout import Layout, block_shape, block_view
 
 COLUMNS = [

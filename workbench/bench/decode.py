@@ -42,7 +42,7 @@ from workbench import formats
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, PagedKV, Workload, build_paged, bytes_moved, contiguous_kv
 from workbench.kernels import DecodePlan, decode_config, paged_decode
-from workbench.kernels.reference import paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
 
 COLUMNS = ["workload", "impl", "variant", "layout", "block_size", "kv_dtype", "time_us", "time_us_graph", "gbps",
            "frac_copy_bw", "frac_copy_bw_graph", "rel_err", "x_sdpa_contiguous", "x_gather_sdpa", "x_flex_paged"]

@@ -28,7 +28,7 @@ from workbench.bench import harness
 from workbench.bench.decode import ref_fp32
 from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
 from workbench.kernels import DecodePlan, decode_config, write_kv
-from workbench.kernels.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
+from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
 from workbench.quant import blocks as qblocks
 from workbench.quant.names import DECODE_BENCH_SCHEMES as DECODE_SCHEMES
 from workbench.quant.names import DECODE_SMOKE_SCHEMES as SMOKE_SCHEMES

@@ -55,8 +55,9 @@ from workbench.bench import harness
 from workbench.bench.workloads import PagedKV, Workload, build_paged
 from workbench.compress.quest import quest_recall, select_pages
 from workbench.kernels import DecodePlan
+from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores
-from workbench.kernels.reference import paged_decode_ref, quest_page_scores_ref
+from workbench.kernels.quest.reference import quest_page_scores_ref
 
 REAL_PAGE = 16  # the captured prompts' recall rows
 COLUMNS = ["section", "workload", "batch", "context", "page_size", "impl", "budget_tokens", "reduce", "launch",

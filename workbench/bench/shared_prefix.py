@@ -45,7 +45,7 @@ import workbench  # noqa: F401  (backend first)
 from workbench.argtypes import positive_int_list
 from workbench.bench import harness
 from workbench.kernels import CascadePlan, DecodePlan
-from workbench.kernels.reference import paged_decode_ref
+from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.shared_prefix import (
     Geometry,
     choose,

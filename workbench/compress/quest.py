@@ -346,7 +346,7 @@ class QuestDecode:
         c, bs = self.cache, self.page_size
         kw = dict(keep_first=self.keep_first, keep_last=self.keep_last)
         if c.ops == "torch":
-            from workbench.kernels.reference import quest_page_scores_ref
+            from workbench.kernels.quest.reference import quest_page_scores_ref
 
             self._check(q, layer)
             bounds = c.key_bounds(layer)

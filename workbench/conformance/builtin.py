@@ -26,7 +26,7 @@ def ours_decode(q, k_cache, v_cache, layout, block_table, seq_lens, sm_scale, k_
 
 def reference_decode(q, k_cache, v_cache, layout, block_table, seq_lens, sm_scale, k_scale, v_scale, quant, out):
     from workbench.kernels.common import scheme_of
-    from workbench.kernels.reference import decode_cache_ref
+    from workbench.kernels.decode.reference import decode_cache_ref
 
     scheme = scheme_of(k_cache.dtype, quant)
     got, _ = decode_cache_ref(scheme, q, k_cache, v_cache, layout, block_table, seq_lens, q.shape[-1],
@@ -52,7 +52,7 @@ def ours_write(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_sc
 
 
 def reference_write(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale):
-    from workbench.kernels.reference import write_kv_ref
+    from workbench.kernels.write.reference import write_kv_ref
 
     write_kv_ref(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale)
 
@@ -64,7 +64,7 @@ def ours_copy(pool, src, dst):
 
 
 def reference_copy(pool, src, dst):
-    from workbench.kernels.reference import copy_blocks_ref
+    from workbench.kernels.copy.reference import copy_blocks_ref
 
     copy_blocks_ref(pool, src, dst)
 

@@ -230,7 +230,8 @@ def build_decode(case: Case, device) -> dict:
     if scheme.needs_static_scales:
         k_scale = scheme.calibrate(k if len(slots) else torch.ones(1, H, D)).reshape(-1).to(device)
         v_scale = scheme.calibrate(v if len(slots) else torch.ones(1, H, D)).reshape(-1).to(device)
-    from workbench.kernels.reference import dequantize_cache_ref, paged_decode_ref, write_cache_ref
+    from workbench.kernels.decode.reference import paged_decode_ref
+    from workbench.kernels.write.reference import dequantize_cache_ref, write_cache_ref
 
     if slots:
         write_cache_ref(scheme, k.to(device), v.to(device), k_cache, v_cache, case.layout, slots_t.to(device),
@@ -261,7 +262,7 @@ def build_decode(case: Case, device) -> dict:
 def build_write(case: Case, device) -> dict:
     """``lens[0]`` new tokens to random distinct slots of a pool filled with random bytes; ``ref``: the caches after
     the reference write, then both planes before it."""
-    from workbench.kernels.reference import write_kv_ref
+    from workbench.kernels.write.reference import write_kv_ref
 
     scheme = _scheme(case)
     if scheme.scales_on_write:
@@ -298,7 +299,7 @@ def build_write(case: Case, device) -> dict:
 def build_copy(case: Case, device) -> dict:
     """A ``[layers, 2, blocks, stride]`` pool of random bytes and ``pairs`` copies (one source forked twice when
     there are three or more); ``ref``: the pool after the reference copy."""
-    from workbench.kernels.reference import copy_blocks_ref
+    from workbench.kernels.copy.reference import copy_blocks_ref
 
     g = torch.Generator().manual_seed(case.seed)
     dtype = quant.get(case.kv_format).format.storage

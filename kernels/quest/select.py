@@ -2,7 +2,7 @@
 
 Quest keeps, per page (block) and kv head, the elementwise min and max of the page's keys; for a query ``q`` the
 score ``sum_i max(q_i * min_i, q_i * max_i)`` bounds ``q . k`` for every key of the page, and decode attends only
-to the top-k pages. Three kernels, each with its PyTorch reference in ``reference.py`` (or
+to the top-k pages. Three kernels, each with its PyTorch reference in ``reference.py`` beside this module (or
 ``workbench.compress.quest``):
 
 - :func:`key_bounds` recomputes the bounds ``[num_blocks, Hkv, 2, D]`` (fp16) of the blocks a write touched, from
@@ -45,7 +45,7 @@ from workbench import quant
 from workbench.backend import is_interpreted
 from workbench.layout import Layout, addressing
 
-from . import common
+from .. import common
 
 FP16_MAX = 65504.0  # the bounds saturate here when the true bound lies inside fp16's range
 REDUCES = {"max": 0, "sum": 1, "none": 2}  # the kernel's REDUCE

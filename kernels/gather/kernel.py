@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout, addressing, to_nhd
+from workbench.layout import Layout, addressing, from_nhd, to_nhd
 
-from .validate import check_table_tensors, table_stats
+from ..validate import check_table_tensors, table_stats
+from .reference import paged_gather_ref
 
 
 @triton.jit
@@ -121,10 +122,6 @@ def check_against_reference(
     Returns:
         ``{layout: whether the kernel's output equals the reference's bit for bit}``.
     """
-    from workbench.layout import from_nhd
-
-    from .reference import paged_gather_ref
-
     per_seq = [-(-int(n) // block_size) for n in seq_lens]
     if sum(per_seq) > num_blocks:
         raise ValueError(f"num_blocks: {num_blocks} blocks cannot hold seq_lens {list(seq_lens)} "
