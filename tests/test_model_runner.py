@@ -106,9 +106,13 @@ def test_kernels_and_torch_ops_agree_on_a_scheme(models, scheme):
     n = len(PROMPTS[0])  # the prompt's K/V (prefill is PyTorch on both paths; decode K differs by attention's rounding)
     ka, kb = ca.read((0, 0))[0][:, :n].cpu(), cb.read((0, 0))[0][:, :n].cpu()
     step = ka.abs().amax(-1, keepdim=True) / 127 if scheme == "int8/token" else torch.zeros_like(ka)  # one code
+    same_prefill = DEV.type == "cpu"  # on a GPU the kernels' model prefills there: its fp32 K differs in the last bits
+    if not same_prefill:  # so a value may round to the neighbouring fp16, a per-token scale move by as little
+        step = step + ka.abs() * 2.0**-10
     diff = (ka - kb).abs()
     assert bool((diff <= step * 1.01 + 1e-7).all()), float(diff.max())  # a rounding midpoint may differ by one code
-    assert float((diff > 1e-7).float().mean()) < 0.01
+    if same_prefill:  # the same fp32 K: only midpoints may differ
+        assert float((diff > 1e-7).float().mean()) < 0.01
 
 
 @pytest.mark.parametrize("scheme", ["fp8_e4m3/token", "int8_asym/token", "int4/kivi", "int8/head"])
