@@ -69,12 +69,12 @@ def test_the_copies_import_the_registry():
     from workbench.bench import model_quality, quant_decode
     from workbench.compress import delta_study
     from workbench.quant import study
-    from workbench.sweeps.catalog import model as cat_model
-    from workbench.sweeps.catalog import quant as cat_quant
+    from workbench.studies.model import AGREEMENT
+    from workbench.studies.quant import QUANT
 
-    assert study.FAMILIES is names.STUDY_FAMILIES and cat_quant.FAMILIES is names.STUDY_FAMILIES
+    assert study.FAMILIES is names.STUDY_FAMILIES and QUANT.param("family").choices is names.STUDY_FAMILIES
     assert study.SCALED_FAMILIES is names.STUDY_SCALED_FAMILIES and study.GROUP_FAMILIES is names.STUDY_GROUP_FAMILIES
-    assert cat_model.SCHEMES is names.AGREEMENT_SCHEMES and delta_study.SCHEMES is names.DELTA_SCHEMES
+    assert AGREEMENT.param("scheme").choices is names.AGREEMENT_SCHEMES and delta_study.SCHEMES is names.DELTA_SCHEMES
     assert quant_decode.DECODE_SCHEMES is names.DECODE_BENCH_SCHEMES
     assert quant_decode.SMOKE_SCHEMES is names.DECODE_SMOKE_SCHEMES
     assert quant_decode.WRITE_SCHEMES is names.WRITE_BENCH_SCHEMES
@@ -257,15 +257,14 @@ def test_the_detectors_find_what_they_look_for():
 
 # ---- the kernels' tables cover the families ----------------------------------------------------------------------
 def test_kernel_tables_cover_each_family():
-    from workbench.kernels import common
+    from workbench.kernels import common, quest
     from workbench.kernels.decode import quant as dquant
-    from workbench.kernels.quest.select import BOUNDS_FAMILIES
     from workbench.kernels.write import dynamic
 
     reps = {e.family: quant.SCHEMES[e.name] for e in names.ENTRIES}
     assert set(dquant.DECODE_FAMILIES) == set(names.STORAGE_FAMILIES)
     assert set(dynamic.WRITE_MODES) == {f for f, s in reps.items() if s.scales_on_write}
-    assert set(BOUNDS_FAMILIES) == {f for f, s in reps.items() if s.supports_key_bounds}
+    assert set(quest.BOUNDS_FAMILIES) == {f for f, s in reps.items() if s.supports_key_bounds}
     assert set(common.KERNEL_SHAPE_CHECKS) <= set(names.STORAGE_FAMILIES)
     assert dquant.DECODE_FAMILIES["groups"].fixed == {"k3d": False}
 

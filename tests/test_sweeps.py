@@ -9,8 +9,8 @@ import pytest
 
 from workbench import sweeps
 from workbench.__main__ import main
+from workbench.studies import Param, Study
 from workbench.sweeps import grid, store
-from workbench.sweeps.spec import Param, Sweep
 
 NUMBERS = ("tile_line_eff", "tile_sector_eff", "token_line_eff")
 
@@ -110,7 +110,7 @@ def test_a_failing_point_is_reported_not_journaled(tmp_path):
             raise RuntimeError("boom")
         return {"y": x * x}
 
-    s = sweeps.register(Sweep("_square", "test", (Param("x", "int", 1, grid=(1, 2, 3)),), point, notebook="-",
+    s = sweeps.register(Study("_square", "test", (Param("x", "int", 1, grid=(1, 2, 3)),), point, notebook="-",
                               panel="-", y=("y",)))
     run = sweeps.run(s, out=tmp_path, progress=False)
     assert run.ran == 2 and [f["params"] for f in run.failed] == [{"x": 2}] and "boom" in run.failed[0]["error"]
@@ -144,7 +144,7 @@ def test_gpu_points_refused_without_a_gpu(tmp_path, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    s = sweeps.register(Sweep("_gpu", "test", (Param("x", "int", 1),), lambda x: {"y": x}, notebook="-", panel="-",
+    s = sweeps.register(Study("_gpu", "test", (Param("x", "int", 1),), lambda x: {"y": x}, notebook="-", panel="-",
                               y=("y",), needs_gpu=lambda p: True))
     with pytest.raises(RuntimeError, match="need a GPU"):
         sweeps.run(s, out=tmp_path, progress=False)
@@ -159,7 +159,7 @@ def test_a_parameter_may_not_shadow_a_rows_own_column():
     # a parameter named "run" was overwritten in every tidy row by the point's run stamp
     for name in ("run", "commit", "sweep"):
         with pytest.raises(ValueError, match="clash with a tidy row's own columns"):
-            Sweep("bad", "", (Param(name, "str", "x"),), lambda **_: {}, notebook="", panel="", y=())
+            Study("bad", "", (Param(name, "str", "x"),), lambda **_: {}, notebook="", panel="", y=())
 
 
 def test_points_added_to_a_committed_sweep_keep_its_rows(tmp_path):

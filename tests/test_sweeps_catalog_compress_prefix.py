@@ -1,4 +1,4 @@
-"""The sweeps of notebooks 07 and 08 (``workbench.sweeps.catalog.compress`` and ``shared_prefix``): every default
+"""The sweeps of notebooks 07 and 08 (``workbench.studies.compress`` and ``shared_prefix``): every default
 point runs, gives the columns it plots, in range and the same twice, and what it gives is what the package computes
 the way the panel calls it (so the sweep and the panel cannot drift apart)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from workbench import sweeps
+from workbench.studies import compress as cc
+from workbench.studies import shared_prefix as csp
 from workbench.sweeps import grid
-from workbench.sweeps.catalog import compress as cc
-from workbench.sweeps.catalog import shared_prefix as csp
 
 NAMES = ("sparsification", "quest", "scenario", "forks")
 
@@ -42,17 +42,17 @@ def test_default_point_is_flat_complete_finite_and_deterministic(name, defaults)
     assert s.point(**s.defaults()) == row
 
 
-def test_catalog_modules_import_only_the_registry_and_no_ui():
-    """Cheap to import, and the core without UI libraries: every package import is inside a point."""
+def test_study_modules_import_no_ui_library_but_to_draw():
+    """The core without UI libraries: a study module imports ``workbench.ui`` (its figures, so plotly) only inside its
+    ``draw`` functions, and never ipywidgets."""
     for module in (cc, csp):
         tree = ast.parse(Path(module.__file__).read_text())
         top = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
         top |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
-        cheap = {"__future__", "functools", "math", "workbench.sweeps.catalog", "workbench.sweeps.spec"}
-        assert top <= cheap, module.__name__
-        every = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        every |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert not [m for m in every if m.startswith(("workbench.ui", "plotly", "ipywidgets"))], module.__name__
+        assert not [m for m in top if m.startswith(("workbench.ui", "plotly", "ipywidgets"))], module.__name__
+        for f in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and not n.name.startswith("draw")):
+            inner = {n.module for n in ast.walk(f) if isinstance(n, ast.ImportFrom)}
+            assert not [m for m in inner if m.startswith(("workbench.ui", "plotly", "ipywidgets"))], f.name
 
 
 # ---- notebook 07 -------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_decode_row_assembly_on_a_tiny_workload_with_stub_timers(monkeypatch):
     import workbench
     from workbench.bench import decode, harness
     from workbench.bench.workloads import WORKLOADS
-    from workbench.sweeps.catalog import kernels
+    from workbench.studies import kernels
 
     times = iter([10.0, 12.0, 30.0, 40.0])  # ours' two eager medians, then the baseline's
     monkeypatch.setattr(harness, "time_us", lambda fn, warmup_ms=25, rep_ms=200: (fn(), next(times))[1])
@@ -115,7 +115,7 @@ def smol():
     why = model_available()
     if why is not None:
         pytest.skip(f"SmolLM2-135M: {why}")
-    from workbench.sweeps.catalog import model
+    from workbench.studies import model
 
     return model
 
@@ -123,7 +123,7 @@ def smol():
 def test_agreement_lists_its_schemes_and_prompts():
     from workbench import quant
     from workbench.model.capture import PROMPTS
-    from workbench.sweeps.catalog import model
+    from workbench.studies import model
 
     s = sweeps.get("agreement")
     assert model.SCHEMES == tuple(n for n in quant.SCHEMES if n != "fp16") == s.param("scheme").choices
@@ -151,7 +151,7 @@ def test_agreement_point_is_the_panels_result(smol):
 
 def test_agreement_is_refused_clearly_without_the_model(monkeypatch):
     from workbench.model.gguf_weights import ModelUnavailable
-    from workbench.sweeps.catalog import model
+    from workbench.studies import model
 
     monkeypatch.setattr("workbench.model.gguf_weights.model_available", lambda: "not installed here")
     monkeypatch.setattr(model, "_model", model._model.__wrapped__)  # not the process's cached model

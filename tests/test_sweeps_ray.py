@@ -23,8 +23,8 @@ from typing import NamedTuple
 import pytest
 
 from workbench import sweeps
+from workbench.studies import Param, Study
 from workbench.sweeps import grid, store
-from workbench.sweeps.spec import Param, Sweep
 
 ray = pytest.importorskip("ray", reason="Ray is an optional extra (pip install -e '.[ray]'): the Ray executor's "
                                         "tests need it")
@@ -38,7 +38,7 @@ LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED":
 CORE = ("sweep", "params", "row")  # what a point computed; "meta" (host, pid, seconds, date) differs by run
 
 # GPU points, refused before any task is sent, so Ray's workers never need to find this sweep
-GPU_SWEEP = Sweep("_ray_gpu", "test", (Param("x", "int", 1, grid=(1, 2)),), lambda x: {"y": x}, notebook="-",
+GPU_SWEEP = Study("_ray_gpu", "test", (Param("x", "int", 1, grid=(1, 2)),), lambda x: {"y": x}, notebook="-",
                   panel="-", y=("y",), needs_gpu=lambda p: True)
 
 
@@ -131,10 +131,9 @@ def test_gpu_points_are_refused_on_a_cluster_without_gpus(cluster, tmp_path, mon
     """Refused before any task is sent, nothing written. No driver yet: ``run_ray`` connects to ``address``
     itself, and closes only the connection it opened. The test's sweep is registered for this test only: a sweep
     left in the registry would be one of every catalog test that follows in the same process."""
-    from workbench.sweeps import spec
+    from workbench.sweeps import catalog
 
-    sweeps.names()  # the catalog loaded first, so the removal below leaves it whole
-    monkeypatch.setitem(spec._SWEEPS, GPU_SWEEP.name, GPU_SWEEP)
+    monkeypatch.setitem(catalog._STUDIES, GPU_SWEEP.name, GPU_SWEEP)
     connected = ray.is_initialized()
     with pytest.raises(RuntimeError, match=r"need a GPU \(num_gpus=1\) and the Ray cluster at 127.0.0.1:\d+ has none"):
         sweeps.run(GPU_SWEEP, executor="ray", address=cluster.address, out=tmp_path, progress=False)

@@ -233,7 +233,7 @@ def test_prefetch_panel_rings_the_chosen_strategy_or_none(panels):
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
-    from workbench.ui.tier_panels import SHORT
+    from workbench.studies.tiers import SHORT
 
     p = panels["prefetch"]
     c = p.controls

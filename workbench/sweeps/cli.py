@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workbench.sweeps import executors, grid, runner, spec, store
+from workbench.sweeps import catalog, executors, grid, runner, store
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
-        print(spec.listing())
+        print(catalog.listing())
         return 0
     if args.name is None:
-        print("sweep: name a sweep (or --list):\n  " + ", ".join(spec.names()), file=sys.stderr)
+        print("sweep: name a sweep (or --list):\n  " + ", ".join(catalog.names()), file=sys.stderr)
         return 2
     try:
-        sweep = spec.get(args.name)
+        sweep = catalog.get(args.name)
         values = grid.parse(sweep, args.param, args.grid)
         if args.dry_run:  # the points, and which of them the journal already holds: what a run would do
             stem = runner.check_options(sweep, args.executor, args.workers, args.address, args.out, args.tag)

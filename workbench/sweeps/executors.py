@@ -7,6 +7,7 @@ A record is ``{"key", "sweep", "params", "row", "meta"}``, or, for a point that 
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import socket
 import time
@@ -14,6 +15,10 @@ import traceback
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
+
+from workbench.provenance import machine_meta
+from workbench.sweeps.catalog import get
+from workbench.sweeps.grid import point_key
 
 EXECUTORS = ("local", "ray")
 RAY_RETRIES = 3  # a task whose worker dies (killed, lost node) runs again, up to this many times
@@ -23,10 +28,6 @@ def execute_point(sweep_name: str, params: dict[str, Any], stamp: dict[str, str]
     """Run one point where this function is called (the driver, a pool process, a Ray worker) and stamp it with
     the machine it ran on and the driver's ``stamp`` (``commit``, and the ``run`` id every point of one run
     shares). A worker whose own checkout is at another commit (a Ray node) says so in ``worker_commit``."""
-    from workbench.provenance import machine_meta
-    from workbench.sweeps.grid import point_key
-    from workbench.sweeps.spec import get
-
     key = point_key(params)
     start = time.perf_counter()
     try:
@@ -53,8 +54,6 @@ def run_local(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], work
         for params in todo:
             yield execute_point(sweep_name, params, stamp)
         return
-    import multiprocessing as mp
-
     # spawn: a fresh interpreter per worker; fork after torch has started its threads can hang
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
         futures = [pool.submit(execute_point, sweep_name, params, stamp) for params in todo]
@@ -134,8 +133,6 @@ def run_ray(sweep_name: str, todo: Sequence[dict], stamp: dict[str, str], gpu: S
             try:
                 record = ray.get(ref)
             except ray.exceptions.RayError as e:  # retries spent (or the task lost): report this point, go on
-                from workbench.sweeps.grid import point_key
-
                 first = str(e).splitlines()[0] if str(e) else ""
                 record = {"key": point_key(params), "sweep": sweep_name, "params": params,
                           "error": f"{type(e).__name__}: {first}"}

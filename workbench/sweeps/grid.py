@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from workbench.sweeps.spec import Sweep
+from workbench.studies.base import Study
 
 
 def _split(flag: str, text: str) -> tuple[str, str]:
@@ -22,7 +22,7 @@ def _split(flag: str, text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
-def parse(sweep: Sweep, params: Iterable[str] = (), grids: Iterable[str] = ()) -> dict[str, tuple]:
+def parse(sweep: Study, params: Iterable[str] = (), grids: Iterable[str] = ()) -> dict[str, tuple]:
     """The value list of every parameter: ``--param`` texts give one value, ``--grid`` texts a comma list."""
     chosen: dict[str, tuple] = {}
     for flag, texts in (("--param", params), ("--grid", grids)):
@@ -41,7 +41,7 @@ def parse(sweep: Sweep, params: Iterable[str] = (), grids: Iterable[str] = ()) -
     return {p.name: chosen.get(p.name, p.grid) for p in sweep.params}
 
 
-def check_values(sweep: Sweep, values: Mapping[str, Sequence]) -> dict[str, tuple]:
+def check_values(sweep: Study, values: Mapping[str, Sequence]) -> dict[str, tuple]:
     """``values`` (name -> list) from Python: every name a parameter, every value allowed; the rest from the
     parameters' own ranges."""
     for name in values:

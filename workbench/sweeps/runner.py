@@ -9,15 +9,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from tqdm.auto import tqdm
+
+from workbench.provenance import machine_meta
+from workbench.studies.base import Study
 from workbench.sweeps import executors, grid, store
-from workbench.sweeps.spec import Sweep, get
+from workbench.sweeps.catalog import get
 
 
 @dataclass
 class SweepRun:
     """What a run did: the tidy files, the rows of the points it was asked for, how many ran and were reused."""
 
-    sweep: Sweep
+    sweep: Study
     json_path: Path
     csv_path: Path
     journal_path: Path
@@ -37,14 +42,14 @@ class SweepRun:
         return "\n".join(lines)
 
 
-def stem_for(sweep: Sweep, out: Path | str | None, tag: str | None) -> Path:
+def stem_for(sweep: Study, out: Path | str | None, tag: str | None) -> Path:
     if tag is not None and (not tag or any(c in tag for c in "/\\ ") or tag.startswith(".")):
         raise ValueError(f"tag: expected a file-name word (letters, digits, - or _), got {tag!r}")
     directory = store.OUT if out is None else Path(out)
     return directory / (f"{sweep.name}-{tag}" if tag else sweep.name)
 
 
-def check_options(sweep: Sweep, executor: str = "local", workers: int = 1, address: str | None = None,
+def check_options(sweep: Study, executor: str = "local", workers: int = 1, address: str | None = None,
                   out: Path | str | None = None, tag: str | None = None) -> Path:
     """Where the rows of a run with these options go (``out/<name>[-tag]``), every option checked (``ValueError``
     naming it); nothing is created."""
@@ -59,13 +64,13 @@ def check_options(sweep: Sweep, executor: str = "local", workers: int = 1, addre
     return stem_for(sweep, out, tag)
 
 
-def plan(sweep: Sweep | str, values: Mapping[str, Any] | None = None) -> tuple[Sweep, list[dict]]:
+def plan(sweep: Study | str, values: Mapping[str, Any] | None = None) -> tuple[Study, list[dict]]:
     """The sweep and its points, every value checked (nothing has run)."""
     sweep = get(sweep) if isinstance(sweep, str) else sweep
     return sweep, grid.points(grid.check_values(sweep, values or {}))
 
 
-def run(sweep: Sweep | str, values: Mapping[str, Any] | None = None, *, executor: str = "local", workers: int = 1,
+def run(sweep: Study | str, values: Mapping[str, Any] | None = None, *, executor: str = "local", workers: int = 1,
         address: str | None = None, out: Path | str | None = None, tag: str | None = None, fresh: bool = False,
         progress: bool = True, points: Sequence[dict] | None = None) -> SweepRun:
     """Run ``sweep`` over ``values`` (name -> list; unnamed parameters take their own range) or the given
@@ -85,8 +90,6 @@ def run(sweep: Sweep | str, values: Mapping[str, Any] | None = None, *, executor
         if missing:
             raise RuntimeError(f"executor ray: {missing}")
     elif any(gpu):
-        import torch
-
         if not torch.cuda.is_available():
             raise RuntimeError(f"sweep {sweep.name}: {sum(gpu)} of its {len(points)} points need a GPU and this "
                                "machine has none; run it on one, or with --executor ray on a cluster with GPUs")
@@ -98,8 +101,6 @@ def run(sweep: Sweep | str, values: Mapping[str, Any] | None = None, *, executor
     todo = [(p, g) for p, g, k in zip(points, gpu, keys, strict=True) if k not in journal]
     result = SweepRun(sweep, stem.with_suffix(".json"), stem.with_suffix(".csv"), journal.path, [],
                       reused=len(points) - len(todo))
-    from workbench.provenance import machine_meta
-
     stamp = {k: v for k, v in machine_meta().items() if k in ("commit", "run")}  # the driver's: one run id a run
     if executor == "ray":
         stream = executors.run_ray(sweep.name, [p for p, _ in todo], stamp, [g for _, g in todo], address)
@@ -134,6 +135,4 @@ def _values(points: Sequence[dict]) -> dict[str, list]:
 
 
 def _bar(name: str, total: int, initial: int, on: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, initial=initial, desc=f"sweep {name}", unit="point", disable=not on, leave=True)

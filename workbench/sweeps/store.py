@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.bench.harness import ensure_writable_dir
 from workbench.provenance import ROOT
-from workbench.sweeps.spec import META_KEYS
+from workbench.studies.base import META_KEYS
+from workbench.sweeps.catalog import get
+from workbench.sweeps.grid import point_key
 
 OUT = ROOT / "results" / "sweeps"  # git-ignored: what a user's sweep writes unless --out says otherwise
 COMMITTED = ROOT / "data" / "results" / "sweeps"  # what the notebooks show by default
@@ -29,8 +32,6 @@ FORMAT = "workbench-sweep/1"
 
 def ensure_dir(path: Path) -> Path:
     """``path`` created and writable, else ``ValueError`` naming ``out`` (before any point runs)."""
-    from workbench.bench.harness import ensure_writable_dir
-
     try:
         return ensure_writable_dir(path)
     except ValueError as e:
@@ -79,8 +80,6 @@ class Journal:
 def tidy_records(json_path: Path, sweep) -> list[dict]:
     """The journal records behind the tidy ``json_path`` of ``sweep`` (none when it is missing, another sweep's or
     not a sweep file); a row without every parameter (an older version of the sweep) is left out: it runs again."""
-    from workbench.sweeps.grid import point_key
-
     try:
         doc = json.loads(Path(json_path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -195,8 +194,6 @@ def load(path: Path | str) -> SweepFile:
 
 
 def _typed(sweep_name: str, row: dict) -> dict:
-    from workbench.sweeps.spec import get
-
     try:
         params = {p.name: p for p in get(sweep_name).params}
     except ValueError:

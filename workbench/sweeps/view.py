@@ -15,17 +15,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.sweeps.spec import Column, Sweep, get
+from workbench.provenance import machine_meta
+from workbench.studies.base import Column, Study
+from workbench.sweeps.catalog import get
+from workbench.sweeps.executors import execute_point
+from workbench.sweeps.runner import plan
+from workbench.sweeps.store import tidy
 
 NO_COLOR = "(none)"
 
 
-def column(sweep: Sweep, name: str) -> Column:
+def column(sweep: Study, name: str) -> Column:
     """``name``'s label and unit from the sweep's table; a column it lacks (a newer file's) reads as its words."""
     return sweep.column(name) or Column(name.replace("_", " "))
 
 
-def shown_value(sweep: Sweep, name: str, value) -> str:
+def shown_value(sweep: Study, name: str, value) -> str:
     """A held parameter as a title says it: ``block size = 16 tokens``."""
     c = column(sweep, name)
     return f"{c.label} = {value}" + (f" {c.unit}" if c.unit and not isinstance(value, str) else "")
@@ -47,7 +52,7 @@ def value_range(values: Sequence[float], yes_no: bool = False) -> list[float] | 
     return [lo if lo == 0 else lo - pad, hi + pad]
 
 
-def varying(rows: Sequence[Mapping], sweep: Sweep) -> dict[str, list]:
+def varying(rows: Sequence[Mapping], sweep: Study) -> dict[str, list]:
     """The parameters that take more than one value in ``rows``, in the sweep's order, each value list in the
     parameter's own order (its choices, else sorted)."""
     out = {}
@@ -59,7 +64,7 @@ def varying(rows: Sequence[Mapping], sweep: Sweep) -> dict[str, list]:
     return out
 
 
-def numeric_columns(rows: Sequence[Mapping], sweep: Sweep) -> list[str]:
+def numeric_columns(rows: Sequence[Mapping], sweep: Study) -> list[str]:
     """Columns that are numbers (or bools) in every row and are not parameters: what a y axis can show. The
     sweep's own ``y`` first."""
     params = {p.name for p in sweep.params}
@@ -123,7 +128,7 @@ class View:
         return out
 
 
-def select(rows: Sequence[Mapping], sweep: Sweep | str, x: str, y: str, color: str | None = None,
+def select(rows: Sequence[Mapping], sweep: Study | str, x: str, y: str, color: str | None = None,
            held: Mapping[str, Any] | None = None) -> View:
     """``rows`` of ``sweep`` as series of ``y`` against ``x``, one per value of ``color`` (None or
     :data:`NO_COLOR`: one series). Every other varying parameter is held at ``held[name]`` when given, else at the
@@ -172,14 +177,9 @@ def _number(value) -> float:
     return float(value) if isinstance(value, bool | int | float) else float("nan")
 
 
-def live_rows(sweep: Sweep | str, values: Mapping[str, Sequence] | None = None) -> list[dict]:
+def live_rows(sweep: Study | str, values: Mapping[str, Sequence] | None = None) -> list[dict]:
     """The tidy rows of ``sweep`` over ``values`` computed here and now, in this process, written nowhere (what
     a notebook panel shows live); a failed point raises."""
-    from workbench.provenance import machine_meta
-    from workbench.sweeps.executors import execute_point
-    from workbench.sweeps.runner import plan
-    from workbench.sweeps.store import tidy
-
     sweep, points = plan(sweep, values)
     stamp = {k: v for k, v in machine_meta().items() if k in ("commit", "run")}
     records = []

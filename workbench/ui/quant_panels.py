@@ -1,7 +1,8 @@
 """The quantization panel of notebook 03: pick a scheme and its knobs, see its memory and error against every
 other scheme's, per layer, and its measured decode speed.
 
-Like ``workbench.ui.panels``, it holds no logic: ``workbench.quant.study`` computes, ``quant_figures`` draws.
+Its controls, computation and figure are the ``quant`` study's (``workbench.studies.quant``), which the ``quant``
+sweep runs too; the measured decode rows are the panel's own.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import ipywidgets as W
 import torch
 
-from workbench.quant import study
-from workbench.ui import quant_figures
+from workbench import quant
+from workbench.bench import harness
+from workbench.quant.names import STUDY_GROUP_FAMILIES
+from workbench.studies.quant import QUANT, data_for, evaluate, synthetic
+from workbench.ui.controls import controls
 from workbench.ui.panels import Panel
 
 DECODE_PATTERN = "quant-decode-*.json"
@@ -23,8 +26,6 @@ def h200_decode_run(results_dir=None, where: Mapping | None = None) -> dict | No
     """The newest committed H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``,
     smoke and ``--tune`` runs left out): ``{"path", "info", "rows"}`` (``harness.load_runs``), None when there is
     none yet. Its ``path`` is what a notebook cites for the decode numbers."""
-    from workbench.bench import harness
-
     want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t} if where is None else where
     runs = harness.load_runs(DECODE_PATTERN, results_dir, want)
     return runs[-1] if runs else None
@@ -56,7 +57,6 @@ def measured_scheme(scheme, names) -> str | None:
     """The name among ``names`` (a benchmark's schemes) of the registry scheme that is ``scheme`` in every parameter
     (format, scales, symmetry, groups, fp16 residual, key mode), None when none is: a KIVI scheme with a residual
     or a group size the benchmark did not time has no row to stand for it (int2 K/tok R128 is not int2/token, R0)."""
-    from workbench import quant
 
     def params(s) -> dict:
         return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("name", "label")}
@@ -69,54 +69,30 @@ def quant_panel(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 
                 group: int = 3, num_queries: int = 64, seed: int = 0,
                 kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                 decode_rows: list[dict] | None = None) -> Panel:
-    """Scheme, scales, group size, residual window, key mode and the keys' outlier strength -> (a) bytes per token
-    against attention error for every scheme, (b) the choice's errors per layer, (c) measured decode speed.
+    """Scheme, scales, group size, residual window, key mode and the keys' outlier strength (the controls of
+    ``QUANT``) -> (a) bytes per token against attention error for every scheme, (b) the choice's errors per layer,
+    (c) measured decode speed.
 
     Args:
         num_layers, num_tokens, num_kv_heads, head_dim, group, num_queries, seed: the synthetic data
-            (``study.synthetic_kv`` keys, post-RoPE, and ``study.synthetic_queries``).
+            (``workbench.studies.quant.synthetic``: ``study.synthetic_kv`` keys, post-RoPE, and
+            ``study.synthetic_queries``).
         kv: ``(q, k, v)`` to study instead (post-RoPE, shapes as ``study.evaluate``); the outlier slider is then
             greyed out.
         decode_rows: the measured decode rows (default: :func:`h200_decode_rows`).
     """
     decode = h200_decode_rows() if decode_rows is None else decode_rows
-    studied: dict[float, tuple] = {}
+    captured = None if kv is None else data_for(*kv)
+    gqa = group  # the synthetic queries' GQA group; the control "group" is KIVI's group size
 
-    def data(outlier: float):
-        if outlier not in studied:
-            if kv is None:
-                k, v = study.synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, outlier_scale=outlier,
-                                          seed=seed)
-                k = study.apply_rope(k)
-                q = study.synthetic_queries(k, num_queries, group, seed=seed + 1)
-            else:
-                q, k, v = kv
-            rows = [r for r in study.summarize(study.evaluate_all(None, q, k, v)) if r["scheme"] != "fp32"]
-            studied[outlier] = (q, k, v, rows)
-        return studied[outlier]
-
-    controls = {
-        "family": W.Dropdown(options=list(study.FAMILIES), value="int4", description="scheme"),
-        # ordered coarse to fine; a slider so that, greyed out, it is plainly not in play
-        "granularity": W.SelectionSlider(options=["tensor", "head", "token"], value="tensor", description="scales"),
-        "group": W.SelectionSlider(options=[8, 16, 32, 64, 128], value=32, description="group size"),
-        "residual": W.IntSlider(value=128, min=0, max=256, step=32, description="fp16 residual"),
-        "outlier": W.IntSlider(value=8, min=1, max=10, description="key outliers (x)"),
-        "key_mode": W.ToggleButtons(options=[("per channel", "channel"), ("per token", "token")], value="channel",
-                                    description="keys"),
-    }
-
-    def compute(family, granularity, group, residual, key_mode, outlier):
-        q, k, v, rows = data(float(outlier))
-        L, T, H, D = k.shape
-        s = study.scheme_for(family, granularity, group, residual, key_mode, head_dim=D)
-        layers = study.evaluate(s, q, k, v)
-        selected = study.summarize(layers)[0]
-        front = study.pareto_front([*rows, selected] if selected["title"] not in {r["title"] for r in rows}
-                                   else rows)
-        decode_scheme = measured_scheme(s, dict.fromkeys(r["scheme"] for r in decode))
+    def compute(family, granularity, group, residual, outlier, key_mode):
+        data = captured or synthetic(num_layers, num_tokens, num_kv_heads, head_dim, gqa, num_queries, float(outlier),
+                                     seed)
+        e = evaluate(data, family, granularity, group, residual, key_mode)
+        L, T, H, D = data.k.shape
+        s, selected = e.scheme, e.selected
         note = ""
-        if family in study.GROUP_FAMILIES:
+        if family in STUDY_GROUP_FAMILIES:
             vg = s.value_group
             note = (f"keys per channel in groups of {group} tokens, values per token in groups of {vg} channels"
                     if key_mode == "channel" else f"keys and values per token in groups of {vg} channels")
@@ -127,16 +103,9 @@ def quant_panel(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 
                   else f"every token cast to {s.format_name}, no scales")
         setup = {"layers": L, "tokens": T, "heads": H, "head_dim": D, "stored": stored, "note": note,
                  "data": f"synthetic K/V (key outliers x{outlier})" if kv is None else "captured K/V"}
-        return {"selected": selected, "layers": layers, "schemes": rows, "front": front, "decode": decode,
-                "decode_scheme": decode_scheme, "setup": setup}
+        return {"selected": selected, "layers": e.layers, "schemes": data.schemes, "front": e.front,
+                "decode": decode, "decode_scheme": measured_scheme(s, dict.fromkeys(r["scheme"] for r in decode)),
+                "setup": setup}
 
-    def draw(r):
-        return quant_figures.quant_overview(**r)
-
-    return Panel(controls, compute, draw, live=False, enabled={
-        "granularity": lambda family, **_: family in study.SCALED_FAMILIES,
-        "group": lambda family, **_: family in study.GROUP_FAMILIES,
-        "residual": lambda family, **_: family in study.GROUP_FAMILIES,
-        "key_mode": lambda family, **_: family in study.GROUP_FAMILIES,
-        "outlier": lambda **_: kv is None,
-    })
+    enabled = {**QUANT.enabled, "outlier": lambda **_: kv is None}
+    return Panel(controls(QUANT), compute, QUANT.draw, live=False, enabled=enabled)

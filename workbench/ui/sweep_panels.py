@@ -14,7 +14,8 @@ from pathlib import Path
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from workbench.sweeps import runner, spec, store, view
+from workbench.studies.base import Study
+from workbench.sweeps import catalog, runner, store, view
 from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, wrap
 from workbench.ui.panels import Panel
 
@@ -26,7 +27,7 @@ MAX_TICKS = 12  # a numeric x with this many values or fewer is ticked at the va
 
 
 def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = None
-                ) -> tuple[spec.Sweep, dict[str, str]]:
+                ) -> tuple[Study, dict[str, str]]:
     """The sweep and its sources, ``{value: label}``: the file given first (when a path), then the sweep's
     committed files, then the git-ignored ones, then the live grid (when ``live`` is given)."""
     if not isinstance(name_or_path, str | Path):
@@ -40,9 +41,9 @@ def sources_for(name_or_path: str | Path, live: Mapping[str, Sequence] | None = 
             loaded = store.load(given)
         except ValueError as e:
             raise ValueError(f"name_or_path: {str(e).removeprefix('path: ')}") from None
-        sweep, first = spec.get(loaded.sweep), [given]
+        sweep, first = catalog.get(loaded.sweep), [given]
     else:
-        sweep = spec.get(str(name_or_path))
+        sweep = catalog.get(str(name_or_path))
     sources, seen = {}, set()
     for path in [*first, *store.files(sweep.name)]:
         if path.resolve() not in seen:  # the file given may also be one of the sweep's folders'
@@ -63,10 +64,10 @@ def _label(path: Path) -> str:
 
 def sweep_figure(v: view.View, source: str = "") -> go.Figure:
     """Lines over a numeric x (log axis over a wide range), grouped bars over a categorical one, markers for a
-    yes/no column; axes in the sweep's labels and units (``Sweep.columns``, values times the unit's scale), the y
+    yes/no column; axes in the sweep's labels and units (``Study.columns``, values times the unit's scale), the y
     range from the data (from 0 when nothing is negative). Series that coincide keep apart: each has its own marker
     and dash, and one that repeats another says so in the legend."""
-    sweep = spec.get(v.sweep)
+    sweep = catalog.get(v.sweep)
     scale = view.column(sweep, v.y).scale
     same = v.duplicates()
     fig = go.Figure()
@@ -109,7 +110,7 @@ def sweep_figure(v: view.View, source: str = "") -> go.Figure:
     return fig
 
 
-def _labelled(sweep: spec.Sweep, names) -> list[tuple[str, str]]:
+def _labelled(sweep: Study, names) -> list[tuple[str, str]]:
     return [(f"{view.column(sweep, n).label} [{n}]", n) for n in names]
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import math
 
-from workbench.sweeps.catalog import one_thread
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import Param, Study, one_thread
 
 # workbench.conformance.LEVELS and OPS (not imported here: the suite imports torch)
 LEVELS = ("smoke", "pairwise", "full")
@@ -63,7 +62,7 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
     return row
 
 
-# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column); * : a storage format
+# every column's label and unit on the panel's axes (workbench.studies.base.Column); * : a storage format
 CONFORMANCE_COLUMNS = {
     "impl": ("implementation",), "level": ("level",), "op": ("op",),
     "pass_rate": ("cases passed (share)",), "cases": ("cases",), "passed_cases": ("cases passed",),
@@ -74,7 +73,7 @@ CONFORMANCE_COLUMNS = {
     "worst_error_*": ("worst error, {} (-1: none finite)",),
 }
 
-register(Sweep(
+CONFORMANCE = Study(
     "conformance", "a registered kernel's conformance suite: cases passed and worst error against the tolerance", (
         Param("impl", "str", "reference", grid=BUILTIN,
               help=f"a registered implementation ({', '.join(BUILTIN)} by default, or your own)"),
@@ -82,4 +81,5 @@ register(Sweep(
                                                             "pair of axis values; full: for a GPU"),
         Param("op", "str", "decode", choices=OPS, help="the panel checks decode")),
     conformance_point, notebook="09_write_your_own_kernel", panel="conformance_panel", x="impl", color="level",
-    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol"), columns=CONFORMANCE_COLUMNS))
+    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol"), columns=CONFORMANCE_COLUMNS)
+STUDIES = (CONFORMANCE,)

@@ -14,8 +14,7 @@ from __future__ import annotations
 import functools
 import math
 
-from workbench.sweeps.catalog import BLOCK_SIZES
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import BLOCK_SIZES, Param, Study
 
 # workbench.bench.workloads.WORKLOADS, decode.DTYPES and decode.PEERS (not imported here: they import torch)
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
@@ -107,7 +106,7 @@ def decode_point(workload: str, layout: str, block_size: int, kv_dtype: str, pad
                     baseline=baseline, rep_ms=rep_ms, graph=graph, seed=seed)
 
 
-# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column); x_*: a baseline's time / ours
+# every column's label and unit on the panel's axes (workbench.studies.base.Column); x_*: a baseline's time / ours
 DECODE_COLUMNS = {
     "workload": ("workload",), "layout": ("layout",), "block_size": ("block size", "tokens"),
     "kv_dtype": ("KV dtype",), "pad": ("block stride padding", "elements"),
@@ -126,7 +125,7 @@ DECODE_COLUMNS = {
     "baseline_rel_err": ("baseline error vs float32 (relative)",),
 }
 
-register(Sweep(
+DECODE = Study(
     "decode", "the paged decode kernel timed on a GPU against a baseline: fraction of copy bandwidth by layout", (
         Param("workload", "str", "W1", choices=WORKLOADS, help="docs/workloads.md (W1: 64 x 4k GQA)"),
         Param("layout", "str", "nhd", choices=("nhd", "hnd", "vllm"), grid=("nhd", "hnd", "vllm")),
@@ -144,4 +143,5 @@ register(Sweep(
     decode_point, notebook="02_layouts_and_kernels", panel="decode_results_panel", x="block_size", color="layout",
     y=("frac_copy_bw", "frac_copy_bw_graph", "time_us", "time_us_graph", "x_baseline", "rel_err"),
     columns=DECODE_COLUMNS,
-    needs_gpu=lambda p: True))
+    needs_gpu=lambda p: True)
+STUDIES = (DECODE,)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from workbench import spec as model_spec
-from workbench.sweeps.catalog import BLOCK_SIZES
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import BLOCK_SIZES, Param, Study
 
 
 def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_requests: int, seed: int) -> dict:
@@ -24,7 +23,7 @@ def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_r
     return row
 
 
-# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column)
+# every column's label and unit on the panel's axes (workbench.studies.base.Column)
 MEMORY_COLUMNS = {
     "model": ("model",), "kv_dtype": ("KV dtype",), "block_size": ("block size", "tokens"),
     "max_len": ("maximum length", "tokens"), "num_requests": ("requests",), "seed": ("seed",),
@@ -38,7 +37,7 @@ MEMORY_COLUMNS = {
     "contiguous_reservation_gib": ("contiguous: reserved for future tokens", "GiB"),
 }
 
-register(Sweep(
+MEMORY = Study(
     "memory", "contiguous reservation vs paged blocks: where a batch's KV memory goes", (
         Param("model", "str", "llama-7b", choices=tuple(sorted(model_spec.MODELS))),
         Param("kv_dtype", "str", "fp16", choices=("fp16", "fp8_e4m3", "int4"), help="bytes per element"),
@@ -47,7 +46,7 @@ register(Sweep(
         Param("num_requests", "int", 64, minimum=1, maximum=4096),
         Param("seed", "int", 0, minimum=0)),
     memory_point, notebook="00_tour", panel="memory_panel", x="block_size", color="max_len",
-    y=("paged_token_share", "contiguous_token_share", "paged_gib", "contiguous_gib", "saving"), columns=MEMORY_COLUMNS))
+    y=("paged_token_share", "contiguous_token_share", "paged_gib", "contiguous_gib", "saving"), columns=MEMORY_COLUMNS)
 
 
 def sharing_point(num_requests: int, system_len: int, samples: int, gen_len: int, block_size: int,
@@ -71,7 +70,7 @@ SHARING_COLUMNS = {
     "sequences": ("sequences",),
 }
 
-register(Sweep(
+SHARING = Study(
     "sharing", "a shared system prompt across requests that fork parallel samples: blocks saved", (
         Param("num_requests", "int", 4, minimum=1, maximum=256, grid=(1, 2, 4, 8, 12)),
         Param("system_len", "int", 40, minimum=0, maximum=4096, grid=(0, 16, 40, 64, 128)),
@@ -80,7 +79,7 @@ register(Sweep(
         Param("block_size", "int", 16, choices=(1, 2, 4, 8, 16, 32, 64), grid=(4, 8, 16, 32)),
         Param("prefix_caching", "bool", True, grid=(True, False))),
     sharing_point, notebook="01_allocator_and_sharing", panel="sharing_panel", x="system_len", color="block_size",
-    y=("memory_saved", "blocks_used", "blocks_unshared", "cow_copies", "prefix_hits"), columns=SHARING_COLUMNS))
+    y=("memory_saved", "blocks_used", "blocks_unshared", "cow_copies", "prefix_hits"), columns=SHARING_COLUMNS)
 
 
 def coalescing_point(layout: str, kind: str, block_size: int, head_dim: int, kv_dtype: str, pad: int, block_n: int,
@@ -110,7 +109,7 @@ COALESCING_COLUMNS = {
     "aligned": ("block stride 128-byte aligned",),
 }
 
-register(Sweep(
+COALESCING = Study(
     "coalescing", "128-byte lines and 32-byte sectors a warp's reads touch, by layout, block size and padding", (
         Param("layout", "str", "nhd", choices=("nhd", "hnd", "vllm"), grid=("nhd", "hnd", "vllm")),
         Param("kind", "str", "k", choices=("k", "v"), grid=("k", "v")),
@@ -122,7 +121,7 @@ register(Sweep(
         Param("num_kv_heads", "int", 8, minimum=1, maximum=128)),
     coalescing_point, notebook="02_layouts_and_kernels", panel="coalescing_panel", x="block_size", color="layout",
     y=("tile_line_eff", "tile_sector_eff", "token_line_eff", "tile_lane_bytes", "tile_lines_per_request"),
-    columns=COALESCING_COLUMNS))
+    columns=COALESCING_COLUMNS)
 
 
 def fragmentation_point(trace: str, strategy: str, block_size: int, kv_gib: float, compact_every: int,
@@ -153,7 +152,7 @@ FRAGMENTATION_COLUMNS = {
     "slots": ("KV slots", "tokens"),
 }
 
-register(Sweep(
+FRAGMENTATION = Study(
     "fragmentation", "the serving simulator: where the memory goes per strategy and block size (vLLM Figure 2)", (
         Param("trace", "str", "sharegpt", choices=("sharegpt", "alpaca")),
         Param("strategy", "str", "paged", choices=("paged", "paged-prealloc", "paged-adaptive", "orca-max",
@@ -165,4 +164,5 @@ register(Sweep(
         Param("model", "str", "llama-13b", choices=tuple(sorted(model_spec.MODELS)))),
     fragmentation_point, notebook="04_fragmentation_and_compaction", panel="fragmentation_panel", x="block_size",
     color="strategy", y=("share_token_states", "share_internal", "share_reservation", "share_external",
-                         "mean_batch", "throughput", "preemptions"), columns=FRAGMENTATION_COLUMNS))
+                         "mean_batch", "throughput", "preemptions"), columns=FRAGMENTATION_COLUMNS)
+STUDIES = (MEMORY, SHARING, COALESCING, FRAGMENTATION)

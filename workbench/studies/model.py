@@ -15,8 +15,7 @@ import functools
 
 from workbench.quant.names import AGREEMENT_GRID
 from workbench.quant.names import AGREEMENT_SCHEMES as SCHEMES  # workbench.quant.SCHEMES less fp16, the reference
-from workbench.sweeps.catalog import one_thread
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import Param, Study, one_thread
 
 # workbench.model.capture.PROMPTS (the agreement panel's prompts, by name)
 PROMPTS = ("chat_question", "code", "prose", "numbers", "chat_instructions")
@@ -91,7 +90,7 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
             "ref_text": tok.decode(r["ref_tokens"]), "ops": ops, "note": r["note"]}
 
 
-# every column's label and unit on the panel's axes (workbench.sweeps.spec.Column)
+# every column's label and unit on the panel's axes (workbench.studies.base.Column)
 AGREEMENT_COLUMNS = {
     "scheme": ("KV scheme",), "prompt": ("prompt",), "new_tokens": ("new tokens",), "device": ("device",),
     "equal_share": ("leading tokens equal to fp16's (share)",), "equal": ("leading tokens equal to fp16's",),
@@ -105,7 +104,7 @@ AGREEMENT_COLUMNS = {
     "quantized_tokens": ("tokens quantized",), "cached_tokens": ("tokens in the cache",),
 }
 
-register(Sweep(
+AGREEMENT = Study(
     "agreement", "a quantized KV cache's greedy run on SmolLM2-135M against the fp16 cache's: tokens and log-probs", (
         Param("scheme", "str", "int4/token", choices=SCHEMES, grid=AGREEMENT_GRID,
               help="the cache's workbench.quant scheme (fp16 is the reference)"),
@@ -114,4 +113,5 @@ register(Sweep(
         Param("device", "str", "cpu", choices=("cpu", "cuda"), help="cuda: fp16 weights and the Triton kernels")),
     agreement_point, notebook="06_real_model", panel="agreement_panel", x="scheme", color="prompt",
     y=("equal_share", "first_divergence", "max_drift", "mean_abs_drift", "bytes_ratio"), columns=AGREEMENT_COLUMNS,
-    needs_gpu=lambda p: p["device"] == "cuda"))
+    needs_gpu=lambda p: p["device"] == "cuda")
+STUDIES = (AGREEMENT,)

@@ -5,7 +5,7 @@ here; ``forks`` runs the block-sharing model of ``workbench.sim.forks`` on the c
 
 from __future__ import annotations
 
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import Param, Study
 
 # the controls of workbench.ui.shared_prefix_panels (not imported here: the core imports without UI libraries)
 PREFIXES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -46,7 +46,7 @@ def scenario_point(prefix: int, sharers: int, suffix: int, gqa: str, rows_per_ti
             "block_reads_cascade": sum(len(p["blocks"]) for p in cascade), "model_source": model.source}
 
 
-# every column's label and unit on the panels' axes (workbench.sweeps.spec.Column)
+# every column's label and unit on the panels' axes (workbench.studies.base.Column)
 STEP_MB = "MB a step, one layer"
 SCENARIO_COLUMNS = {
     "prefix": ("shared prefix", "tokens"), "sharers": ("sequences sharing the prefix",),
@@ -63,7 +63,7 @@ SCENARIO_COLUMNS = {
     "block_reads_cascade": ("block reads, cascade (one kv head)",),
 }
 
-register(Sweep(
+SCENARIO = Study(
     "scenario", "a shared-prefix batch: bytes and predicted time of plain decode and the cascade, and the pick", (
         Param("prefix", "int", 1024, choices=PREFIXES, grid=(128, 1024, 8192, 32768), help="shared prefix tokens"),
         Param("sharers", "int", 8, choices=SHARERS, grid=(1, 4, 16, 64)),
@@ -74,7 +74,7 @@ register(Sweep(
         Param("timing", "str", "graph", choices=("graph", "eager"), help="cost model fitted on CUDA graphs or eager")),
     scenario_point, notebook="08_shared_prefix", panel="scenario_panel", x="prefix", color="sharers",
     y=("predicted_speedup", "plain_mb", "cascade_mb", "plain_us", "cascade_us", "cascade_chosen"),
-    columns=SCENARIO_COLUMNS))
+    columns=SCENARIO_COLUMNS)
 
 
 def forks_point(trace: str, mode: str, p_top: float, n: int, requests: int) -> dict:
@@ -96,7 +96,7 @@ FORKS_COLUMNS = {
     "paper_high_pct": ("vLLM paper, high end", "%"), "in_paper_range": ("within the paper's range",),
 }
 
-register(Sweep(
+FORKS = Study(
     "forks", "memory saved by block sharing in parallel sampling and beam search, against the vLLM paper", (
         Param("trace", "str", "alpaca", choices=("alpaca", "sharegpt"), grid=("alpaca", "sharegpt")),
         Param("mode", "str", "parallel", choices=("parallel", "beam"), grid=("parallel", "beam")),
@@ -104,4 +104,5 @@ register(Sweep(
         Param("n", "int", 2, choices=WIDTHS, grid=WIDTHS, help="samples or beam width"),
         Param("requests", "int", 200, minimum=1, maximum=100000, help="the first requests of the trace")),
     forks_point, notebook="08_shared_prefix", panel="forks_panel", x="n", color="mode",
-    y=("saving_pct", "paper_low_pct", "paper_high_pct"), columns=FORKS_COLUMNS))
+    y=("saving_pct", "paper_low_pct", "paper_high_pct"), columns=FORKS_COLUMNS)
+STUDIES = (SCENARIO, FORKS)

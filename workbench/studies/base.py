@@ -1,16 +1,18 @@
-"""What a sweep is: named parameters with types and allowed values, and one pure function per point.
+"""What a study is: one notebook panel and its sweep, declared once. Its parameters (types, allowed values, the
+panel's controls), one pure function per point, the columns' labels and units, and the panel's figure.
 
-A :class:`Sweep` is the terminal's form of a notebook panel: its parameters are the panel's controls, its
-``point`` is the package function the panel calls, reduced to one flat row of numbers. The registry is filled
-by :mod:`workbench.sweeps.catalog` on first use, so importing this module costs nothing.
+A :class:`Study` is what its panel and the ``python -m workbench sweep`` command share: the panel builds its
+controls from ``params`` (``workbench.ui.controls``), computes with the study's module and draws with ``draw``;
+the sweep runs ``point`` over a grid of the same parameters, one flat row a point. Importing this module costs
+nothing (no torch, no plotly).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import importlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,13 +22,16 @@ META_KEYS = ("seconds", "gpu", "cpu", "torch", "triton", "cuda", "python", "comm
              "worker_commit")
 RESERVED = ("sweep", *META_KEYS)
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens a block: the panels' block-size choices
+WIDGETS = ("", "dropdown", "toggle", "slider")  # how a panel shows a parameter ("": by its kind, workbench.ui.controls)
 
 
 @dataclass(frozen=True)
 class Param:
     """One parameter: its type (``int``/``float``/``str``/``bool``), its default, and either ``choices`` or
     bounds. ``grid`` is the range the sweep covers when no ``--grid`` names this parameter (default: the
-    default alone)."""
+    default alone). As a panel's control: ``label`` its short description (default the name), ``labels`` the
+    words shown for some values (value -> text), ``widget`` a form other than its kind's (``WIDGETS``)."""
 
     name: str
     kind: str
@@ -36,10 +41,15 @@ class Param:
     maximum: float | None = None
     grid: tuple = ()
     help: str = ""
+    label: str = ""
+    labels: Mapping[Any, str] = field(default_factory=dict, hash=False)
+    widget: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"Param {self.name!r}: kind must be one of {sorted(KINDS)}, got {self.kind!r}")
+        if self.widget not in WIDGETS:
+            raise ValueError(f"Param {self.name!r}: widget must be one of {WIDGETS}, got {self.widget!r}")
         object.__setattr__(self, "default", self.check(self.default))
         object.__setattr__(self, "grid", tuple(self.check(v) for v in self.grid) or (self.default,))
 
@@ -97,13 +107,18 @@ class Column:
 
 
 @dataclass(frozen=True)
-class Sweep:
-    """A named sweep: ``point(**params) -> dict`` of numbers (one tidy row per point, the parameters are added
-    by the runner). ``needs_gpu(params)`` says whether a point needs a GPU (a Ray task then asks for one);
-    ``notebook`` and ``panel`` name where it is plotted; ``x``/``y``/``color`` are the panel's default axes.
-    ``columns`` labels every parameter and result column (name -> :class:`Column` or ``(label, unit[, scale])``;
-    a name with ``*`` matches a family of columns, ``{}`` in its label taking the matched part): what the panel
-    writes on its axes instead of the column's name."""
+class Study:
+    """A notebook panel and its sweep. ``point(**params) -> dict``: one flat row of numbers (the parameters are
+    added by the sweep's runner), a pure function of the parameters. ``needs_gpu(params)`` says whether a point
+    needs a GPU (a Ray task then asks for one); ``notebook`` and ``panel`` name where it is shown; ``x``/``y``/
+    ``color`` are the sweep panel's default axes. ``columns`` labels every parameter and result column (name ->
+    :class:`Column` or ``(label, unit[, scale])``; a name with ``*`` matches a family of columns, ``{}`` in its label
+    taking the matched part): what a plot writes on its axes instead of the column's name.
+
+    The panel: ``controls`` are the parameters it shows as controls, in its order (the others are the panel's
+    arguments), ``enabled[name](**values)`` says whether control ``name`` matters for the other values (greyed out
+    when not), and ``draw(result)`` is its figure of what it computed (plotly is imported there: the core runs
+    without it)."""
 
     name: str
     description: str
@@ -116,31 +131,34 @@ class Sweep:
     color: str | None = None
     needs_gpu: Callable[[Mapping[str, Any]], bool] = field(default=lambda _params: False)
     columns: Mapping[str, Column | tuple] = field(default_factory=dict)
+    controls: tuple[str, ...] = ()
+    enabled: Mapping[str, Callable[..., bool]] = field(default_factory=dict)
+    draw: Callable[..., Any] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "columns", {k: c if isinstance(c, Column) else Column(*c)
                                              for k, c in self.columns.items()})
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
-            raise ValueError(f"sweep {self.name!r}: parameter names repeat: {names}")
+            raise ValueError(f"study {self.name!r}: parameter names repeat: {names}")
         clash = sorted(set(names) & set(RESERVED))
         if clash:
-            raise ValueError(f"sweep {self.name!r}: parameters {clash} would clash with a tidy row's own columns "
+            raise ValueError(f"study {self.name!r}: parameters {clash} would clash with a tidy row's own columns "
                              f"({', '.join(RESERVED)})")
-        for axis in (self.x, self.color):
+        for axis in (self.x, self.color, *self.controls, *self.enabled):
             if axis is not None and axis not in names:
-                raise ValueError(f"sweep {self.name!r}: axis {axis!r} is not a parameter ({', '.join(names)})")
+                raise ValueError(f"study {self.name!r}: {axis!r} is not a parameter ({', '.join(names)})")
 
     def param(self, name: str) -> Param:
         for p in self.params:
             if p.name == name:
                 return p
-        raise ValueError(f"sweep {self.name!r} has no parameter {name!r}; its parameters: "
+        raise ValueError(f"study {self.name!r} has no parameter {name!r}; its parameters: "
                          f"{', '.join(p.name for p in self.params)}")
 
     def column(self, name: str) -> Column | None:
         """The label and unit of column ``name`` (exact, else the first ``*`` pattern that matches), None if the
-        sweep's table has none."""
+        study's table has none."""
         if name in self.columns:
             return self.columns[name]
         for pattern, c in self.columns.items():
@@ -158,45 +176,16 @@ class Sweep:
         return {p.name: p.grid for p in self.params if len(p.grid) > 1}
 
 
-_SWEEPS: dict[str, Sweep] = {}
-# the catalog's modules, imported on first use (each registers its sweeps): the registry stays cheap to import
-CATALOG = ("cache", "quant", "tiers", "compress", "shared_prefix", "model", "conformance", "kernels")
-_loaded = False
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """One torch thread while a point runs: the small tensors of the compression, model and conformance points
+    (two threads stall each other on a shared 2-core CPU: a smoke check of ``reference`` took 0.4 s on one thread,
+    6 to 10 s on two), and a row that does not depend on the caller's thread count."""
+    import torch  # here: this module stays free of torch (the sweep command's listing, the registry)
 
-
-def register(sweep: Sweep) -> Sweep:
-    if sweep.name in _SWEEPS and _SWEEPS[sweep.name] is not sweep:
-        raise ValueError(f"a sweep named {sweep.name!r} is already registered")
-    _SWEEPS[sweep.name] = sweep
-    return sweep
-
-
-def _load() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in CATALOG:
-            importlib.import_module(f"workbench.sweeps.catalog.{module}")
-
-
-def names() -> list[str]:
-    _load()
-    return sorted(_SWEEPS)
-
-
-def get(name: str) -> Sweep:
-    _load()
-    if name not in _SWEEPS:
-        raise ValueError(f"unknown sweep {name!r}; choose from {', '.join(sorted(_SWEEPS))}")
-    return _SWEEPS[name]
-
-
-def listing(sweeps: Sequence[Sweep] | None = None) -> str:
-    """``sweep --list``: every sweep, where it is plotted, and its parameters."""
-    lines = []
-    for s in sweeps or [get(n) for n in names()]:
-        gpu = " [GPU]" if s.needs_gpu(s.defaults()) else ""
-        lines.append(f"{s.name}{gpu}: {s.description} (notebook {s.notebook}, {s.panel})")
-        lines.extend(f"    {p.describe()}" for p in s.params)
-        lines.append(f"    plotted: {', '.join(s.y)}")
-    return "\n".join(lines)
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import functools
 import math
 
-from workbench.sweeps.catalog import one_thread
-from workbench.sweeps.spec import Param, Sweep, register
+from workbench.studies.base import Param, Study, one_thread
 
 # workbench.compress.policies.NAMES less "full", workbench.model.capture.PROMPTS and SAVED_LAYERS, and the sliders
 # of workbench.ui.compress_panels (not imported here: they import torch, the panels widgets)
@@ -55,7 +54,7 @@ def sparsification_point(policy: str, budget: float, window: int, sinks: int, bl
 
 
 ERR = "relative L2"
-# every column's label and unit on the panels' axes (workbench.sweeps.spec.Column)
+# every column's label and unit on the panels' axes (workbench.studies.base.Column)
 SPARSIFICATION_COLUMNS = {
     "policy": ("policy",), "budget": ("budget (share of the prompt)",), "window": ("window", "tokens"),
     "sinks": ("sink tokens",), "block_size": ("block size", "tokens"), "partial": ("partly dropped blocks",),
@@ -71,7 +70,7 @@ SPARSIFICATION_COLUMNS = {
     "applied_budget": ("the policy's own budget",),
 }
 
-register(Sweep(
+SPARSIFICATION = Study(
     "sparsification", "one sparsification policy on the real K/V: attention-output error against the blocks kept", (
         Param("policy", "str", "h2o", choices=POLICIES, grid=POLICIES),
         Param("budget", "float", 0.25, choices=BUDGETS, grid=(0.1, 0.25, 0.5),
@@ -84,7 +83,7 @@ register(Sweep(
         Param("prompt", "str", "chat_question", choices=PROMPTS),
         Param("layer", "int", 18, choices=LAYERS, help="the layer of layer_error and attention_read")),
     sparsification_point, notebook="07_compression", panel="sparsification_panel", x="budget", color="policy",
-    y=("error", "memory", "blocks_kept", "layer_error", "attention_read"), columns=SPARSIFICATION_COLUMNS))
+    y=("error", "memory", "blocks_kept", "layer_error", "attention_read"), columns=SPARSIFICATION_COLUMNS)
 
 
 def _quest_run(run: str) -> dict:
@@ -137,7 +136,7 @@ QUEST_COLUMNS = {
     "timed_share": ("timed budget (share)",), "best_budget_tokens": ("budget of the best speedup", "tokens"),
 }
 
-register(Sweep(
+QUEST = Study(
     "quest", "Quest's recall on the real activations by page size and budget, beside the H200's measured speedup", (
         Param("page_size", "int", 16, choices=QUEST_PAGE_SIZES, grid=QUEST_PAGE_SIZES),
         Param("share", "float", 0.2, choices=QUEST_SHARES, grid=(0.05, 0.1, 0.2, 0.3, 0.5),
@@ -147,4 +146,5 @@ register(Sweep(
         Param("quest_run", "str", "latest", help="latest, or a committed quest-*.json file name in data/results")),
     quest_point, notebook="07_compression", panel="quest_panel", x="share", color="page_size",
     y=("recall", "recall_per_head", "recall_oracle", "read", "speedup_graph", "best_speedup_graph"),
-    columns=QUEST_COLUMNS))
+    columns=QUEST_COLUMNS)
+STUDIES = (SPARSIFICATION, QUEST)
