@@ -68,11 +68,15 @@ def tuning_table(name: str, gpu: str | None = None) -> tuple[str, list[dict]]:
     file's ``default`` GPU when that one was not measured. Entries are the file's dicts, as written."""
     doc = json.loads((TUNING / f"{name}.json").read_text())
     if gpu is None:
-        import torch
-
         gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
     chosen = gpu if gpu in doc["gpus"] else doc["default"]
     return chosen, doc["gpus"][chosen]["entries"]
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for ``n >= 1`` in plain Python (triton's goes through a constexpr-function wrapper:
+    ~1 us a call, on the per-call path)."""
+    return 1 << (n - 1).bit_length()
 
 
 def describe(t) -> str:
@@ -80,6 +84,18 @@ def describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return type(t).__name__
     return f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}"
+
+
+def output_buffer(name: str, t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, dev) -> torch.Tensor:
+    """A caller's output buffer after its checks (shape, dtype, device, unit last stride), or a new one."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=dev)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype or t.device != dev \
+            or (len(shape) > 1 and shape[-1] and t.stride(-1) != 1):
+        kind = {torch.float32: "fp32", torch.int32: "int32"}.get(dtype, str(dtype))
+        raise ValueError(f"{name} must be an {kind} {list(shape)} tensor on {dev} with unit last stride, got "
+                         f"{describe(t)}")
+    return t
 
 
 # ---- quantized caches (workbench.quant) -------------------------------------------------

@@ -27,11 +27,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
-    """``triton.next_power_of_2`` for ``n >= 1`` in plain Python."""
-    return 1 << (n - 1).bit_length()
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -79,12 +74,12 @@ def decode_config(
                 "num_warps": 4, "num_stages": 1, "use_dot": True}
     t = _tuning()
     elem = kv_dtype.itemsize
-    tile = t["tile_bytes"] // (elem * _next_pow2(head_dim))  # tokens in one tile's bytes of K
+    tile = t["tile_bytes"] // (elem * common.next_pow2(head_dim))  # tokens in one tile's bytes of K
     block_n = max(t["min_block_n"], min(t["max_block_n"], 1 << (tile.bit_length() - 1) if tile > 0 else 16))
     max_seq_len = max(1, max_seq_len)
     mean = min(float(mean_seq_len or max_seq_len), max_seq_len)
     work = batch * num_kv_heads * mean  # token-heads to read
-    smem = 3 * block_n * _next_pow2(head_dim) * elem * 2 + 6144  # 3 K+V buffers at 4 stages
+    smem = 3 * block_n * common.next_pow2(head_dim) * elem * 2 + 6144  # 3 K+V buffers at 4 stages
     slots = num_sms * max(1, min(t["max_programs_per_sm"], t["smem_per_sm"] // (smem + 1024)))  # resident programs
     ragged = mean < t["ragged_below"] * max_seq_len
     target = work / (t["ragged_factor"] * slots) if ragged else work / slots  # tokens per program
@@ -166,12 +161,12 @@ def _launch_plan(layout, Hq, D, hkv, block_size, q_dtype, kv_dtype, k_shape, k_s
     v_split = [_stride_split(s) for s in (va.s_blk, va.s_tok, va.s_head, va.s_d if v_trans else 1)]
     k_strides, k_mult = [s for s, _ in k_split], [f for _, f in k_split]
     v_strides, v_mult = [s for s, _ in v_split], [f for _, f in v_split]
-    block_d = _next_pow2(D)
+    block_d = common.next_pow2(D)
     kx = ka.x if layout is Layout.VLLM else block_d
     # [D // x, pages, run] key tiles need a page's x-chunks back to back and whole pages or whole tiles
     k3d = (k3d_ok and layout is Layout.VLLM and use_dot and (block_size == 1 or ka.s_tok == kx)
            and (block_size % block_n == 0 or block_n % block_size == 0))
-    g_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
+    g_pad = max(16, common.next_pow2(group)) if use_dot else common.next_pow2(group)
     constexprs = dict(
         G=group, G_PAD=g_pad, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_N=block_n, PAGE=block_size, KX=kx,
         V_TRANS=v_trans, USE_DOT=use_dot, IEEE=q_dtype == torch.float32 or (interp and q_dtype == torch.bfloat16),

@@ -264,11 +264,11 @@ class DecodePlan:
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,
                      _lse=torch.empty((B, Hq, splits), dtype=torch.float32, device=device) if scratch else None,
                      _o_part_shape=(B, Hq, splits, D), _reduce_grid=(Hq, B),
-                     _reduce_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=_config._next_pow2(splits),
+                     _reduce_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=common.next_pow2(splits),
                                      num_warps=4))
             if f["return_lse"]:  # the merge of the partials [B, Hq, S, D] / [B, Hq, S] into out and lse
                 f.update(_merge_args=(Hq * splits * D, D, splits * D, Hq * splits, 1, splits),
-                         _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, _config._next_pow2(splits)),
+                         _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, common.next_pow2(splits)),
                                         HAS_N=True, N_FROM_LEN=True, num_warps=4))
         return _fill(self, f)
 

@@ -10,7 +10,7 @@ Dense (pure torch) helpers for studies, used by ``workbench.compress.policies`` 
 - :func:`quest_recall` the share of the true attention mass inside the chosen pages (per-head choice, the shared
   choice a paged cache can use, and the oracle shared choice).
 
-On the paged cache (``PagedKVCache(..., key_bounds=True)`` keeps the bounds per block, ``kernels/quest.py``):
+On the paged cache (``PagedKVCache(..., key_bounds=True)`` keeps the bounds per block, ``kernels/quest/``):
 
 - :func:`select_pages` the top pages of each sequence as a compacted block table and lengths (PyTorch, on device).
 - :class:`QuestDecode` / :func:`quest_decode` scores -> top-k and compacted table -> the paged decode kernel.
