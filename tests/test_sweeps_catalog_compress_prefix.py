@@ -153,8 +153,9 @@ def test_scenario_row_is_the_study_scenario_the_panel_builds(defaults):
     pytest.importorskip("anywidget")
     from workbench.ui import shared_prefix_panels as spp
 
-    assert (csp.PREFIXES, csp.SHARERS, csp.SUFFIXES, csp.GQAS) == (spp.PREFIXES, spp.SHARERS, spp.SUFFIXES, spp.GQAS)
     p = spp.scenario_panel(prefix=32768, sharers=64)
+    assert list(p.controls) == list(csp.SCENARIO.controls)
+    assert p.controls["prefix"].options == csp.PREFIXES and p.controls["sharers"].options == csp.SHARERS
     for name, value in (("groups", 8), ("timing", "eager")):
         p.controls[name].value = value
     got = p.compute()["sc"]
@@ -171,18 +172,18 @@ def test_forks_row_is_the_lifetime_saving_of_a_panel_bar(defaults):
     row = defaults["forks"]
     assert 0 < row["saving_pct"] < 100 and row["paper_low_pct"] < row["paper_high_pct"]
     assert row["saving_pct"] == 100 * forks.lifetime_saving("alpaca", "parallel", 2, p_top=0.25, requests=200)
-    assert (csp.WIDTHS, csp.DEFAULT_P_TOP) == (forks.WIDTHS, forks.DEFAULT_P_TOP)
+    assert csp.FORKS.param("n").choices is forks.WIDTHS and csp.FORKS.param("p_top").default == forks.DEFAULT_P_TOP
     pytest.importorskip("ipywidgets")
     pytest.importorskip("plotly")
     pytest.importorskip("anywidget")
     from workbench.ui import shared_prefix_panels as spp
 
     p = spp.forks_panel(requests=20)
-    assert tuple(p.controls["p_top"].options) == csp.P_TOPS and p.controls["p_top"].value == csp.DEFAULT_P_TOP
+    assert tuple(p.controls["p_top"].options) == csp.P_TOPS and p.controls["p_top"].value == forks.DEFAULT_P_TOP
     bars = {r["n"]: r["saving_pct"] for r in p.compute()["rows"]}  # as built: alpaca, parallel sampling
     point = sweeps.get("forks").point
     assert bars == {n: point(trace="alpaca", mode="parallel", p_top=0.25, n=n, requests=20)["saving_pct"]
-                    for n in csp.WIDTHS}
+                    for n in forks.WIDTHS}
 
 
 def test_runner_runs_a_small_forks_grid_and_resumes(tmp_path):

@@ -1,9 +1,10 @@
 """The panels of notebook 08: a shared-prefix batch and what each path reads, the measured crossover map, batching
 by overlap, and sharing in the serving simulator.
 
-Like ``workbench.ui.panels``, they hold no logic: ``workbench.shared_prefix.study`` builds the batches and asks the
-selector, ``workbench.bench.shared_prefix_results`` reads the committed H200 runs, ``workbench.sim.forks`` runs the
-parallel-sampling and beam-search groups, ``shared_prefix_figures`` draws.
+The scenario and forks panels are the controls, computation and figures of their studies
+(``workbench.studies.shared_prefix``), which the ``scenario`` and ``forks`` sweeps run too; the others read the
+committed H200 runs (``workbench.bench.shared_prefix_results``) or batch by overlap (``workbench.shared_prefix.study``).
+``shared_prefix_figures`` draws.
 """
 
 from __future__ import annotations
@@ -16,36 +17,19 @@ from workbench.bench import shared_prefix_results as measured
 from workbench.shared_prefix import study
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
+from workbench.studies import shared_prefix as sp
 from workbench.ui import shared_prefix_figures as spf
+from workbench.ui.controls import controls
 from workbench.ui.figures import wrap
 from workbench.ui.panels import Panel
 
-PREFIXES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-SHARERS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-SUFFIXES = (16, 64, 128, 256, 512, 1024, 2048)
-GQAS = {"32 q / 8 kv heads": (32, 8), "32 q / 32 kv (MHA)": (32, 32), "32 q / 4 kv": (32, 4)}
-
-
 def scenario_panel(prefix: int = 1024, sharers: int = 8, suffix: int = 128, max_programs: int = 24) -> Panel:
-    """Prefix, sharers, suffix, GQA, tile rows, forks and timing -> bytes and predicted time of both paths, and the
-    blocks every program reads."""
-    controls = {
-        "prefix": W.SelectionSlider(options=PREFIXES, value=prefix, description="shared prefix"),
-        "sharers": W.SelectionSlider(options=SHARERS, value=sharers, description="sharers"),
-        "suffix": W.SelectionSlider(options=SUFFIXES, value=suffix, description="private suffix"),
-        "gqa": W.Dropdown(options=list(GQAS), value="32 q / 8 kv heads", description="heads"),
-        "rows_per_tile": W.SelectionSlider(options=(16, 32, 64, 128), value=64, description="tile rows"),
-        "groups": W.SelectionSlider(options=(1, 2, 4, 8), value=1, description="fork groups"),
-        "timing": W.ToggleButtons(options=[("CUDA graph", "graph"), ("eager", "eager")], value="graph",
-                                  description="model"),
-    }
+    """Prefix, sharers, suffix, GQA, tile rows, forks and timing (the controls of the ``scenario`` study) -> bytes
+    and predicted time of both paths, and the blocks every program reads (the first ``max_programs``)."""
 
     def compute(prefix, sharers, suffix, gqa, rows_per_tile, groups, timing):
-        hq, hkv = GQAS[gqa]
+        sc = sp.scenario(prefix, sharers, suffix, gqa, rows_per_tile, groups, cost_model("NVIDIA H200", timing))
         groups = min(groups, sharers)
-        fork = 256 if groups > 1 else 0  # each fork group shares 256 more tokens (a nested tree)
-        sc = study.scenario(prefix, sharers, suffix, num_q_heads=hq, num_kv_heads=hkv, rows_per_tile=rows_per_tile,
-                            groups=groups, fork=fork, model=cost_model("NVIDIA H200", timing))
         nest = f", {groups} fork groups sharing 256 more" if groups > 1 else ""
         return {"sc": sc, "plain": study.program_reads(sc, "plain", max_programs),
                 "shared": study.program_reads(sc, "shared", max_programs),
@@ -53,9 +37,8 @@ def scenario_panel(prefix: int = 1024, sharers: int = 8, suffix: int = 128, max_
                 "title": f"{sharers} sequences over a {prefix}-token prefix{nest}, {suffix} private tokens each, "
                          f"{gqa}"}
 
-    return Panel(controls, compute, lambda r: spf.scenario_figure(r["sc"], r["plain"], r["shared"], r["title"],
-                                                                  r["model"]),
-                 enabled={"groups": lambda sharers, **_: sharers > 1})
+    values = {"prefix": prefix, "sharers": sharers, "suffix": suffix}
+    return Panel(controls(sp.SCENARIO, values), compute, sp.SCENARIO.draw, enabled=sp.SCENARIO.enabled)
 
 
 def crossover_panel(runs: Sequence[dict] | None = None) -> Panel:
@@ -98,7 +81,7 @@ def batching_panel(runs: Sequence[dict] | None = None) -> Panel:
     controls = {
         "prompts": W.IntSlider(value=16, min=2, max=24, description="prompts"),
         "samples": W.IntSlider(value=16, min=1, max=24, description="samples each"),
-        "prefix": W.SelectionSlider(options=PREFIXES[:-2], value=2048, description="prompt tokens"),
+        "prefix": W.SelectionSlider(options=sp.PREFIXES[:-2], value=2048, description="prompt tokens"),
         "max_batch": W.SelectionSlider(options=(8, 16, 32, 64, 128), value=32, description="batch size"),
     }
 
@@ -113,26 +96,18 @@ def batching_panel(runs: Sequence[dict] | None = None) -> Panel:
 
 
 def forks_panel(requests: int = 200) -> Panel:
-    """Trace, mode and the beam model's p_top -> memory saved by sharing for n = 2, 4, 6 against the vLLM paper."""
-    controls = {
-        "trace": W.Dropdown(options=[("Alpaca-like", "alpaca"), ("ShareGPT-like", "sharegpt")], value="alpaca",
-                            description="trace"),
-        "mode": W.ToggleButtons(options=[("parallel sampling", "parallel"), ("beam search", "beam")],
-                                value="parallel", description="mode"),
-        "p_top": W.SelectionSlider(options=(0.0, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0), value=forks.DEFAULT_P_TOP,
-                                   description="beam p_top"),
-    }
+    """Trace, mode and the beam model's p_top (the controls of the ``forks`` study) -> memory saved by sharing for
+    n = 2, 4, 6 (each bar the sweep's point) against the vLLM paper."""
 
     def compute(trace, mode, p_top):
-        rows = [{"n": n, "saving_pct": 100 * forks.lifetime_saving(trace, mode, n, p_top=p_top, requests=requests)}
-                for n in (2, 4, 6)]
+        rows = [{"n": n, **sp.FORKS.point(trace=trace, mode=mode, p_top=p_top, n=n, requests=requests)}
+                for n in sp.FORKS.param("n").choices]
         paper = forks.PAPER.get((trace, mode))
         what = "parallel samples" if mode == "parallel" else f"beam search (p_top {p_top})"
         return {"rows": rows, "paper": paper,
                 "title": f"Memory saved by block sharing: {what}, first {requests} requests of the {trace}-like trace"}
 
-    return Panel(controls, compute, lambda r: spf.forks_figure(r["rows"], r["paper"], r["title"]),
-                 enabled={"p_top": lambda mode, **_: mode == "beam"})
+    return Panel(controls(sp.FORKS), compute, sp.FORKS.draw, enabled=sp.FORKS.enabled)
 
 
 def growth_panel(runs: Sequence[dict] | None = None) -> Panel:
