@@ -82,20 +82,37 @@ def test_sparsification_row_is_the_study_score_of_the_panel_setting(defaults):
     assert not quest["frees"] and quest["memory"] < 1
 
 
-def test_compress_constants_are_the_panels_and_the_moved_helpers_stay_importable():
+def test_compress_names_are_the_packages_and_the_moved_helpers_stay_importable():
     from workbench.compress import policies, study
     from workbench.model import capture
 
     assert cc.POLICIES == tuple(n for n in policies.NAMES if n != "full")
-    assert cc.PROMPTS == tuple(p.name for p in capture.PROMPTS) and cc.LAYERS == capture.SAVED_LAYERS
+    assert cc.PROMPTS == tuple(p.name for p in capture.PROMPTS)
+    assert cc.SPARSIFICATION.param("layer").choices is capture.SAVED_LAYERS
     pytest.importorskip("ipywidgets")
     pytest.importorskip("plotly")
     from workbench.ui import compress_panels as cp
 
-    assert cc.POLICIES == cp.SHOWN_POLICIES and cc.BUDGETS == cp.BUDGETS
-    assert (cc.QUEST_PAGE_SIZES, cc.QUEST_SHARES) == (cp.QUEST_PAGE_SIZES, cp.QUEST_SHARES)
+    p = cp.sparsification_panel()
+    assert list(p.controls) == list(cc.SPARSIFICATION.controls) and cp.SHOWN_POLICIES is cc.POLICIES
+    assert [o[1] for o in p.controls["budget"].options] == list(cc.BUDGETS)
     for name in ("score_rows", "policy_options", "threshold_of", "kept_tokens", "HELD_OUT", "THRESHOLD_SCALE"):
         assert getattr(cp, name) is getattr(study, name), name
+
+
+def test_sparsification_panel_shows_the_sweeps_point():
+    pytest.importorskip("ipywidgets")
+    pytest.importorskip("plotly")
+    from workbench.ui import compress_panels as cp
+
+    s = sweeps.get("sparsification")
+    p = cp.sparsification_panel()
+    for change in ({}, {"policy": "snapkv", "partial": "compact", "layer": 6}, {"policy": "quest", "budget": 0.1}):
+        for name, value in change.items():
+            p.controls[name].value = value
+        r, row = p.compute(), s.point(**p.values())
+        assert (r["current"]["error"], r["current"]["blocks_kept"]) == (row["error"], row["blocks_kept"])
+        assert r["setup"]["map_title"].endswith(f"{row['attention_read']:.0%} of it read")
 
 
 def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):

@@ -1,10 +1,11 @@
 """The panels of notebook 07: sparsification policies on real K/V, Quest's page choice, the real model with an
 evicted cache, delta coding of K/V.
 
-Like ``workbench.ui.panels``, they hold no logic: ``workbench.compress.study`` scores the policies,
-``workbench.compress.quest`` measures Quest's recall, ``workbench.bench.compress_results`` reads the committed runs,
-``compress_figures`` draws. What a redraw needs again is cached per prompt (the policies' rows by what they depend
-on), so a change redraws in well under a second on a shared 2-core CPU.
+The sparsification and Quest panels are the controls, computation and figures of their studies
+(``workbench.studies.compress``), which the ``sparsification`` and ``quest`` sweeps run too;
+``workbench.compress.study`` scores the policies and measures Quest's recall, ``workbench.bench.compress_results``
+reads the committed runs, ``compress_figures`` draws. What a redraw needs again is cached per prompt (the policies'
+rows by what they depend on), so a change redraws in well under a second on a shared 2-core CPU.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from workbench.compress.study import (  # noqa: F401  (the panel's settings, imp
     score_rows,
     threshold_of,
 )
+from workbench.model import capture
+from workbench.studies.compress import QUEST, QUEST_PAGE_SIZES, QUEST_SHARES, SPARSIFICATION, chosen, timed_speedups
 from workbench.ui import compress_figures as cf
+from workbench.ui.controls import controls as study_controls
 from workbench.ui.panels import Panel
 
-SHOWN_POLICIES = tuple(n for n in policies.NAMES if n != "full")  # "full" is the reference point (1, 0)
-BUDGETS = tuple(round(0.05 * i, 2) for i in range(1, 21))  # the budget slider: 5% .. 100% of the prompt
+SHOWN_POLICIES = SPARSIFICATION.param("policy").choices  # every policy but "full", the reference point (1, 0)
 CURVE_BUDGETS = (0.05, 0.1, 0.15, 0.25, 0.35, 0.5, 0.7)  # the points of every policy's curve
 QUEST_BUDGETS = (0.05, 0.1, 0.25, 0.5)  # Quest's: it scores every held-out query on its own pages (~4x the cost)
 DEFAULT_SINKS, DEFAULT_WINDOW = 4, 16  # the other policies' settings on the chart
@@ -59,9 +62,7 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
         policy, budget, sinks, window, block_size, partial: the setting selected first.
     """
     if captures is None:
-        from workbench.model import capture as capture_mod
-
-        captures = capture_mod.load()
+        captures = capture.load()
     caps = {c.name: c for c in captures}
     names = list(caps)
     prompt = names[0] if prompt is None else prompt
@@ -76,19 +77,10 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
             cache[key] = score_rows(caps[prompt], name, budgets, block_size, partial, sinks, window)
         return cache[key]
 
-    controls = {
-        "policy": W.Dropdown(options=[(cf.POLICY_NAMES[n], n) for n in SHOWN_POLICIES], value=policy,
-                             description="policy"),
-        "budget": W.SelectionSlider(options=[(f"{b:.0%}", b) for b in BUDGETS], value=budget,
-                                    description="budget (threshold: p = budget / 10)"),
-        "window": W.IntSlider(value=window, min=0, max=64, step=4, description="window (tokens)"),
-        "sinks": W.IntSlider(value=sinks, min=0, max=16, description="sinks"),
-        "block_size": W.SelectionSlider(options=[8, 16, 32, 64], value=block_size, description="block size"),
-        "partial": W.ToggleButtons(options=[("keep whole", "keep"), ("compact", "compact")], value=partial,
-                                   description="partial blocks"),
-        "prompt": W.Dropdown(options=names, value=prompt, description="prompt"),
-        "layer": W.SelectionSlider(options=saved, value=layer, description="layer"),
-    }
+    values = {"policy": policy, "budget": budget, "window": window, "sinks": sinks, "block_size": block_size,
+              "partial": partial, "prompt": prompt, "layer": layer}
+    controls = study_controls(SPARSIFICATION, values, options={"prompt": names, "layer": saved},
+                              labels={"policy": cf.POLICY_NAMES})
 
     def compute(policy, budget, window, sinks, block_size, partial, prompt, layer):
         cap = caps[prompt]
@@ -98,11 +90,9 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
             budgets = QUEST_BUDGETS if name == "quest" else CURVE_BUDGETS
             curves[name] = [{**r, "point": _point(r)} for r in
                             rows_for(name, budgets, prompt, block_size, partial, s, w) if r["layer"] == "all"]
-        rows = rows_for(policy, (budget,), prompt, block_size, partial, sinks, window)
-        current = {**next(r for r in rows if r["layer"] == "all")}
-        current["point"] = _point(current)
-        at_layer = next(r for r in rows if r["layer"] == layer)
-        keep, bk = kept_tokens(cap, policy, budget, block_size, partial, sinks, window)
+        c = chosen(rows_for(policy, (budget,), prompt, block_size, partial, sinks, window), cap, policy, budget, window,
+                   sinks, block_size, partial, layer)
+        current, at_layer, keep, bk = {**c.current, "point": _point(c.current)}, c.at_layer, c.keep, c.blocks
         quest = policy == "quest"
         if quest:  # Quest frees nothing: unread pages stay in the cache
             states = [2 if m else 1 for m in bk.mask.tolist()]
@@ -114,7 +104,6 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
             states = [2 if k else 0 for k in keep.tolist()]
             words = ("dropped", "", f"kept, packed into {bk.blocks} blocks ({bk.moved} tokens copied)")
         attention = cap.attn_last[layer]  # [Hq, T]: the last prompt token's query, every layer captured
-        kept_mass = float((attention * bk.mask).sum(-1).mean())
         T, full = cap.k.shape[1], -(-cap.k.shape[1] // block_size)
         pol = policies.get(policy, **policy_options(policy, block_size, sinks, window),
                            **({"threshold": threshold_of(budget)} if policy == "threshold" else {"budget": budget}))
@@ -132,21 +121,17 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
                         + ("Quest chooses whole pages for each query (sinks, window and partial rule do not apply)"
                            if quest else PARTIAL_WORDS[partial]),
             "map_title": f"layer {layer} (error {at_layer['error']:.3f}): the last token's attention, "
-                         f"{kept_mass:.0%} of it read",
+                         f"{c.attention_read:.0%} of it read",
             "state_words": words, "held_attended": not quest}
         return {"curves": curves, "chosen": policy, "current": current, "attention": attention.tolist(),
                 "states": states, "block_size": block_size, "setup": setup}
 
-    panel = Panel(controls, compute, lambda r: cf.sparsification_overview(**r), live=False, enabled={
-        "window": lambda policy, **_: policy in ("h2o", "snapkv", "threshold"),
-        "sinks": lambda policy, **_: policy != "quest"})
+    panel = Panel(controls, compute, SPARSIFICATION.draw, live=False, enabled=SPARSIFICATION.enabled)
     controls["budget"].layout.width = "470px"  # its label says what it means for the threshold policy
     return panel
 
 
 # ---- Quest -------------------------------------------------------------------------------------------------------
-QUEST_PAGE_SIZES = (8, 16, 32, 64)
-QUEST_SHARES = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5)
 
 
 def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = None,
@@ -167,34 +152,25 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
         raise ValueError("no bench quest runs: run `python -m workbench bench quest --out data/results` on a GPU")
     if recall is None:
         if captures is None:
-            from workbench.model import capture as capture_mod
-
-            captures = capture_mod.load()
+                captures = capture.load()
         recall = study.quest_recall_curves(captures, QUEST_PAGE_SIZES, QUEST_SHARES)
     recall = list(recall)
     names = [measured.run_name(r) for r in runs]
     sizes = sorted({r["page_size"] for r in recall})
     shares = sorted({r["share"] for r in recall})
-    controls = {
-        "page_size": W.SelectionSlider(options=sizes, value=page_size, description="page size"),
-        "share": W.SelectionSlider(options=[(f"{s:.0%}", s) for s in shares], value=share,
-                                   description="page budget"),
-        "batch": W.ToggleButtons(options=[(f"batch {b}", b) for b in measured.quest_batches(runs[-1])],
-                                 value=measured.quest_batches(runs[-1])[0], description="H200"),
-        "run": W.Dropdown(options=names, value=names[-1], description="run"),
-    }
+    batches = measured.quest_batches(runs[-1])
+    controls = study_controls(QUEST, {"page_size": page_size, "share": share, "batch": batches[0]},
+                              options={"page_size": sizes, "share": shares, "batch": batches})
+    controls["run"] = W.Dropdown(options=names, value=names[-1], description="run")  # the panel's own: which run
 
     def compute(page_size, share, batch, run):
         doc = runs[names.index(run)]
-        timed = measured.quest_page_sizes(doc)
-        # the H200 timed some page sizes: the chosen one, else the nearest (the smaller of two)
-        ps = min(timed, key=lambda p: (abs(p - page_size), p))
+        t = timed_speedups(doc, batch, page_size)
+        ps, rows, best = t.page_size, t.rows, t.best
         order = [n for n in names if n != run] + [run]  # the shown run last
         speed = {n: measured.quest_speedups(runs[names.index(n)], batch, ps) for n in order
                  if ps in measured.quest_page_sizes(runs[names.index(n)])}
         cur = next(r for r in recall if r["page_size"] == page_size and r["share"] == share)
-        rows = speed[run]
-        best = max(rows, key=lambda r: r["speedup_graph"])
         timed_words = "" if ps == page_size else f" ({page_size} not timed)"
         setup = {
             "title": f"Quest, {page_size}-token pages at {share:.0%} of the pages: {cur['read']:.2f} of the keys read "
@@ -207,7 +183,7 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
         return {"recall": recall, "page_size": page_size, "share": share, "speedups": speed, "batch": batch,
                 "setup": setup}
 
-    return Panel(controls, compute, lambda r: cf.quest_overview(**r))
+    return Panel(controls, compute, QUEST.draw)
 
 
 # ---- the real model --------------------------------------------------------------------------------------------
