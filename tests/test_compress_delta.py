@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from workbench import quant
 from workbench.bench import compression_delta
 from workbench.compress import delta as dz
+from workbench.compress import delta_options as opts
+from workbench.compress import delta_quant as dq
 from workbench.compress import delta_study as study
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,7 +93,7 @@ def test_round_trip_every_stage_combination(dtype, opts):
 
 def test_non_contiguous_and_levels():
     x = special_tensor(torch.float16, (20, 4, 6)).transpose(1, 2)  # non-contiguous
-    for level in (dz.MIN_LEVEL, -1, 1, 3, 19):
+    for level in (opts.MIN_LEVEL, -1, 1, 3, 19):
         assert_bit_exact(dz.decode(dz.encode(x, level=level)), x.contiguous(), f"level {level}")
 
 
@@ -249,11 +251,11 @@ def test_random_flipped_bits_of_a_large_encoding_are_refused(seed, dtype, rle, d
     (lambda: dz.Encoded(torch.float16, (0, 3), "sub", True, "token", False, 3, b"", 0), "shape must not be empty"),
     (lambda: dz.Encoded(torch.float16, (2, 3), "sub", True, "token", False, 3, b"", -1), "checksum must be"),
     (lambda: dz.Encoded(torch.complex64, (2, 3), "sub", True, "token", False, 3, b"", 0), "dtype must be one of"),
-    (lambda: dz.encode_quantized(torch.zeros(4, 2, 8), "int3/token"), "scheme must be"),
-    (lambda: dz.encode_quantized(torch.zeros(4, 2, 8), kind="q"), "kind must be"),
-    (lambda: dz.encode_quantized(torch.zeros(4, 16), "int8/token"), "x must be a floating"),
-    (lambda: dz.encode_quantized(torch.zeros(4, 2, 8, dtype=torch.int8)), "x must be a floating"),
-    (lambda: dz.decode_quantized(dz.encode(torch.zeros(3, 4))), "qe must be a QuantEncoded"),
+    (lambda: dq.encode_quantized(torch.zeros(4, 2, 8), "int3/token"), "scheme must be"),
+    (lambda: dq.encode_quantized(torch.zeros(4, 2, 8), kind="q"), "kind must be"),
+    (lambda: dq.encode_quantized(torch.zeros(4, 16), "int8/token"), "x must be a floating"),
+    (lambda: dq.encode_quantized(torch.zeros(4, 2, 8, dtype=torch.int8)), "x must be a floating"),
+    (lambda: dq.decode_quantized(dz.encode(torch.zeros(3, 4))), "qe must be a QuantEncoded"),
 ])
 def test_bad_arguments_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
@@ -267,8 +269,8 @@ def test_bad_arguments_name_the_argument(call, match):
 def test_lossy_is_the_scheme_round_trip(scheme, kind):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(160, 3, 64, generator=g).cumsum(0) * 0.1  # smooth over tokens, like keys
-    qe = dz.encode_quantized(x, scheme, kind=kind)
-    got = dz.decode_quantized(qe)
+    qe = dq.encode_quantized(x, scheme, kind=kind)
+    got = dq.decode_quantized(qe)
     s = quant.get(scheme)
     ref = s.roundtrip(x, kind)
     assert torch.equal(got, ref), f"{scheme} {kind}: max diff {(got - ref).abs().max():.3g}"  # codes kept exactly
@@ -284,9 +286,9 @@ def test_lossy_is_the_scheme_round_trip(scheme, kind):
 
 def test_lossy_all_tokens_in_the_residual():
     x = torch.randn(100, 3, 64)  # int4/kivi keeps the newest 128 tokens in fp16: no codes at all
-    qe = dz.encode_quantized(x, "int4/kivi", kind="k")
+    qe = dq.encode_quantized(x, "int4/kivi", kind="k")
     assert qe.codes is None and qe.residual is not None
-    assert torch.equal(dz.decode_quantized(qe), quant.get("int4/kivi").roundtrip(x, "k"))
+    assert torch.equal(dq.decode_quantized(qe), quant.get("int4/kivi").roundtrip(x, "k"))
 
 
 PACKED = ["int4/kivi", "int4/token", "int2/kivi", "int2/token"]
@@ -302,21 +304,21 @@ def test_lossy_round_trip_with_any_scheme_parameters(name, group, value_group, r
     decoded wrong); the encoding now carries them."""
     s = quant.get(name, group=group, value_group=value_group, residual=residual, key_mode=key_mode)
     x = torch.randn(t, 2, 64, generator=torch.Generator().manual_seed(seed)).cumsum(0) * 0.1
-    qe = dz.encode_quantized(x, s, kind=kind)
+    qe = dq.encode_quantized(x, s, kind=kind)
     assert qe.spec == s and dict(qe.params)["residual"] == residual
-    assert torch.equal(dz.decode_quantized(qe), s.roundtrip(x, kind))
+    assert torch.equal(dq.decode_quantized(qe), s.roundtrip(x, kind))
 
 
 def test_lossy_round_trip_with_a_scheme_outside_the_registry():
     s = quant.Scheme("my_int8", "int8", "token", label="mine")
     x = torch.randn(20, 2, 16)
-    qe = dz.encode_quantized(x, s, kind="v")
-    assert torch.equal(dz.decode_quantized(qe), s.roundtrip(x, "v"))
+    qe = dq.encode_quantized(x, s, kind="v")
+    assert torch.equal(dq.decode_quantized(qe), s.roundtrip(x, "v"))
     for params, match in [((("name", "int4/kivi"),), "not a quantization scheme"),
                           (qe.params[:1] + (("format_name", "int3"),) + qe.params[2:], "not a quantization scheme"),
                           (tuple((k, "int4/kivi" if k == "name" else v) for k, v in qe.params), "the encoding says")]:
         with pytest.raises(ValueError, match=match):
-            dz.decode_quantized(dataclasses.replace(qe, params=params))
+            dq.decode_quantized(dataclasses.replace(qe, params=params))
 
 
 # ---- the study: break-even arithmetic and rows -------------------------------------------------------------------

@@ -21,8 +21,8 @@ import torch
 import zstandard
 
 from workbench.bench import harness, tier_results
-from workbench.compress import delta as dz
 from workbench.compress import delta_study as study
+from workbench.compress.delta_options import check_level
 from workbench.model import capture
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         levels = [int(v) for v in args.levels.split(",") if v.strip()]
         for v in [args.level, *levels]:
-            dz._check_level(v)
+            check_level(v)
     except ValueError as e:
         ap.error(f"argument --levels/--level: {e}")
     out = harness.output_dir(ap, args.out)

@@ -7,8 +7,9 @@ One concept per module, imported by name (nothing is imported here, so each stay
 - ``evict``: a policy's choice applied to a :class:`~workbench.cache.PagedKVCache`: dropped blocks go back to
   the pool, partly dropped ones are kept or compacted.
 - ``quest``: per-block key bounds and page selection for decode (Quest).
-- ``delta``: lossless delta + entropy coding of K/V (and a lossy variant after quantization), with the
-  break-even against the tiers' links.
+- ``delta``: lossless delta + entropy coding of K/V; ``delta_quant`` its lossy variant (quantized codes,
+  delta-coded); ``delta_options`` what both take; ``delta_study`` the ratios, speeds and break-even against the
+  tiers' links.
 - ``study``: scoring every policy (memory kept, attention-output error, recall; next-token agreement and
   perplexity on the real model).
 """

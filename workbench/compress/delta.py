@@ -5,7 +5,9 @@ delta-codes quantized codes.
     assert torch.equal(decode(enc).view(torch.int16), k.view(torch.int16))   # bit for bit, NaN payloads too
     enc.ratio, enc.nbytes, enc.stages    # raw bytes / stored bytes; ("delta:sub", "shuffle:token", "zstd:3")
     blob = enc.to_bytes(); Encoded.from_bytes(blob)                          # self-describing, checked on read
-    qe = encode_quantized(k, "int8/token", kind="k"); decode_quantized(qe)   # the scheme's values (delta_quant)
+
+The lossy variant (quantize, then delta-code the codes) is :mod:`workbench.compress.delta_quant`; what both take,
+and the checks that refuse the rest, are in :mod:`workbench.compress.delta_options`.
 
 Stages of the lossless path (each optional, recorded in :class:`Encoded`):
 
@@ -48,8 +50,8 @@ helps keys a little in deeper layers (fp16 layer 18: 1.15x -> 1.18x) and hurts v
 CacheGen's "keys much more than values"; at layer 0 rows repeat with their tokens and the delta hides the repeats
 (2.15x -> 1.31x). Over all layers and kinds ``delta=False`` is better (fp16 1.23x vs 1.17x, bf16 1.50x vs
 1.41x): the default follows the issue (delta on, for keys); pass ``delta=False`` for values and layer 0. The large
-ratios come after quantization (:func:`encode_quantized`): int8/token keys 2.40x against fp16 with the delta (the
-codes alone 1.88x), int4/token keys 3.46x (alone 3.2x), near CacheGen's 3.5-4.3x.
+ratios come after quantization (``delta_quant.encode_quantized``): int8/token keys 2.40x against fp16 with the delta
+(the codes alone 1.88x), int4/token keys 3.46x (alone 3.2x), near CacheGen's 3.5-4.3x.
 """
 
 from __future__ import annotations
@@ -64,27 +66,24 @@ import torch
 import xxhash
 import zstandard
 
-# ---- dtypes ------------------------------------------------------------------------------------------------------
-# torch dtype -> (torch integer view of the same size, numpy unsigned type, wire code). Wire codes are stable.
-_DTYPES: dict[torch.dtype, tuple[torch.dtype, type, int]] = {
-    torch.float16: (torch.int16, np.uint16, 1),
-    torch.bfloat16: (torch.int16, np.uint16, 2),
-    torch.float32: (torch.int32, np.uint32, 3),
-    torch.float64: (torch.int64, np.uint64, 4),
-    torch.int8: (torch.uint8, np.uint8, 5),
-    torch.uint8: (torch.uint8, np.uint8, 6),
-    torch.int16: (torch.int16, np.uint16, 7),
-    torch.int32: (torch.int32, np.uint32, 8),
-    torch.int64: (torch.int64, np.uint64, 9),
-    torch.float8_e4m3fn: (torch.uint8, np.uint8, 10),
-    torch.float8_e5m2: (torch.uint8, np.uint8, 11),
-}
+from .delta_options import (
+    DELTAS,
+    DTYPE_VIEWS,
+    DTYPES,
+    MAX_LEVEL,
+    MIN_LEVEL,
+    ORDERS,
+    check_choice,
+    check_flag,
+    check_level,
+    check_shape,
+    check_tensor,
+    delta_mode,
+    dtype_name,
+)
+
 _SIGNED = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}  # numpy types torch.from_numpy takes
-_BY_CODE = {code: dt for dt, (_, _, code) in _DTYPES.items()}
-DTYPES = tuple(_DTYPES)  # what :func:`encode` takes
-DELTAS = ("sub", "xor", "none")  # ``delta=True`` means "sub" (measured better than "xor": module docstring)
-ORDERS = ("token", "channel")
-MIN_LEVEL, MAX_LEVEL = -7, zstandard.MAX_COMPRESSION_LEVEL  # zstd's fast levels -7 .. -1, then 1 .. 22
+_BY_CODE = {code: dt for dt, (_, _, code) in DTYPE_VIEWS.items()}
 RUN = 256  # zeros per RLE marker at most (the run-length byte holds ``len - 1``)
 
 _MAGIC = b"KVDZ"
@@ -93,10 +92,6 @@ _META = struct.Struct("<4sBBBBbB")  # magic, version, dtype code, delta, flags (
 _HEAD = struct.Struct("<4sBBBBbBQ")  # _META, then the xxh3_64 of _META + shape + payload
 _DELTA_CODE = {"none": 0, "sub": 1, "xor": 2}
 _CODE_DELTA = {v: k for k, v in _DELTA_CODE.items()}
-
-
-def _dtype_name(dt) -> str:
-    return str(dt).replace("torch.", "")
 
 
 @dataclass(frozen=True)
@@ -128,12 +123,12 @@ class Encoded:
     checksum: int
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {[_dtype_name(d) for d in DTYPES]}, got {self.dtype!r}")
-        _check_shape("shape", tuple(self.shape))
-        _check_choice("delta", self.delta, DELTAS)
-        _check_choice("order", self.order, ORDERS)
-        _check_level(self.level)
+        if self.dtype not in DTYPE_VIEWS:
+            raise ValueError(f"dtype must be one of {[dtype_name(d) for d in DTYPES]}, got {self.dtype!r}")
+        check_shape("shape", tuple(self.shape))
+        check_choice("delta", self.delta, DELTAS)
+        check_choice("order", self.order, ORDERS)
+        check_level(self.level)
         if not isinstance(self.payload, (bytes, bytearray, memoryview)):
             raise ValueError(f"payload must be bytes, got {type(self.payload).__name__}")
         if isinstance(self.checksum, bool) or not isinstance(self.checksum, int) or not 0 <= self.checksum < 1 << 64:
@@ -151,7 +146,7 @@ class Encoded:
 
     @property
     def itemsize(self) -> int:
-        return _DTYPES[self.dtype][0].itemsize
+        return DTYPE_VIEWS[self.dtype][0].itemsize
 
     @property
     def raw_nbytes(self) -> int:
@@ -165,7 +160,7 @@ class Encoded:
     def _meta(self) -> bytes:
         """The header's bytes but the checksum: what decoding depends on, besides the payload."""
         flags = int(self.shuffle) | int(self.rle) << 1 | (self.order == "channel") << 2
-        meta = _META.pack(_MAGIC, _VERSION, _DTYPES[self.dtype][2], _DELTA_CODE[self.delta], flags, self.level,
+        meta = _META.pack(_MAGIC, _VERSION, DTYPE_VIEWS[self.dtype][2], _DELTA_CODE[self.delta], flags, self.level,
                           len(self.shape))
         return meta + struct.pack(f"<{len(self.shape)}Q", *self.shape)
 
@@ -220,54 +215,10 @@ class Encoded:
             raise ValueError(f"blob has a corrupted header: {e}") from None
 
 
-# ---- argument checks ---------------------------------------------------------------------------------------------
-def _check_choice(name: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
-
-
-def _check_level(level) -> None:
-    if isinstance(level, bool) or not isinstance(level, int) or not MIN_LEVEL <= level <= MAX_LEVEL:
-        raise ValueError(f"level must be an int in [{MIN_LEVEL}, {MAX_LEVEL}] (zstd), got {level!r}")
-
-
-def _check_shape(name: str, shape: tuple) -> None:
-    if len(shape) not in (2, 3) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
-        raise ValueError(f"{name} must be [tokens, heads, head_dim] or [tokens, channels], got {list(shape)}")
-    if math.prod(shape) == 0:
-        raise ValueError(f"{name} must not be empty, got {list(shape)}")
-
-
-def _check_tensor(x, name: str = "x") -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
-        raise ValueError(f"{name} has dtype {_dtype_name(x.dtype)}; encode takes "
-                         f"{[_dtype_name(d) for d in DTYPES]}")
-    _check_shape(f"{name} shape", tuple(x.shape))
-    return x
-
-
-def _delta_mode(delta) -> str:
-    if delta is True:
-        return "sub"
-    if delta is False:
-        return "none"
-    if not isinstance(delta, str) or delta not in DELTAS:
-        raise ValueError(f"delta must be True, False or one of {list(DELTAS)}, got {delta!r}")
-    return delta
-
-
-def _flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
 # ---- the stages (numpy, unsigned integers) -----------------------------------------------------------------------
 def _as_uint(x: torch.Tensor) -> np.ndarray:
     """``x``'s bits as a ``[T, C]`` unsigned numpy array (no copy when ``x`` is contiguous on the CPU)."""
-    iview, utype, _ = _DTYPES[x.dtype]
+    iview, utype, _ = DTYPE_VIEWS[x.dtype]
     x = x.detach().cpu().contiguous()
     return x.view(iview).numpy().view(utype).reshape(x.shape[0], -1)
 
@@ -360,7 +311,7 @@ def encode(x: torch.Tensor, *, delta: bool | str = True, shuffle: bool = True, o
     """Compress ``x`` losslessly (module docstring for the stages).
 
     Args:
-        x: ``[T, H, D]`` or ``[T, C]``, any dtype of :data:`DTYPES`, on any device (coded on the CPU).
+        x: ``[T, H, D]`` or ``[T, C]``, any dtype of ``delta_options.DTYPES``, on any device (coded on the CPU).
         delta: ``True`` / ``"sub"`` (wrapping integer difference with the previous token), ``"xor"``, or
             ``False`` / ``"none"``.
         shuffle: split the byte planes (high bytes first), each its own zstd frame.
@@ -371,11 +322,11 @@ def encode(x: torch.Tensor, *, delta: bool | str = True, shuffle: bool = True, o
     Returns:
         An :class:`Encoded`; :func:`decode` gives ``x`` back bit for bit.
     """
-    x = _check_tensor(x)
-    mode = _delta_mode(delta)
-    shuffle, rle = _flag("shuffle", shuffle), _flag("rle", rle)
-    _check_choice("order", order, ORDERS)
-    _check_level(level)
+    x = check_tensor(x)
+    mode = delta_mode(delta)
+    shuffle, rle = check_flag("shuffle", shuffle), check_flag("rle", rle)
+    check_choice("order", order, ORDERS)
+    check_level(level)
     d = _delta(_as_uint(x), mode)  # [T, C]
     segments = _planes(d, order) if shuffle else [d.reshape(-1).view(np.uint8)]
     if rle:
@@ -430,7 +381,7 @@ def decode(enc: Encoded, device: torch.device | str | None = None) -> torch.Tens
     """
     if not isinstance(enc, Encoded):
         raise ValueError(f"enc must be an Encoded (from encode()), got {type(enc).__name__}")
-    iview, utype, _ = _DTYPES[enc.dtype]
+    iview, utype, _ = DTYPE_VIEWS[enc.dtype]
     T, C, isz = enc.shape[0], math.prod(enc.shape[1:]), iview.itemsize
     segs = isz if enc.shuffle else 1
     per = T * C * isz // segs  # bytes of one segment (a plane, or everything)
@@ -451,8 +402,8 @@ def decode(enc: Encoded, device: torch.device | str | None = None) -> torch.Tens
 # ---- the bound -------------------------------------------------------------------------------------------------
 def plane_entropy(x: torch.Tensor, *, delta: bool | str = True) -> list[float]:
     """Order-0 entropy (bits per byte) of each byte plane of ``x`` after the delta, high byte first."""
-    x = _check_tensor(x)
-    d = _delta(_as_uint(x), _delta_mode(delta))
+    x = check_tensor(x)
+    d = _delta(_as_uint(x), delta_mode(delta))
     out = []
     for plane in _planes(d, "token"):
         counts = np.bincount(plane, minlength=256)
@@ -471,20 +422,7 @@ def entropy_bits(x: torch.Tensor, *, delta: bool | str = True) -> float:
 def entropy_ratio(x: torch.Tensor, *, delta: bool | str = True) -> float:
     """``8 * itemsize / entropy_bits(x)`` (inf for a constant tensor)."""
     bits = entropy_bits(x, delta=delta)
-    return math.inf if bits == 0 else 8 * _DTYPES[x.dtype][0].itemsize / bits
+    return math.inf if bits == 0 else 8 * DTYPE_VIEWS[x.dtype][0].itemsize / bits
 
 
-# ---- lossy: workbench.compress.delta_quant (it quantizes first), its names reachable from here too ---------------
-_LOSSY = ("QuantEncoded", "decode_codes", "decode_quantized", "encode_quantized")
-
-
-def __getattr__(name: str):
-    if name in _LOSSY:  # imported on first use: delta_quant imports this module
-        from . import delta_quant
-
-        return getattr(delta_quant, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = ["DELTAS", "DTYPES", "Encoded", "decode", "encode", "entropy_bits", "entropy_ratio", "plane_entropy",
-           "rle_decode", "rle_encode"]  # and delta_quant's lossy names, on first use
+__all__ = ["Encoded", "decode", "encode", "entropy_bits", "entropy_ratio", "plane_entropy", "rle_decode", "rle_encode"]

@@ -1,6 +1,5 @@
 """The lossy variant of :mod:`workbench.compress.delta`: quantize K/V with a ``workbench.quant`` scheme, then
-delta-code the codes losslessly (scales, zero points raw; a KIVI residual coded losslessly). Its names are
-``workbench.compress.delta``'s too.
+delta-code the codes losslessly (scales, zero points raw; a KIVI residual coded losslessly).
 
     qe = encode_quantized(k, "int4/kivi", kind="k")   # or a Scheme with its own group / residual / key_mode
     decode_quantized(qe)                               # scheme.roundtrip(k), bit for bit
@@ -16,7 +15,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from .delta import Encoded, _check_choice, _check_tensor, _dtype_name, decode, encode
+from workbench import quant
+
+from .delta import Encoded, decode, encode
+from .delta_options import check_choice, check_tensor, dtype_name
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,6 @@ class QuantEncoded:
     @property
     def spec(self):
         """The :class:`~workbench.quant.Scheme` the values were quantized with (ValueError if ``params`` is not one)."""
-        from workbench import quant
-
         p = dict(self.params)
         if not p:  # made by hand without parameters: the registry's scheme of that name
             return quant.get(self.scheme)
@@ -87,14 +87,12 @@ def encode_quantized(x: torch.Tensor, scheme="int8/token", *, kind: str = "k", s
         scale: a static scheme's scale (default: calibrated on ``x``).
         delta, shuffle, order, rle, level: as :func:`encode`, for the codes.
     """
-    from workbench import quant
-
     s = quant.resolve(scheme, "scheme")
-    x = _check_tensor(x)
+    x = check_tensor(x)
     if x.dim() != 3 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating [tokens, heads, head_dim] tensor, got {_dtype_name(x.dtype)} "
+        raise ValueError(f"x must be a floating [tokens, heads, head_dim] tensor, got {dtype_name(x.dtype)} "
                          f"{list(x.shape)}")
-    _check_choice("kind", kind, ("k", "v"))
+    check_choice("kind", kind, ("k", "v"))
     qz = s.quantize(x.detach().cpu(), kind, scale)
     codes = s.code_values(qz.codes)
     opts = dict(delta=delta, shuffle=shuffle, order=order, rle=rle, level=level)
@@ -106,8 +104,6 @@ def encode_quantized(x: torch.Tensor, scheme="int8/token", *, kind: str = "k", s
 
 def decode_codes(qe: QuantEncoded):
     """The scheme's :class:`~workbench.quant.Quantized` (codes re-packed), exactly as it quantized them."""
-    from workbench import quant
-
     if not isinstance(qe, QuantEncoded):
         raise ValueError(f"qe must be a QuantEncoded (from encode_quantized()), got {type(qe).__name__}")
     s = qe.spec

@@ -50,6 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from workbench.compress import delta as dz
+from workbench.compress import delta_quant as dq
 from workbench.quant.names import DELTA_SCHEMES as SCHEMES
 
 KINDS = ("k_pre", "k", "v")
@@ -177,9 +178,9 @@ def quantized_ratios(captures, *, schemes: Sequence[str] = SCHEMES, deltas: Sequ
                                 if t is not None)
                     err = None
                     for d in deltas:
-                        qe = dz.encode_quantized(x, s, kind=qk, delta=d, level=level)
+                        qe = dq.encode_quantized(x, s, kind=qk, delta=d, level=level)
                         if err is None:
-                            err = float((dz.decode_quantized(qe).float() - x).norm() / x.norm())
+                            err = float((dq.decode_quantized(qe).float() - x).norm() / x.norm())
                         rows.append({"section": "quant", "prompt": cap.name, "layer": int(layer), "kind": kind,
                                      "scheme": s.name, "delta": bool(d), "raw_bytes": 2 * x.numel(),
                                      "bytes": qe.nbytes, "ratio": qe.ratio, "plain_bytes": plain,
