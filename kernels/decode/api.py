@@ -12,6 +12,7 @@ from .. import common
 from ..validate import capturing
 from . import config
 from .checks import _check_inputs
+from .plan import DecodePlan
 
 
 def paged_decode(
@@ -75,8 +76,6 @@ def paged_decode(
     Returns:
         ``[B, Hq, D]`` in q's dtype.
     """
-    from .plan import DecodePlan
-
     layout = Layout.parse(layout)
     scheme = common.scheme_of(k_cache.dtype, launch.get("quant")) if isinstance(k_cache, torch.Tensor) else None
     B, Hq, D, hkv, block_size = _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out, scheme)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from workbench import backend
 from workbench.layout import Layout, addressing
 
 from .. import common
@@ -30,9 +31,7 @@ def _cdiv(a: int, b: int) -> int:
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
-    from workbench.backend import BACKEND, compile_target_sms
-
-    return compile_target_sms() if BACKEND.name == "compile" else 0  # compile-only: plan as for the target GPU
+    return backend.compile_target_sms() if backend.BACKEND.name == "compile" else 0  # compile-only: plan as for the target GPU
 
 
 @functools.cache
@@ -103,9 +102,7 @@ def _tuning(gpu: str | None = None) -> dict:
 
 
 def _interpreted() -> bool:
-    from workbench.backend import is_interpreted
-
-    return is_interpreted()
+    return backend.is_interpreted()  # looked up at each call: tests swap it (tests/test_kernel_devices.py)
 
 
 class _Geometry(NamedTuple):

@@ -34,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from workbench.layout import Layout
+
 from .kernel import _page_rows
 
 
@@ -253,8 +255,6 @@ def planes_launch(consts: dict, layout, block_n: int) -> dict | None:
     ``CW`` (bytes of a row loaded at once, so that each plane of a chunk lies in one scale group of K and of V) and
     the tile (keys per channel: a tile inside one key group). None where it does not apply (the generic kernel
     then): the vLLM split layout, a chunk or a key group under 16 (a dot's smallest size)."""
-    from workbench.layout import Layout
-
     if consts.get("QMODE") != 4 or Layout.parse(layout) is Layout.VLLM:
         return None
     dc = consts["DC"]

@@ -11,9 +11,11 @@ import triton
 from workbench import formats
 from workbench.backend import kernel_device_problem
 from workbench.layout import Layout, addressing
+from workbench.quant import blocks as qblocks
 
 from .. import common
 from .config import Launch, launch_config, quant_mode
+from .dynamic import check_dynamic, check_group_slots, dynamic_launches, write_dynamic
 from .kernel import FP8_GRID, QUANT_MATHS, QUANT_NONE, SOFT_ROUND, SOURCE_DTYPES, _write_kv_kernel, _write_rows_kernel
 
 
@@ -293,8 +295,6 @@ def write_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale=N
     qs = _dynamic_scheme(k_cache, quant)
     if qs is None:
         return _static_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, kw, launch)[1]
-    from .dynamic import dynamic_launches
-
     block_size, num_blocks = _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, qs,
                                              nonfinite, launch)
     counter = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=k_cache.device)
@@ -326,10 +326,6 @@ def _static_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale
 def check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, *, launch=True) -> tuple[int, int]:
     """Every host-side check of a dynamic-scheme write; ``(block_size, num_blocks)``. ``launch``: as in
     :func:`check_write_kv`."""
-    from workbench.quant import blocks as qblocks
-
-    from .dynamic import check_dynamic
-
     layout = Layout.parse(layout)
     code_dim = qblocks.code_dim(scheme, key.shape[2]) if isinstance(key, torch.Tensor) and key.dim() == 3 else None
     block_size, num_blocks = _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim, launch)
@@ -352,8 +348,6 @@ def _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale,
 
 def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate,
                    tokens_per_program=None, num_warps=None):
-    from .dynamic import check_group_slots, write_dynamic
-
     block_size, num_blocks = _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale,
                                              scheme, nonfinite)
     layout = Layout.parse(layout)

@@ -22,11 +22,22 @@ get NaN scales, and the count says how many values were bad.
 
 from __future__ import annotations
 
+import warnings
+
+import torch
 import triton
 import triton.language as tl
 
-from .kernel import _quantize
-from .qmath import _fp16_params, _int_codes
+from workbench.layout import Layout, addressing
+from workbench.quant import Scheme
+from workbench.quant import blocks as qblocks
+
+from .. import common
+from .config import Launch
+from .groups import groups_kernel
+from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND, _quantize
+from .qmath import _fp16_params, _int_codes, block_shift
+from .token import token_kernel
 
 
 @triton.jit
@@ -121,21 +132,6 @@ def _write_dynamic_kernel(
 
 
 # ----------------------------------------------------------------------------- the launch
-import warnings  # noqa: E402  (the wrapper below the kernel, as in the Triton tutorials)
-
-import torch  # noqa: E402
-
-from workbench.layout import Layout, addressing  # noqa: E402
-from workbench.quant import Scheme  # noqa: E402
-from workbench.quant import blocks as qblocks  # noqa: E402
-
-from .. import common  # noqa: E402
-from .config import Launch  # noqa: E402
-from .groups import groups_kernel  # noqa: E402
-from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND  # noqa: E402
-from .qmath import block_shift  # noqa: E402
-from .token import token_kernel  # noqa: E402
-
 TOKENS_PER_PROGRAM = 16  # the generic kernel's
 
 

@@ -14,6 +14,7 @@ leaves the integer in the low bits of the fp32 word (two's complement), so a cod
 
 from __future__ import annotations
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -160,8 +161,6 @@ def _n_nonfinite(b_x, m):
 
 def rcp32(q: float) -> float:
     """``1 / q`` rounded to the nearest fp32 (a kernel's constexpr reciprocal of ``QMAX``)."""
-    import numpy as np
-
     return float(np.float32(1.0) / np.float32(q))
 
 
