@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import workbench
 from workbench import conformance as C
-from workbench.conformance import builtin, registry
+from workbench.conformance import builtin, ops, registry
 from workbench.conformance.formats import CAST, SUITE_FORMATS
 from workbench.conformance.starter import MISTAKES, starter_decode
 from workbench.layout import to_nhd
@@ -365,7 +365,7 @@ def _random_bad_registration(data):
     fn = VALID[op]
     name, claims = "t_random_bad", {}
     if kind == "op":
-        return data.draw(st.text(max_size=12).filter(lambda s: s not in registry.OPS)), name, fn, claims, "op must"
+        return data.draw(st.text(max_size=12).filter(lambda s: s not in ops.OPS)), name, fn, claims, "op must"
     if kind == "name":
         bad = data.draw(st.tuples(st.text("abc_-09", max_size=5), st.sampled_from(BAD_NAME_CHARS),
                                   st.text("abc_-09", max_size=5)).map("".join))
@@ -374,8 +374,8 @@ def _random_bad_registration(data):
         return op, name, data.draw(st.one_of(st.integers(), st.text(), st.none().map(lambda _: [fn]))), claims, \
             "fn must be callable"
     if kind == "argument":
-        extra = data.draw(IDENT.filter(lambda s: s not in registry.OPS[op].arguments))
-        return op, name, fn_taking(*registry.OPS[op].required, extra), claims, f"requires arguments \\['{extra}'\\]"
+        extra = data.draw(IDENT.filter(lambda s: s not in ops.OPS[op].arguments))
+        return op, name, fn_taking(*ops.OPS[op].required, extra), claims, f"requires arguments \\['{extra}'\\]"
     if op == "copy":  # the copy op has no layout or format claims to check (its formats are "any")
         op, fn = "decode", ok_decode
     if kind == "layout":
@@ -508,7 +508,7 @@ def test_csr_implementation_passes_smoke():
 def test_every_argument_of_an_op_is_provided(op):
     impl = C.get("reference", op)
     inputs = C.cases_for(impl, "smoke")[0].build("cpu")
-    assert set(registry.OPS[op].arguments) <= set(inputs) - {"ref"}
+    assert set(ops.OPS[op].arguments) <= set(inputs) - {"ref"}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -524,7 +524,7 @@ def test_kwargs_implementation_receives_everything(op):
         case = C.cases_for(impl, "smoke")[0]
         result = C.run_case(impl, case)
     assert result.passed, result.reason
-    assert set(registry.OPS[op].arguments) <= set(seen), set(registry.OPS[op].arguments) - set(seen)
+    assert set(ops.OPS[op].arguments) <= set(seen), set(ops.OPS[op].arguments) - set(seen)
     assert "ref" not in seen  # never the answer
 
 

@@ -12,7 +12,7 @@ import pytest
 from workbench import conformance
 from workbench.bench import byok_results as byok
 from workbench.cache import PagedKVCache
-from workbench.conformance import exchange, registry, starter, suite
+from workbench.conformance import exchange, judge, registry, starter, suite
 from workbench.conformance.problems import Case
 from workbench.model import agreement, inspect
 from workbench.model.capture import PROMPTS, prompts_by_name
@@ -158,7 +158,7 @@ def _report(name, failed_lens=()):
     for i, lens in enumerate(["37,0,1,150", "32,16", "37,0,1,150"]):
         case = Case.parse(CASE.replace("lens=37,0,1,150", f"lens={lens}").replace("seed1", f"seed{i}"))
         bad = lens in failed_lens
-        results.append(suite.CaseResult(case, not bad, math.inf if bad else 1e-4, 1e-2,
+        results.append(judge.CaseResult(case, not bad, math.inf if bad else 1e-4, 1e-2,
                                         "non-finite output" if bad else ""))
     return suite.Report(name, "decode", "interpreter", results)
 

@@ -1,10 +1,13 @@
 """argparse types shared by every command line (``python -m workbench ...``): numbers that must be
-positive are refused at parse time, so ``--seconds 0`` never runs."""
+positive are refused at parse time, so ``--seconds 0`` never runs; an output folder is created and checked
+writable before any work, so a bad ``--out`` fails at once, not after the work."""
 
 from __future__ import annotations
 
 import argparse
 import math
+import tempfile
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -38,3 +41,30 @@ def positive_int_list(text: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return vals
+
+
+def ensure_writable_dir(path: Path | str) -> Path:
+    """Create ``path`` (and its parents) if needed and check a file can be written in it.
+
+    Called before a benchmark or notebook runs, so a bad ``--out`` fails at once, not after the work.
+    Raises ``ValueError`` with a one-line reason.
+    """
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except FileExistsError:
+        raise ValueError(f"{path} exists and is not a folder") from None
+    except OSError as e:
+        raise ValueError(f"cannot write to {path}: {e.strerror or e}") from None
+    return path
+
+
+def writable_dir(parser: argparse.ArgumentParser, path: Path | str, flag: str = "--out") -> Path:
+    """:func:`ensure_writable_dir` of a command's argument: a bad folder ends the program through ``parser.error``
+    (exit 2, a message naming ``flag``)."""
+    try:
+        return ensure_writable_dir(path)
+    except ValueError as e:
+        parser.error(f"argument {flag}: {e}")

@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"argument --journal: {journal} is a folder; name a file")
     harness.output_dir(ap, journal.parent, "--journal")
     meta = harness.machine_meta()
-    from workbench.conformance.cli import load_module
+    from workbench.conformance.loading import load_module
 
     isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
     try:

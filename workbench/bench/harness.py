@@ -16,36 +16,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from workbench.argtypes import positive_float, positive_int  # noqa: F401  (re-exported for the benchmarks)
+from workbench.argtypes import (
+    ensure_writable_dir,
+    positive_float,  # noqa: F401  (re-exported for the benchmarks)
+    positive_int,  # noqa: F401
+)
 from workbench.provenance import machine_meta  # noqa: F401  (re-exported: every benchmark stamps its rows)
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "data" / "results"  # committed results (what the notebooks plot); loaders read here
 DEFAULT_OUT = ROOT / "results"  # where a run writes unless --out says otherwise (git-ignored)
-
-
-def ensure_writable_dir(path: Path | str) -> Path:
-    """Create ``path`` (and its parents) if needed and check a file can be written in it.
-
-    Called before a benchmark or notebook runs, so a bad ``--out`` fails at once, not after the work.
-    Raises ``ValueError`` with a one-line reason.
-    """
-    path = Path(path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
-    except FileExistsError:
-        raise ValueError(f"{path} exists and is not a folder") from None
-    except OSError as e:
-        raise ValueError(f"cannot write to {path}: {e.strerror or e}") from None
-    return path
 
 
 def output_dir(parser: argparse.ArgumentParser, out: Path | str | None, flag: str = "--out") -> Path:

@@ -11,9 +11,11 @@ cases our kernels pass, problems exported to files for kernels outside Python, a
 
 from . import builtin, registry
 from .cases import LEVELS, cases_for
+from .judge import CaseResult, run_case
+from .ops import OPS
 from .problems import Case
-from .registry import OPS, Impl, available, get, names, register, unregister
-from .suite import CaseResult, Report, check, replay, run_case
+from .registry import Impl, available, get, names, register, unregister
+from .suite import Report, check, replay
 
 registry.add_loader(builtin.load)
 

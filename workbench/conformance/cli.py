@@ -18,52 +18,24 @@ context stops the run). Cases outside what the implementation claims are listed 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
-from workbench.conformance import registry
-from workbench.conformance.registry import OPS
+import torch
 
-LOADED: list[str] = []  # the files and modules load_module imported here, in order (an isolated worker imports them)
-SOURCES: dict[tuple[str, str], str] = {}  # (op, name) -> the file or module whose import registered it
-
-
-def load_module(spec: str) -> None:
-    """Import a ``.py`` file or a dotted module, so that its ``register`` calls run; remember which
-    implementations it registered (:func:`command_name`)."""
-    path = Path(spec)
-    if spec.endswith(".py") and not path.is_file():
-        raise ValueError(f"no such file: {spec}")
-    registry._load()  # the built-ins first: they are not the file's
-    before = dict(registry._REGISTRY)
-    if spec.endswith(".py"):
-        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[path.stem] = module
-        mod_spec.loader.exec_module(module)
-    else:
-        importlib.import_module(spec)
-    if spec not in LOADED:
-        LOADED.append(spec)
-    for key, impl in registry._REGISTRY.items():
-        if before.get(key) is not impl:
-            SOURCES[key] = spec
-
-
-def command_name(impl) -> str:
-    """How ``python -m workbench check`` names ``impl`` so that a printed command runs as printed: ``FILE.py:NAME``
-    for one a file registered, else its name."""
-    spec = SOURCES.get((impl.op, impl.name))
-    return f"{spec}:{impl.name}" if spec else impl.name
+from workbench.argtypes import ensure_writable_dir, positive_float, positive_int
+from workbench.conformance import exchange
+from workbench.conformance.cases import LEVELS, cases_for
+from workbench.conformance.loading import load_module
+from workbench.conformance.ops import OPS
+from workbench.conformance.problems import Case
+from workbench.conformance.registry import ABSENT, available, get
+from workbench.conformance.suite import check
+from workbench.provenance import machine_meta
 
 
 def _parser() -> argparse.ArgumentParser:
-    from workbench.argtypes import positive_float, positive_int
-    from workbench.conformance.cases import LEVELS
-
     ap = argparse.ArgumentParser(prog="python -m workbench check", description=__doc__.splitlines()[0],
                                  epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("impl", nargs="?", help="a registered implementation, or FILE.py:NAME / package.module:NAME "
@@ -98,20 +70,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _list() -> int:
-    from workbench.conformance import builtin
-    from workbench.conformance.registry import available
-
     for impl in available():
         print(f"{impl.op:<14} {impl.name:<14} {impl.origin:<9} {impl.claims()}")
-    for name, why in sorted(builtin.ABSENT.items()):
+    for name, why in sorted(ABSENT.items()):
         print(f"{'decode':<14} {name:<14} {'absent':<9} {why}")
     return 0
 
 
 def _cases(args, impl):
-    from workbench.conformance.cases import cases_for
-    from workbench.conformance.problems import Case
-
     if args.case:
         cases = [Case.parse(c) for c in args.case]
         for c in cases:
@@ -122,16 +88,12 @@ def _cases(args, impl):
 
 
 def _write_json(path: Path, report) -> None:
-    from workbench.provenance import machine_meta
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"meta": machine_meta(), **report.to_json()}, indent=1, default=str) + "\n")
 
 
 def _check_paths(args) -> None:
     """Every path the run writes, checked before it starts (ValueError naming the argument)."""
-    from workbench.bench.harness import ensure_writable_dir
-
     if args.export is not None:
         try:
             ensure_writable_dir(args.export)
@@ -151,12 +113,6 @@ def _check_paths(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    import torch
-
-    from workbench.conformance import exchange
-    from workbench.conformance.registry import get
-    from workbench.conformance.suite import check
-
     journal = args.journal or (args.json.with_suffix(".journal.jsonl") if args.json is not None else None)
     try:
         _check_paths(args)

@@ -1,5 +1,5 @@
 """Conformance problems as self-contained files, for kernels written outside Python-Triton (CUDA, CUTLASS, another
-framework), and the judging of their outputs by the same rules as :mod:`workbench.conformance.suite`.
+framework), and the judging of their outputs by the same rules as :mod:`workbench.conformance.judge`.
 
     export_problems(cases, "problems/")        # problems/<name>.safetensors + problems/manifest.json
     ... an outside program reads each file and writes problems/<name>.out.safetensors ...
@@ -21,11 +21,14 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from workbench.conformance import suite
 from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.judge import CaseResult, judge_bytes, judge_decode, judge_write
 from workbench.conformance.problems import Case
 from workbench.conformance.registry import Impl, get
+from workbench.conformance.suite import Report
 from workbench.quant import blocks as qblocks
 
 CACHES = ("k_cache", "v_cache", "pool")
@@ -78,8 +81,6 @@ def problem_tensors(case: Case, device="cpu") -> tuple[dict[str, torch.Tensor], 
 
 def export_problems(cases, directory: Path | str, device="cpu") -> list[Path]:
     """Write each case as ``<directory>/<file_name(case)>.safetensors`` and a ``manifest.json`` listing them."""
-    from safetensors.torch import save_file
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     paths, manifest = [], []
@@ -97,8 +98,6 @@ def export_problems(cases, directory: Path | str, device="cpu") -> list[Path]:
 def describe_problems(directory: Path | str, problem: Path | str | None = None) -> str:
     """The files in ``directory`` with their sizes, then one problem file's case, tolerance and tensors (name,
     dtype, shape; default the first ``.safetensors`` by name)."""
-    from safetensors import safe_open
-
     files = sorted(Path(directory).iterdir())
     lines = [f"{p.name:<62} {p.stat().st_size:>7} bytes" for p in files]
     problems = [p for p in files if p.name.endswith(".safetensors") and not p.name.endswith(".out.safetensors")]
@@ -115,8 +114,6 @@ def describe_problems(directory: Path | str, problem: Path | str | None = None) 
 def load_problem(path: Path | str, device="cpu") -> tuple[Case, dict, object]:
     """``(case, inputs, ref)`` of a problem file: the inputs as the registry hands them out (caches as layout views
     over their planes, ``out`` a fresh NaN buffer), ``ref`` as :meth:`Case.build` gives it."""
-    from safetensors import safe_open
-
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k).to(device) for k in f.keys()}  # noqa: SIM118  (safe_open has no __iter__)
@@ -142,8 +139,6 @@ def load_problem(path: Path | str, device="cpu") -> tuple[Case, dict, object]:
 def write_outputs(impl: str | Impl, directory: Path | str, device="cpu") -> list[Path]:
     """Run a registered implementation on every problem of ``directory`` and write its output files (what an outside
     program does; used to test the loop, and to export a peer's answers)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     paths = []
     for entry in _manifest(directory):
@@ -167,20 +162,18 @@ def _manifest(directory: Path) -> list[dict]:
     return json.loads(path.read_text())["problems"]
 
 
-def judge_outputs(directory: Path | str, outputs: Path | str | None = None, name: str = "outside") -> suite.Report:
+def judge_outputs(directory: Path | str, outputs: Path | str | None = None, name: str = "outside") -> Report:
     """Judge the output files (``outputs``, default ``directory``) of every problem in ``directory``."""
-    from safetensors import safe_open
-
     directory = Path(directory)
     out_dir = Path(outputs) if outputs is not None else directory
     entries = _manifest(directory)
-    report = suite.Report(name, entries[0]["case"].split("/")[0] if entries else "decode", "outside (files)")
+    report = Report(name, entries[0]["case"].split("/")[0] if entries else "decode", "outside (files)")
     for entry in entries:
         case, inputs, ref = load_problem(directory / entry["file"])
         tol = SUITE_FORMATS[case.kv_format].tol if case.op in ("decode", "shared_prefix") else 0.0
         path = out_dir / entry["output"]
         if not path.is_file():
-            report.results.append(suite.CaseResult(case, False, None, tol, f"no output file {path.name}"))
+            report.results.append(CaseResult(case, False, None, tol, f"no output file {path.name}"))
             continue
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -189,15 +182,15 @@ def judge_outputs(directory: Path | str, outputs: Path | str | None = None, name
             if missing:
                 raise ValueError(f"output file {path.name} lacks {missing}")
         except Exception as e:  # noqa: BLE001  (an unreadable output is a failed case)
-            report.results.append(suite.CaseResult(case, False, None, tol, f"unreadable output: {e}"))
+            report.results.append(CaseResult(case, False, None, tol, f"unreadable output: {e}"))
             continue
         if case.op in ("decode", "shared_prefix"):
-            err, why = suite.judge_decode(got["out"], inputs, ref, tol)
+            err, why = judge_decode(got["out"], inputs, ref, tol)
         elif case.op == "write":
             views = {k: _view_of(got[k], inputs[k].shape, inputs[k].stride()) if got[k].shape ==
                      _plane(inputs[k]).shape else got[k] for k in ("k_cache", "v_cache")}
-            err, why = suite.judge_write(views, ref)
+            err, why = judge_write(views, ref)
         else:
-            err, why = suite.judge_bytes(got["pool"], ref, "pool")
-        report.results.append(suite.CaseResult(case, not why, err, tol, why))
+            err, why = judge_bytes(got["pool"], ref, "pool")
+        report.results.append(CaseResult(case, not why, err, tol, why))
     return report

@@ -17,12 +17,24 @@ the suite then forks a child per case instead (:func:`run_forked`).
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
+
+import torch
+
+from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.judge import CaseResult, run_case
+from workbench.conformance.loading import LOADED, SOURCES, load_module
+from workbench.conformance.registry import get, make_impl
 
 #: error texts that mean the CUDA context is gone (CUDA's own wording, as torch and the libraries repeat it)
 STICKY = ("misaligned address", "illegal memory access", "unspecified launch failure", "device-side assert",
@@ -38,10 +50,6 @@ def sticky(text: str) -> bool:
 
 def context_lost() -> str:
     """"" while this process's CUDA context works (or CUDA was never used), else the error a sync raises."""
-    if "torch" not in sys.modules:
-        return ""
-    import torch
-
     if not torch.cuda.is_initialized():
         return ""
     try:
@@ -55,11 +63,6 @@ def impl_ref(impl) -> tuple | None:
     """How a worker rebuilds ``impl`` (a :class:`~workbench.conformance.registry.Impl`), or None when it cannot:
     ours, a reference or a peer by name; one a file registered (``check FILE.py:NAME``) by that file and its name;
     another user's function pickled by reference, with the loaded file or module that defines it."""
-    from dataclasses import asdict
-    from pathlib import Path
-
-    from workbench.conformance.cli import LOADED, SOURCES
-
     if impl.origin != "user":
         return ("name", impl.op, impl.name, ())
     if (impl.op, impl.name) in SOURCES:  # the worker imports the file and it registers the name, as here
@@ -88,9 +91,6 @@ def resolve(ref: tuple):
     """The implementation of an :func:`impl_ref`, in a worker (built once)."""
     if ref[:3] in _IMPLS:
         return _IMPLS[ref[:3]]
-    from workbench.conformance.cli import LOADED, load_module
-    from workbench.conformance.registry import get, make_impl
-
     for spec in ref[3]:
         if spec not in LOADED:
             load_module(spec)
@@ -103,21 +103,14 @@ def resolve(ref: tuple):
 
 
 def run_ref(ref: tuple, case, device=None):
-    """:func:`~workbench.conformance.suite.run_case` of an :func:`impl_ref`: what an isolated worker runs per case."""
-    from workbench.conformance.suite import run_case
-
+    """:func:`~workbench.conformance.judge.run_case` of an :func:`impl_ref`: what an isolated worker runs per case."""
     return run_case(resolve(ref), case, device)
 
 
 def _serve(conn, threads: int) -> None:
-    """The worker's loop: ``(fn, args)`` in, ``(status, value, lost)`` out; it exits after a lost context."""
-    import faulthandler
-
+    """The worker's loop: ``(fn, args)`` in, ``(status, value, lost)`` out; it exits after a lost context. (Its
+    import of this module imported workbench first: the backend is decided as in the parent, same environment.)"""
     faulthandler.disable()  # a crash here is the call's verdict, reported by the parent
-    import torch
-
-    import workbench  # noqa: F401  (the backend, decided as in the parent: same environment)
-
     torch.set_num_threads(threads)  # the parent's: a case measures the same in either process
 
     conn.send(("ready", os.getpid(), ""))
@@ -156,13 +149,9 @@ class Worker:
         self.replaced = 0
 
     def _start(self) -> None:
-        import multiprocessing as mp
-
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)  # read when the server starts (its first worker), once per process
         self.conn, child = ctx.Pipe(duplex=True)
-        import torch
-
         self.proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads()), daemon=True,
                                 name="workbench-isolated")
         self.proc.start()
@@ -227,15 +216,9 @@ class Worker:
 
 
 def run_forked(impl, case, device=None, timeout_s: float = 600.0):
-    """:func:`~workbench.conformance.suite.run_case` in a forked child (CPU only): a crash or a hang (past
+    """:func:`~workbench.conformance.judge.run_case` in a forked child (CPU only): a crash or a hang (past
     ``timeout_s``) is a failed case, not a dead process. The child inherits the registry, so an implementation
     defined in a notebook cell works too."""
-    import multiprocessing as mp
-    import time
-
-    from workbench.conformance.formats import SUITE_FORMATS
-    from workbench.conformance.suite import CaseResult
-
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child, args=(send, impl, case, device), daemon=True)
@@ -262,10 +245,6 @@ def run_forked(impl, case, device=None, timeout_s: float = 600.0):
 
 
 def _child(send, impl, case, device) -> None:
-    import faulthandler
-
-    from workbench.conformance.suite import run_case
-
     faulthandler.disable()  # a crash here is the case's verdict, reported by the parent (replay it to debug)
     try:
         send.send(run_case(impl, case, device))

@@ -15,6 +15,8 @@ import json
 import os
 from pathlib import Path
 
+from workbench.argtypes import ensure_writable_dir
+
 
 def digest(keys) -> str:
     """A short fingerprint of a run's unit keys: a resumed run must be the same run."""
@@ -27,8 +29,6 @@ class Journal:
     ``header`` (ValueError otherwise, before anything is written)."""
 
     def __init__(self, path: Path | str, header: dict, resume: bool = False):
-        from workbench.bench.harness import ensure_writable_dir
-
         path = Path(path)
         if path.is_dir():
             raise ValueError(f"journal {path} is a folder; name a file")

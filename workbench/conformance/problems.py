@@ -25,7 +25,8 @@ import torch
 
 from workbench import quant
 from workbench.conformance.formats import SUITE_FORMATS
-from workbench.layout import block_view
+from workbench.conformance.ops import OPS
+from workbench.layout import Layout, block_view
 from workbench.quant import blocks as qblocks
 
 SM_SCALE_FACTOR = 0.87  # the suite's softmax scale is this times 1/sqrt(D): an impl that ignores sm_scale fails
@@ -69,9 +70,6 @@ class Case:
     @classmethod
     def parse(cls, case_id: str) -> Case:
         """The case of an :attr:`id` (ValueError naming the part it cannot read)."""
-        from workbench.conformance.registry import OPS
-        from workbench.layout import Layout
-
         if not isinstance(case_id, str):
             raise ValueError(f"case id must be a string, got {type(case_id).__name__}")
         parts = case_id.strip().split("/")
@@ -117,8 +115,6 @@ class Case:
 
     def check(self) -> None:
         """ValueError naming the first field a problem cannot be built from."""
-        from workbench.layout import Layout
-
         for name in ("block_size", "head_dim", "num_kv_heads", "group", "layers"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

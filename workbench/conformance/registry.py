@@ -1,10 +1,10 @@
 """Implementations of the cache's ops, by name: ours, our references, the installed peers, and yours.
 
-An op is a contract: the arguments an implementation may ask for (by parameter name: it is handed only the ones
-its signature names, so a CSR kernel asks for ``kv_indptr`` and never sees the block table) and what it must give
-back. An implementation is any callable plus what it claims to support (layouts, formats, block sizes, head dims, GQA
-group sizes, the byte alignment its loads need); the conformance suite (:mod:`workbench.conformance.suite`) runs it
-on every case it claims and lists the others as unsupported, never as failures.
+An op is a contract (:mod:`workbench.conformance.ops`): the arguments an implementation may ask for, by parameter
+name, and what it must give back. An implementation is any callable plus what it claims to support (layouts,
+formats, block sizes, head dims, GQA group sizes, the byte alignment its loads need); the conformance suite
+(:mod:`workbench.conformance.suite`) runs it on every case it claims and lists the others as unsupported, never as
+failures.
 
     @register("decode", "mine", layouts=("nhd",), formats=("fp16", "bf16"))
     def mine(q, k_cache, v_cache, block_table, seq_lens, sm_scale, out):
@@ -20,57 +20,12 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.ops import OPS, Op
+from workbench.conformance.problems import row_alignment
 from workbench.layout import Layout
 
 ORIGINS = ("ours", "reference", "peer", "example", "user")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One op's contract: ``arguments`` an implementation may take (by name), ``required`` the ones it must."""
-
-    name: str
-    arguments: dict[str, str]  # name -> what it is
-    required: tuple[str, ...]
-    returns: str
-
-
-_DECODE_ARGS = {
-    "q": "[B, Hq, D] queries, one token per sequence (fp16 / bf16 / fp32)",
-    "k_cache": "one layer's K cache in `layout`: [blocks, ...] (padded block strides possible)",
-    "v_cache": "one layer's V cache, same layout and blocks",
-    "layout": "'nhd', 'hnd' or 'vllm' (workbench.layout)",
-    "block_size": "tokens per block",
-    "block_table": "[B, max_blocks] int32 physical block ids; entries past a sequence's blocks are padding",
-    "seq_lens": "[B] int32 context lengths (0 allowed)",
-    "kv_indptr": "[B + 1] int32, FlashInfer's CSR: sequence b's blocks are kv_indices[kv_indptr[b]:kv_indptr[b+1]]",
-    "kv_indices": "[nnz] int32 block ids of all sequences, in order",
-    "kv_last_page_len": "[B] int32 tokens in each sequence's last block (0 for an empty sequence)",
-    "max_seq_len": "max(seq_lens) as a Python int",
-    "sm_scale": "softmax scale (the suite passes a value that is not 1/sqrt(D))",
-    "k_scale": "None, or an fp32 tensor of 1 or Hkv values: read = stored * scale (fp8 / int8 caches)",
-    "v_scale": "like k_scale",
-    "quant": "None, or the workbench.quant scheme name of a cache whose scales live in its blocks",
-    "kv_format": "the format name of the case ('fp16', 'fp8_e4m3', 'int8_asym/token', ...)",
-    "out": "[B, Hq, D] output buffer in q's dtype, pre-filled with NaN",
-}
-
-OPS: dict[str, Op] = {
-    "decode": Op("decode", _DECODE_ARGS, ("sm_scale",), "out [B, Hq, D] in q's dtype (written into out, or returned)"),
-    "shared_prefix": Op("shared_prefix", {**_DECODE_ARGS, "ref_counts": "[blocks] int32 holders of each block"},
-                        ("sm_scale",), "as decode; the batch's block tables share leading blocks"),
-    "write": Op("write", {
-        "key": "[T, Hkv, D] new keys (fp16 / bf16 / fp32)", "value": "[T, Hkv, D] new values",
-        "k_cache": "one layer's K cache in `layout` (written in place)", "v_cache": "the V cache",
-        "layout": "'nhd', 'hnd' or 'vllm'", "block_size": "tokens per block",
-        "slot_mapping": "[T] int64 slots: block * block_size + offset", "k_scale": "None or fp32 [1] / [Hkv]",
-        "v_scale": "like k_scale", "kv_format": "the format name of the case"},
-        ("slot_mapping",), "nothing: the caches hold the tokens, every other byte untouched"),
-    "copy": Op("copy", {
-        "pool": "[layers, 2, blocks, block_stride] every layer's K and V blocks (any dtype)",
-        "src": "[n] int32 source blocks (may repeat: a fork)", "dst": "[n] int32 destinations, distinct, not sources"},
-        ("pool", "src", "dst"), "nothing: pool[:, :, dst] equals the old pool[:, :, src], every other byte untouched"),
-}
 
 
 @dataclass(frozen=True)
@@ -102,8 +57,6 @@ class Impl:
     def unsupported(self, case) -> str:
         """Why ``case`` (a :class:`~workbench.conformance.problems.Case`) is outside what this implementation
         claims ("" when it claims it): every reason, "; "-joined."""
-        from workbench.conformance.problems import row_alignment
-
         if self.op == "copy":  # its cases take no claims: every pool is bytes
             return ""
         why = [f"{name} {value} not in {','.join(map(str, claimed))}"
@@ -150,6 +103,12 @@ def _load() -> None:
         fn()
 
 
+def registered() -> dict[tuple[str, str], Impl]:
+    """``{(op, name): Impl}`` of every registered implementation (a copy; the built-ins loaded first)."""
+    _load()
+    return dict(_REGISTRY)
+
+
 def _signature(op: Op, fn: Callable, name: str) -> tuple[frozenset, bool]:
     try:
         params = inspect.signature(fn).parameters.values()
@@ -188,8 +147,6 @@ def _names(kind: str, values, check) -> tuple:
 
 
 def _check_format(f) -> None:
-    from workbench.conformance.formats import SUITE_FORMATS
-
     if f not in SUITE_FORMATS:
         raise ValueError(f"formats: {f!r} is not one of the suite's formats {list(SUITE_FORMATS)}")
 

@@ -16,9 +16,13 @@ kernel can crash the Python process on a CPU, and on a GPU it can leave the CUDA
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
 
+from workbench.backend import is_interpreted
+from workbench.conformance import registry, suite
 from workbench.layout import Layout, addressing, to_nhd
 
 MISTAKES = {"none": 0, "mask": 1, "gqa": 2, "block": 3}
@@ -83,8 +87,6 @@ def default_tile() -> int:
     """Tokens per loop step: 32 compiled; 128 under the Triton interpreter, which runs a step op by op in numpy, so
     four times fewer steps check the same cases about twice as fast (the same verdicts, outputs equal to fp32
     rounding)."""
-    from workbench.backend import is_interpreted
-
     return 128 if is_interpreted() else 32
 
 
@@ -117,10 +119,6 @@ def check_mistakes(mistakes, level: str = "smoke", layouts=("nhd", "hnd"), forma
     ``broken_<mistake>`` (the starter with that bug, claiming ``layouts`` and ``formats``; registering it again
     replaces it) and checked at ``level`` with the interpreter's warnings silenced
     (``suite.check_quietly``): ``{"broken_<mistake>": Report}``, in the order given."""
-    import functools
-
-    from workbench.conformance import registry, suite
-
     reports = {}
     for mistake in mistakes:
         if mistake not in MISTAKES or mistake == "none":

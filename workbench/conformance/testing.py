@@ -14,15 +14,18 @@ pytest is imported only when these are called (it is a dev dependency, not the c
 
 from __future__ import annotations
 
+import shlex
+
 from workbench.conformance.cases import cases_for
+from workbench.conformance.judge import run_case
+from workbench.conformance.loading import command_name
 from workbench.conformance.problems import Case
 from workbench.conformance.registry import get
-from workbench.conformance.suite import run_case
 
 
 def cases_of(impl: str, op: str = "decode", level: str = "pairwise"):
     """``pytest.mark.parametrize("case", ...)`` over the cases ``impl`` claims at ``level``, ids = case ids."""
-    import pytest
+    import pytest  # here: pytest is a dev dependency, present where this helper is used (a test file)
 
     cases = cases_for(get(impl, op), level)
     return pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
@@ -30,10 +33,6 @@ def cases_of(impl: str, op: str = "decode", level: str = "pairwise"):
 
 def assert_conforms(impl: str, case: Case | str, op: str | None = None, device=None) -> float:
     """Run one case; AssertionError with the reason and the replay command if it fails. Returns the case's error."""
-    import shlex
-
-    from workbench.conformance.cli import command_name
-
     case = Case.parse(case) if isinstance(case, str) else case
     found = get(impl, op or case.op)
     result = run_case(found, case, device)
