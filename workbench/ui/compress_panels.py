@@ -27,7 +27,7 @@ from workbench.compress.study import (  # noqa: F401  (the panel's settings, imp
 from workbench.model import capture
 from workbench.studies.compress import QUEST, QUEST_PAGE_SIZES, QUEST_SHARES, SPARSIFICATION, chosen, timed_speedups
 from workbench.ui import compress_figures as cf
-from workbench.ui.controls import controls as study_controls
+from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
 SHOWN_POLICIES = SPARSIFICATION.param("policy").choices  # every policy but "full", the reference point (1, 0)
@@ -79,7 +79,7 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
 
     values = {"policy": policy, "budget": budget, "window": window, "sinks": sinks, "block_size": block_size,
               "partial": partial, "prompt": prompt, "layer": layer}
-    controls = study_controls(SPARSIFICATION, values, options={"prompt": names, "layer": saved},
+    controls = controls_for(SPARSIFICATION, values, options={"prompt": names, "layer": saved},
                               labels={"policy": cf.POLICY_NAMES})
 
     def compute(policy, budget, window, sinks, block_size, partial, prompt, layer):
@@ -159,7 +159,7 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
     sizes = sorted({r["page_size"] for r in recall})
     shares = sorted({r["share"] for r in recall})
     batches = measured.quest_batches(runs[-1])
-    controls = study_controls(QUEST, {"page_size": page_size, "share": share, "batch": batches[0]},
+    controls = controls_for(QUEST, {"page_size": page_size, "share": share, "batch": batches[0]},
                               options={"page_size": sizes, "share": shares, "batch": batches})
     controls["run"] = W.Dropdown(options=names, value=names[-1], description="run")  # the panel's own: which run
 

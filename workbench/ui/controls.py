@@ -47,7 +47,7 @@ def control(p: Param, value: Any = None, options: Sequence | None = None,
     return W.FloatSlider(value=value, min=p.minimum, max=p.maximum, description=description)
 
 
-def controls(study: Study, values: Mapping[str, Any] | None = None, options: Mapping[str, Sequence] | None = None,
+def controls_for(study: Study, values: Mapping[str, Any] | None = None, options: Mapping[str, Sequence] | None = None,
              labels: Mapping[str, Mapping[Any, str]] | None = None) -> dict[str, W.ValueWidget]:
     """The panel's controls of ``study`` (``study.controls``, in that order), each at ``values[name]``, offering
     ``options[name]`` and showing ``labels[name]`` where given (:func:`control`)."""

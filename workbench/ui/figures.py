@@ -75,6 +75,22 @@ def sharing_bars(blocks_used, blocks_unshared, cow_copies, prefix_hits):
     return fig
 
 
+def sharing_overview(r) -> go.Figure:
+    """A shared-prompt scenario (``sharing.shared_prompt``): its block tables beside the blocks each way uses."""
+    from plotly.subplots import make_subplots
+
+    heat = block_table_heatmap(r.seq_ids, r.block_tables, r.ref_counts)
+    bars = sharing_bars(r.blocks_used, r.blocks_unshared, r.cow_copies, r.prefix_hits)
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
+                        subplot_titles=(f"block tables: {r.tokens} token states in {r.blocks_used} blocks "
+                                        f"({100 * r.memory_saved:.0f}% of blocks saved)", "blocks"))
+    fig.add_trace(heat.data[0], row=1, col=1)
+    fig.add_trace(bars.data[0], row=1, col=2)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    fig.update_layout(height=max(320, 26 * len(r.seq_ids) + 140), showlegend=False, margin=dict(t=50))
+    return fig
+
+
 IMPL_COLORS = {"ours": "#2a9d8f", "sdpa_contiguous": "#264653", "gather_sdpa": "#e76f51", "flex_paged": "#e9c46a"}
 
 

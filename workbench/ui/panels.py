@@ -19,9 +19,11 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from workbench import memory, spec
+from workbench.bench import results
 from workbench.report import PLOTLY_MIME
+from workbench.studies import cache
 from workbench.ui import figures
+from workbench.ui.controls import controls_for
 from workbench.ui.plot_view import PlotView, figure_json
 
 SLIDER_WIDTH = "330px"  # a track of ~200 px beside its label and readout: usable with a mouse
@@ -127,83 +129,30 @@ class Panel:
 
 
 def memory_panel(num_requests: int = 64, seed: int = 0) -> Panel:
-    """Contiguous vs paged KV memory for a batch of requests; sliders for the knobs."""
-    controls = {
-        "model": W.Dropdown(options=sorted(spec.MODELS), value="llama-7b", description="model"),
-        # by bytes per element: fp16 and bf16 take the same memory, so they are one choice here
-        "kv_dtype": W.Dropdown(options=[("fp16 / bf16", "fp16"), ("fp8 / int8", "fp8_e4m3"), ("int4", "int4")],
-                               value="fp16", description="dtype"),
-        "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
-                                        description="block size"),
-        "max_len": W.IntSlider(value=2048, min=256, max=8192, step=256, description="max len"),
-    }
-
-    def compute(model: str, kv_dtype: str, block_size: int, max_len: int):
-        current, final = memory.random_batch(num_requests, max_len, seed)
-        bpt = spec.model(model).bytes_per_token(kv_dtype)
-        return memory.compare_allocation(current, final, max_len, block_size, bpt)
-
-    return Panel(controls, compute, figures.breakdown_bars)
+    """Contiguous vs paged KV memory for a batch of requests (the ``memory`` study); sliders for the knobs."""
+    return Panel(controls_for(cache.MEMORY, options={"max_len": range(256, 8193, 256)}),
+                 lambda **kw: cache.allocation(num_requests=num_requests, seed=seed, **kw), cache.MEMORY.draw)
 
 
 def sharing_panel() -> Panel:
-    """A shared system prompt across N requests, each forking parallel samples that generate tokens."""
-    from plotly.subplots import make_subplots
-
-    from workbench.sharing import shared_prompt
-
-    controls = {
-        "num_requests": W.IntSlider(value=4, min=1, max=12, description="requests"),
-        "system_len": W.IntSlider(value=40, min=0, max=128, step=4, description="system prompt"),
-        "samples": W.IntSlider(value=2, min=1, max=4, description="samples"),
-        "gen_len": W.IntSlider(value=12, min=0, max=64, description="generated"),
-        "block_size": W.SelectionSlider(options=[4, 8, 16, 32], value=16, description="block size"),
-        "prefix_caching": W.Checkbox(value=True, description="prefix caching"),
-    }
-
-    def draw(r):
-        heat = figures.block_table_heatmap(r.seq_ids, r.block_tables, r.ref_counts)
-        bars = figures.sharing_bars(r.blocks_used, r.blocks_unshared, r.cow_copies, r.prefix_hits)
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
-                            subplot_titles=(f"block tables: {r.tokens} token states in {r.blocks_used} blocks "
-                                            f"({100 * r.memory_saved:.0f}% of blocks saved)", "blocks"))
-        fig.add_trace(heat.data[0], row=1, col=1)
-        fig.add_trace(bars.data[0], row=1, col=2)
-        fig.update_yaxes(autorange="reversed", row=1, col=1)
-        fig.update_layout(height=max(320, 26 * len(r.seq_ids) + 140), showlegend=False, margin=dict(t=50))
-        return fig
-
-    return Panel(controls, lambda **kw: shared_prompt(user_len=5, **kw), draw)
+    """A shared system prompt across N requests, each forking parallel samples that generate tokens (the
+    ``sharing`` study)."""
+    small = {"num_requests": range(1, 13), "system_len": range(0, 129, 4), "samples": range(1, 5),
+             "gen_len": range(0, 65), "block_size": (4, 8, 16, 32)}
+    return Panel(controls_for(cache.SHARING, options=small), cache.sharing, cache.SHARING.draw)
 
 
 def coalescing_panel(num_kv_heads: int = 8) -> Panel:
-    """Which 128-byte lines one kv head's reads touch, for a layout, block size, head_dim, dtype and alignment."""
-    from workbench.coalescing import analyze
-
-    controls = {
-        "layout": W.Dropdown(options=["nhd", "hnd", "vllm"], value="nhd", description="layout"),
-        "kind": W.ToggleButtons(options=["k", "v"], value="k", description="cache"),
-        "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128], value=16, description="block size"),
-        "head_dim": W.SelectionSlider(options=[32, 64, 80, 96, 128, 256], value=128, description="head_dim"),
-        # only the element size matters to the addresses: one choice per size
-        "kv_dtype": W.Dropdown(options=[("fp32", "fp32"), ("fp16 / bf16", "fp16"), ("fp8 / int8", "fp8_e4m3")],
-                               value="fp16", description="dtype"),
-        "pad": W.SelectionSlider(options=[0, 1, 2, 4, 8, 16, 32, 64], value=0, description="pad (elems)"),
-        "block_n": W.SelectionSlider(options=[1, 8, 16, 32, 64, 128], value=64, description="tile tokens"),
-    }
-
-    def compute(layout, kind, block_size, head_dim, kv_dtype, pad, block_n):
-        elem = int(spec.dtype_size(kv_dtype))
-        return analyze(layout, kind, block_size, num_kv_heads, head_dim, elem, pad_bytes=pad * elem, block_n=block_n)
-
-    return Panel(controls, compute, figures.coalescing_map)
+    """Which 128-byte lines one kv head's reads touch, for a layout, block size, head_dim, dtype and alignment (the
+    ``coalescing`` study)."""
+    small = {"block_size": (1, 2, 4, 8, 16, 32, 64, 128), "pad": (0, 1, 2, 4, 8, 16, 32, 64)}
+    return Panel(controls_for(cache.COALESCING, options=small),
+                 lambda **kw: cache.coalescing(num_kv_heads=num_kv_heads, **kw), cache.COALESCING.draw)
 
 
 def decode_results_panel(rows: list[dict]) -> Panel:
     """Measured decode results (``workbench.bench.results``): per-workload bars, roofline, layout and alignment
     sweeps; eager or CUDA-graph times."""
-    from workbench.bench import results
-
     controls = {
         "view": W.Dropdown(options=["workloads", "roofline", "layouts", "alignment"], value="workloads",
                            description="view"),
@@ -240,18 +189,11 @@ def decode_results_panel(rows: list[dict]) -> Panel:
 
 
 def fragmentation_panel(num_requests: int = 2000) -> Panel:
-    """The serving simulator (``workbench.sim.sweeps.simulate``): trace, block size, strategy, KV budget and
-    compaction period (adaptive blocks only; 0 = never) -> where the memory goes."""
-    from workbench.sim import sweeps
-
-    controls = {
-        "trace": W.Dropdown(options=["sharegpt", "alpaca"], value="sharegpt", description="trace"),
-        "strategy": W.Dropdown(options=list(sweeps.SIM_STRATEGIES), value="paged", description="strategy"),
-        "block_size": W.SelectionSlider(options=[1, 2, 4, 8, 16, 32, 64, 128, 256], value=16,
-                                        description="block size"),
-        "kv_gib": W.FloatSlider(value=12.0, min=2.0, max=40.0, step=1.0, description="budget GiB"),
-        "compact_every": W.SelectionSlider(options=[0, 16, 32, 64, 128, 256], value=0, description="compact every"),
-    }
-    return Panel(controls, lambda **kw: sweeps.simulate(n=num_requests, **kw), figures.sim_run, live=False,
-                 enabled={"block_size": lambda strategy, **_: strategy in sweeps.BLOCK_STRATEGIES,
-                          "compact_every": lambda strategy, **_: strategy in sweeps.COMPACTING_STRATEGIES})
+    """The serving simulator (the ``fragmentation`` study): trace, block size, strategy, KV budget and compaction
+    period (adaptive blocks only; 0 = never) -> where the memory goes."""
+    f = cache.FRAGMENTATION
+    small = {"kv_gib": [float(g) for g in range(2, 41)], "compact_every": (0, 16, 32, 64, 128, 256)}
+    model = f.param("model").default
+    return Panel(controls_for(f, options=small),
+                 lambda **kw: cache.fragmentation(num_requests=num_requests, model=model, **kw), f.draw, live=False,
+                 enabled=f.enabled)

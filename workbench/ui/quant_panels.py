@@ -16,7 +16,7 @@ from workbench import quant
 from workbench.bench import harness
 from workbench.quant.names import STUDY_GROUP_FAMILIES
 from workbench.studies.quant import QUANT, data_for, evaluate, synthetic
-from workbench.ui.controls import controls
+from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
 DECODE_PATTERN = "quant-decode-*.json"
@@ -108,4 +108,4 @@ def quant_panel(num_layers: int = 6, num_tokens: int = 512, num_kv_heads: int = 
                 "setup": setup}
 
     enabled = {**QUANT.enabled, "outlier": lambda **_: kv is None}
-    return Panel(controls(QUANT), compute, QUANT.draw, live=False, enabled=enabled)
+    return Panel(controls_for(QUANT), compute, QUANT.draw, live=False, enabled=enabled)

@@ -19,9 +19,10 @@ from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
 from workbench.studies import shared_prefix as sp
 from workbench.ui import shared_prefix_figures as spf
-from workbench.ui.controls import controls
+from workbench.ui.controls import controls_for
 from workbench.ui.figures import wrap
 from workbench.ui.panels import Panel
+
 
 def scenario_panel(prefix: int = 1024, sharers: int = 8, suffix: int = 128, max_programs: int = 24) -> Panel:
     """Prefix, sharers, suffix, GQA, tile rows, forks and timing (the controls of the ``scenario`` study) -> bytes
@@ -38,7 +39,7 @@ def scenario_panel(prefix: int = 1024, sharers: int = 8, suffix: int = 128, max_
                          f"{gqa}"}
 
     values = {"prefix": prefix, "sharers": sharers, "suffix": suffix}
-    return Panel(controls(sp.SCENARIO, values), compute, sp.SCENARIO.draw, enabled=sp.SCENARIO.enabled)
+    return Panel(controls_for(sp.SCENARIO, values), compute, sp.SCENARIO.draw, enabled=sp.SCENARIO.enabled)
 
 
 def crossover_panel(runs: Sequence[dict] | None = None) -> Panel:
@@ -107,7 +108,7 @@ def forks_panel(requests: int = 200) -> Panel:
         return {"rows": rows, "paper": paper,
                 "title": f"Memory saved by block sharing: {what}, first {requests} requests of the {trace}-like trace"}
 
-    return Panel(controls(sp.FORKS), compute, sp.FORKS.draw, enabled=sp.FORKS.enabled)
+    return Panel(controls_for(sp.FORKS), compute, sp.FORKS.draw, enabled=sp.FORKS.enabled)
 
 
 def growth_panel(runs: Sequence[dict] | None = None) -> Panel:

@@ -17,7 +17,7 @@ from workbench.studies import tiers
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import needs_scores
 from workbench.ui import tier_figures
-from workbench.ui.controls import controls
+from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
 TIMING = {"frac": "device time, CUDA graph", "frac_eager": "with the host's launches, eager"}
@@ -124,7 +124,7 @@ def prefetch_panel(prompt_tokens: int = 2048, steps: int = 128, block_size: int 
         # the bars ring the strategy chosen, or none when this trace cannot run it (not the 'none' replayed instead)
         return {"rows": rows, "chosen": strategy, "replayed": shown, "timeline": timeline, "setup": setup}
 
-    return Panel(controls(tiers.PREFETCH, options={"pattern": patterns}), compute, tiers.PREFETCH.draw,
+    return Panel(controls_for(tiers.PREFETCH, options={"pattern": patterns}), compute, tiers.PREFETCH.draw,
                  enabled=tiers.PREFETCH.enabled)
 
 
@@ -159,5 +159,5 @@ def preemption_panel(link: LinkModel | None = None, block_sizes: Sequence[int] =
                              f"(assumed, {prefill.source})"}
         return {"rows": rows, "setup": setup}
 
-    return Panel(controls(tiers.PREEMPTION, {"tokens": tokens if tokens in lengths else 1024}), compute,
+    return Panel(controls_for(tiers.PREEMPTION, {"tokens": tokens if tokens in lengths else 1024}), compute,
                  tiers.PREEMPTION.draw)
