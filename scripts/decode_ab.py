@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from workbench.kernels import DecodePlan, paged_decode
 
+from workbench.argtypes import ensure_writable_dir
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, build_paged
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    out_dir = harness.ensure_writable_dir(args.out or harness.DEFAULT_OUT)
+    out_dir = ensure_writable_dir(args.out or harness.DEFAULT_OUT)
     sys.path.insert(0, str(Path(args.old).resolve()))
     old = importlib.import_module("old_kernels")
     cases = [(k, "nhd", torch.float16) for k in WORKLOADS] + [(k, "vllm", torch.float16) for k in WORKLOADS]

@@ -17,6 +17,7 @@ import argparse
 import torch
 from workbench.kernels import paged_decode, paged_gather
 
+from workbench.argtypes import ensure_writable_dir
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, build_paged
 
@@ -25,7 +26,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results folder (default results/, git-ignored)")
     args = ap.parse_args(argv)
-    out_dir = harness.ensure_writable_dir(args.out or harness.DEFAULT_OUT)
+    out_dir = ensure_writable_dir(args.out or harness.DEFAULT_OUT)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2

@@ -25,7 +25,7 @@ from workbench.kernels.decode import kernel as dec
 
 import workbench  # backend first (importing workbench.kernels imports it too)
 from workbench.bench import harness
-from workbench.bench.decode import ref_fp32
+from workbench.bench.decode_timing import ref_fp32
 from workbench.bench.workloads import WORKLOADS, build_paged, bytes_moved, contiguous_kv
 
 # (name, launch overrides); the heuristic's pick on W1 is BLOCK_N 32, 4 stages, 4 warps, 1 split

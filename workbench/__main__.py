@@ -22,31 +22,37 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib
 import sys
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from pathlib import Path
+
+import torch
+
+import workbench
+from workbench.argtypes import ensure_writable_dir, positive_int
+from workbench.backend import describe
+from workbench.bench import BENCHMARKS
+from workbench.model.cli import cpu_threads
+from workbench.sim import cli as sim_cli
+
+# nbformat, nbclient and the report/site modules (UI-side libraries, 0.4 s and more) are imported by the commands
+# that use them (tour, report), so the core and the other commands never need them
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def version() -> str:
     """The installed distribution's version, else ``workbench.__version__`` (a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("kv-workbench")
     except PackageNotFoundError:
-        import workbench
-
         return getattr(workbench, "__version__", "unknown")
 
 
 def cmd_info(_args: argparse.Namespace) -> int:
-    import torch
-
-    from workbench.backend import describe
-    from workbench.model.cli import cpu_threads
-
     info = describe()
     gen = cpu_threads(str(info["device"]).split(":")[0])
     info["threads"] = (f"torch {torch.get_num_threads()} here; generate uses "
@@ -69,8 +75,6 @@ def _read_notebook(command: str, flag: str, path: Path):
 
 def _out_dir(command: str, out) -> Path | None:
     """``--out`` created and writable, else None after one line naming it."""
-    from workbench.bench.harness import ensure_writable_dir
-
     try:
         return ensure_writable_dir(out)
     except ValueError as e:
@@ -114,8 +118,6 @@ def notebook_paths(specs: list[str] | None) -> list[Path]:
     then the repository, then ``notebooks/``, with ``.ipynb`` added when it has none (``00_tour``, ``'0[0-2]*'``,
     ``notebooks/05_*.ipynb``); matches in sorted order, duplicates once; no spec: every
     ``notebooks/[0-9][0-9]_*.ipynb``. Raises ``ValueError`` naming a spec that matches nothing and where it looked."""
-    import glob
-
     if not specs:
         return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     bases = [Path.cwd(), ROOT, ROOT / "notebooks"]
@@ -175,31 +177,25 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
-    from workbench.bench import BENCHMARKS as names
-
     if args.name is None:
-        print("bench: name a benchmark\n" + _listing("benchmarks", names), file=sys.stderr)
+        print("bench: name a benchmark\n" + _listing("benchmarks", BENCHMARKS), file=sys.stderr)
         return 2
-    if args.name not in names:
-        print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(names)}",
+    if args.name not in BENCHMARKS:
+        print(f"bench: unknown benchmark {args.name!r}; choose from {', '.join(BENCHMARKS)}",
               file=sys.stderr)
         return 2
     module = args.name
     if module == "decode" and any(a.split("=")[0] in ("--impl", "--load") for a in args.rest):
         module = "byok_decode"  # bench decode --impl NAME: any registered implementation beside ours and the peers
+    # by name, the one run: each benchmark's module imports what it measures (the kernels, the model, the suite)
     return importlib.import_module(f"workbench.bench.{module}").main(args.rest) or 0
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    import importlib
-
-    cli = importlib.import_module("workbench.sim.cli")
     if args.name is None:
-        print("sim: name a command\n" + _listing("commands", cli.COMMANDS), file=sys.stderr)
+        print("sim: name a command\n" + _listing("commands", sim_cli.COMMANDS), file=sys.stderr)
         return 2
-    return cli.main([args.name, *args.rest]) or 0
+    return sim_cli.main([args.name, *args.rest]) or 0
 
 
 # commands whose own parsers take every option after the name
@@ -208,8 +204,7 @@ MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    import importlib
-
+    # by name, the one run (the suite, the model's capture, the sweeps' runner: none needed by the others)
     return importlib.import_module(MODEL_COMMANDS[args.command]).main(args.rest) or 0
 
 
@@ -235,10 +230,6 @@ def _summary(nb) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from workbench.bench import BENCHMARKS
-    from workbench.bench.harness import positive_int
-    from workbench.sim.cli import COMMANDS as SIM_COMMANDS
-
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="python -m workbench", description="Paged KV-cache workbench")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
@@ -273,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "sim", help="run the serving simulator (python -m workbench sim NAME --help)", formatter_class=raw,
         description="Run the simulator command NAME with its own options (python -m workbench sim NAME --help).",
-        epilog=_listing("commands", SIM_COMMANDS))
-    p.add_argument("name", nargs="?", metavar="NAME", help="one of: " + ", ".join(SIM_COMMANDS))
+        epilog=_listing("commands", sim_cli.COMMANDS))
+    p.add_argument("name", nargs="?", metavar="NAME", help="one of: " + ", ".join(sim_cli.COMMANDS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
     p.set_defaults(func=cmd_sim)
     for name, text in (("generate", "generate with SmolLM2-135M through the paged cache (generate --help)"),

@@ -11,7 +11,6 @@ Measures, in pure Python (no GPU involved):
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import time
@@ -20,7 +19,9 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from workbench.allocator import BlockManager, BlockPool
+from workbench.argtypes import positive_float
 from workbench.bench import harness
+from workbench.bench.command import BenchParser
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:
@@ -81,13 +82,10 @@ def measure(seconds: float = 1.0, progress: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench bench allocator", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None,
-                        help="folder for the JSON (default results/, git-ignored; data/results holds the "
-                             "committed ones)")
-    parser.add_argument("--seconds", type=harness.positive_float, default=1.0, help="time per measurement (> 0)")
+    parser = BenchParser("allocator", __doc__)
+    parser.add_argument("--seconds", type=positive_float, default=1.0, help="time per measurement (> 0)")
     args = parser.parse_args(argv)
-    out = harness.output_dir(parser, args.out)  # checked before the measurement, not after
+    out = parser.start(args)  # checked before the measurement, not after
     meta = harness.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # this benchmark never touches a GPU
     rows = measure(args.seconds, progress=True)  # 6 x --seconds: a bar on stderr, stdout keeps the table

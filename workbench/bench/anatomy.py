@@ -31,7 +31,6 @@ measure.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -40,6 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from workbench.bench import harness
+from workbench.bench.command import BenchParser
 from workbench.quant.names import ANATOMY_SCHEMES as SCHEMES
 from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 
@@ -342,7 +343,7 @@ def write_anatomy(scheme_name: str, tokens: int = 32768, arch: int = 90, gpu: di
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m workbench bench anatomy", description=__doc__.split("\n")[0])
+    parser = BenchParser("anatomy", __doc__)
     parser.add_argument("--kernel", choices=("decode", "write"), default="decode",
                         help="the decode plan's kernel (per workload), or the quantize-on-write of a 32k-token chunk")
     parser.add_argument("--schemes", default=None,
@@ -352,12 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: sm_90a)")
     parser.add_argument("--planes", choices=("on", "off", "both"), default="both",
                         help="packed schemes: the planes kernel, the generic one, or both")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="folder for the JSON results (default: results/, git-ignored)")
     args = parser.parse_args(argv)
-    from workbench.bench import harness
-
-    out = harness.output_dir(parser, args.out)
+    out = parser.start(args)
     rerun = _ensure_compile_backend(argv)
     if rerun is not None:
         return rerun

@@ -34,12 +34,23 @@ import torch
 from tqdm import tqdm
 
 import workbench
+from workbench.argtypes import positive_float, writable_dir
 from workbench.bench import harness
-from workbench.bench.decode import _config, _free, _time, ours_fn, peer_fns, print_row, ref_fp32
-from workbench.bench.decode import _row as decode_row
+from workbench.bench.command import SMOKE_HELP, BenchParser
+from workbench.bench.decode_timing import (
+    decode_row,
+    free_memory,
+    heuristic_config,
+    ours_fn,
+    peer_fns,
+    print_row,
+    ref_fp32,
+    time_eager_and_graph,
+)
 from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
 from workbench.conformance.isolation import Worker, context_lost, impl_ref, resolve, sticky
 from workbench.conformance.journal import Journal, digest
+from workbench.conformance.loading import load_module
 from workbench.conformance.problems import csr_export
 from workbench.conformance.registry import ABSENT, Impl, available, get
 from workbench.layout import Layout
@@ -48,7 +59,7 @@ TOL = 2e-2  # rel_err a row must reach against the float32 reference before it i
 
 
 def op_inputs(p: PagedKV, out: torch.Tensor) -> dict:
-    """The decode op's inputs (``workbench.conformance.registry.OPS``) for a benchmark cache (fp16, default scale)."""
+    """The decode op's inputs (``workbench.conformance.ops.OPS``) for a benchmark cache (fp16, default scale)."""
     lists = [p.block_table[b, :n].tolist() for b, n in enumerate(p.blocks_per_seq)]
     return {"q": p.q, "k_cache": p.k_cache, "v_cache": p.v_cache, "layout": p.layout.value,
             "block_size": p.block_size, "block_table": p.block_table, "seq_lens": p.seq_lens,
@@ -80,7 +91,7 @@ def _measure(w, p, name, origin, fn, out, ref, nbytes, copy_gbps, rep_ms, timed,
             return _row(w, p, name, origin, "check_failed", nbytes, copy_gbps, err=err, extra=extra)
         if not timed:
             return _row(w, p, name, origin, "ok", nbytes, copy_gbps, err=err, extra=extra)
-        t, tg, gerr = _time(fn, rep_ms, graph=True)
+        t, tg, gerr = time_eager_and_graph(fn, rep_ms, graph=True)
         return _row(w, p, name, origin, "ok", nbytes, copy_gbps, t, tg, err, {**(extra or {}),
                                                                           **({"error": gerr} if gerr else {})})
     except Exception as e:  # noqa: BLE001  (a failing implementation is a row, not a crash)
@@ -128,7 +139,7 @@ def measure_unit(unit: dict, ref: tuple | None, smoke: bool, copy_gbps: float) -
     extra = {"sweep": unit["sweep"]} if unit["sweep"] else None
     name = unit["impl"]
     if name == "ours":
-        cfg = _config(p, torch.float16) if timed else {}
+        cfg = heuristic_config(p, torch.float16) if timed else {}
         rows = [_measure(w, p, "ours", "ours", ours_fn(p, cfg, out), out, ref_out, nbytes, copy_gbps, rep_ms, timed,
                          extra)]
     elif name == "torch":
@@ -142,14 +153,14 @@ def measure_unit(unit: dict, ref: tuple | None, smoke: bool, copy_gbps: float) -
                 continue
             rows.append(_measure(w, p, peer, "peer", lambda fn=fn: fn().squeeze(2), out, ref_out, nbytes, copy_gbps,
                                  rep_ms, timed))
-            _free() if timed else None
+            free_memory() if timed else None
     else:
         impl = resolve(ref) if ref is not None else get(name, "decode")
         rows = [_measure(w, p, impl.name, impl.origin, bind(impl, op_inputs(p, out)), out, ref_out, nbytes,
                          copy_gbps, rep_ms, timed, extra)]
     del p, k, v, ref_out, out
     if timed:
-        _free()
+        free_memory()
     return rows
 
 
@@ -266,16 +277,11 @@ def summary(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.argtypes import positive_float
-
-    ap = argparse.ArgumentParser(prog="python -m workbench bench decode", description=__doc__.splitlines()[0])
+    ap = BenchParser("decode", __doc__, smoke=SMOKE_HELP, gpu=True)
     ap.add_argument("--impl", action="append", default=[], metavar="NAME",
                     help="a registered decode implementation to time beside ours and the installed peers (repeatable)")
     ap.add_argument("--load", action="append", default=[], metavar="MODULE",
                     help="import a .py file or module first (its conformance.register calls run)")
-    ap.add_argument("--smoke", action="store_true", help="tiny workloads, correctness only (CPU interpreter)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="measure each implementation and workload in a worker process replaced after a crash or a "
                          "lost CUDA context (default: on with a GPU)")
@@ -286,16 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="continue the journaled run: reuse finished units, report the one it died in, run the rest")
     args = ap.parse_args(argv)
-    if not args.smoke and not harness.require_gpu("decode"):
+    out = ap.start(args)
+    if out is None:
         return 2
-    out = harness.output_dir(ap, args.out)
     journal = args.journal or out / "byok-decode.journal.jsonl"
     if journal.is_dir():
         ap.error(f"argument --journal: {journal} is a folder; name a file")
-    harness.output_dir(ap, journal.parent, "--journal")
+    writable_dir(ap, journal.parent, "--journal")
     meta = harness.machine_meta()
-    from workbench.conformance.loading import load_module
-
     isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
     try:
         for m in args.load:

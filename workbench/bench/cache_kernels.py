@@ -15,7 +15,6 @@ the wall-clock of one call, flagged ``timing="wall"``, with no bandwidth figures
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -27,6 +26,7 @@ from tqdm import tqdm
 
 import workbench
 from workbench.bench import harness
+from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels.copy.reference import copy_blocks_ref
 from workbench.kernels.write import WriteConfig, launch_config
@@ -378,19 +378,15 @@ def _summary(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench bench cache_kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (works on a CPU)")
+    parser = BenchParser("cache_kernels", __doc__, smoke=SMOKE_HELP, gpu=True)
     parser.add_argument("--only", action="append", choices=SECTIONS, default=None,
                         help="run only these sections (repeatable; default all)")
-    parser.add_argument("--out", default=None,
-                        help="folder for the JSON results (default results/, git-ignored; data/results holds the "
-                             "committed ones)")
     args = parser.parse_args(argv)
     device = workbench.device()
     on_gpu = device.type == "cuda" and not workbench.is_interpreted()
-    if not args.smoke and not harness.require_gpu("cache_kernels"):
+    out = parser.start(args)  # checked before the run, not after
+    if out is None:
         return 2
-    out = harness.output_dir(parser, args.out)  # checked before the run, not after
     timed = on_gpu and not args.smoke
     ctx = Ctx(timed=timed, copy_bw=harness.copy_bandwidth_gbps() if timed else None)
     if ctx.copy_bw:

@@ -8,19 +8,19 @@ this module adds what a command needs: the measured links, progress, metadata an
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 import torch
 import zstandard
 
+from workbench.argtypes import positive_int
 from workbench.bench import harness, tier_results
+from workbench.bench.command import BenchParser
 from workbench.compress import delta_study as study
 from workbench.compress.delta_options import check_level
 from workbench.model import capture
@@ -50,13 +50,11 @@ def measured_links(run: Mapping | None = None, link_model=None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench compression_delta", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=None, help="folder for the JSON rows (default: results/, git-ignored; "
-                                                "data/results to commit)")
+    ap = BenchParser("compression_delta", __doc__)
     ap.add_argument("--captures", default=None, help="folder of capture .npz files (default data/activations)")
     ap.add_argument("--level", type=int, default=3, help="zstd level of the ratio and break-even rows")
     ap.add_argument("--levels", default="-3,1,3,9,19", help="levels of the speed/ratio sweep (block16/30layers)")
-    ap.add_argument("--reps", type=harness.positive_int, default=5, help="timed repetitions (median)")
+    ap.add_argument("--reps", type=positive_int, default=5, help="timed repetitions (median)")
     ap.add_argument("--quick", action="store_true", help="one prompt, fewer stages, 1 rep (a smoke run)")
     args = ap.parse_args(argv)
     try:
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             check_level(v)
     except ValueError as e:
         ap.error(f"argument --levels/--level: {e}")
-    out = harness.output_dir(ap, args.out)
+    out = ap.start(args)
     try:
         caps = capture.load(args.captures)
     except FileNotFoundError as e:
@@ -125,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
              "links": {n: {"stage": v[1], "codec_side": v[2], "source": v[3]} for n, v in links.items()},
              "choice": study.default_choice(rows), "verdicts": study._json_safe(study.verdicts(be)), "wall_s": wall}
     all_rows = study._json_safe(rows + qrows + tp + sweep + be)
-    path = harness.write_results("compression-delta", all_rows, meta, Path(out), extra=extra)
+    path = harness.write_results("compression-delta", all_rows, meta, out, extra=extra)
     print(f"\n{len(all_rows)} rows in {wall:.0f} s; wrote {path}")
     return 0
 

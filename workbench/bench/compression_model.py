@@ -14,7 +14,9 @@ import time
 
 import torch
 
+from workbench.argtypes import positive_int
 from workbench.bench import harness
+from workbench.bench.command import BenchParser
 from workbench.compress import model_study as study
 
 
@@ -31,7 +33,7 @@ def _floats(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench compression_model", description=__doc__.split("\n")[0])
+    ap = BenchParser("compression_model", __doc__, smoke="a tiny study.run (~10 s after loading the model)")
     ap.add_argument("--policies", default=None, help=f"comma separated (default {','.join(study.DEFAULT_POLICIES)}; "
                                                      "--smoke: streaming,h2o)")
     ap.add_argument("--budgets", type=_floats("--budgets"), default=None,
@@ -39,21 +41,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--thresholds", type=_floats("--thresholds"), default=study.DEFAULT_THRESHOLDS,
                     help="attention-probability thresholds of the threshold policy (default 0.02,0.005)")
     ap.add_argument("--partials", default=",".join(study.PARTIALS), help="keep,compact (default both)")
-    ap.add_argument("--prompts", type=harness.positive_int, default=None,
+    ap.add_argument("--prompts", type=positive_int, default=None,
                     help="the first N of workbench.model.capture.PROMPTS (default all 5; --smoke 1)")
-    ap.add_argument("--max-prompt-tokens", type=harness.positive_int, default=None,
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=None,
                     help="cut each prompt to this many tokens (default none; --smoke 64)")
-    ap.add_argument("--new-tokens", type=harness.positive_int, default=None,
+    ap.add_argument("--new-tokens", type=positive_int, default=None,
                     help="greedy tokens of the reference continuation (default 32; --smoke 4)")
-    ap.add_argument("--obs-window", type=harness.positive_int, default=32, help="queries the policies see")
-    ap.add_argument("--every", type=harness.positive_int, default=None,
+    ap.add_argument("--obs-window", type=positive_int, default=32, help="queries the policies see")
+    ap.add_argument("--every", type=positive_int, default=None,
                     help="also re-evict every N decode steps (default: only after the prefill)")
     ap.add_argument("--kv-dtype", default="fp32", help="cache storage (default fp32: only eviction differs)")
-    ap.add_argument("--threads", type=harness.positive_int, default=1,
+    ap.add_argument("--threads", type=positive_int, default=1,
                     help="torch CPU threads (default 1: on a busy 2-core CPU more threads stall each other)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny study.run (~10 s after loading the model)")
-    ap.add_argument("--out", default=None, help="folder for the JSON (default results/, git-ignored; "
-                                                "data/results holds the committed ones)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     pick = lambda v, full, tiny: v if v is not None else (tiny if smoke else full)  # noqa: E731
@@ -69,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     new_tokens = pick(args.new_tokens, 32, 4)
     if new_tokens < 2:
         ap.error("argument --new-tokens: must be >= 2 (the first token comes before any eviction)")
-    out = harness.output_dir(ap, args.out)
+    out = ap.start(args)
 
     from workbench.model.gguf_weights import model_available
 

@@ -13,19 +13,13 @@ Notebooks pick committed runs by their metadata (:func:`load_results` with ``whe
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from workbench.argtypes import (
-    ensure_writable_dir,
-    positive_float,  # noqa: F401  (re-exported for the benchmarks)
-    positive_int,  # noqa: F401
-)
+from workbench.argtypes import ensure_writable_dir
 from workbench.provenance import machine_meta  # noqa: F401  (re-exported: every benchmark stamps its rows)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,36 +27,16 @@ RESULTS = ROOT / "data" / "results"  # committed results (what the notebooks plo
 DEFAULT_OUT = ROOT / "results"  # where a run writes unless --out says otherwise (git-ignored)
 
 
-def output_dir(parser: argparse.ArgumentParser, out: Path | str | None, flag: str = "--out") -> Path:
-    """The folder a run writes to (``out``, default :data:`DEFAULT_OUT`), checked writable before the work
-    starts; a bad one ends the program through ``parser.error`` (exit 2, a message naming ``flag``)."""
-    try:
-        return ensure_writable_dir(DEFAULT_OUT if out is None else out)
-    except ValueError as e:
-        parser.error(f"argument {flag}: {e}")
-
-
-def require_gpu(bench: str) -> bool:
-    """True when kernels run compiled on a CUDA GPU; otherwise say so on stderr (the caller exits 2)."""
-    import workbench
-
-    if torch.cuda.is_available() and not workbench.is_interpreted():
-        return True
-    found = "the Triton interpreter is active" if torch.cuda.is_available() else "found none"
-    print(f"bench {bench} needs a CUDA GPU ({found}); use --smoke for a tiny CPU check", file=sys.stderr)
-    return False
-
-
 def time_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:
     """Median time of one call in microseconds (device events through triton's do_bench)."""
-    import triton.testing
+    import triton.testing  # here: triton adds 0.2 s to this module's import; the loaders and result files skip it
 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
 def time_us_graph(fn: Callable[[], object], calls_per_graph: int = 10, rep_ms: float = 200) -> float:
     """Median time of one call replayed from a CUDA graph (launch gaps removed), in microseconds."""
-    import triton.testing
+    import triton.testing  # here: as in time_us
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -12,13 +12,14 @@ forward on the same weights, teacher-forced on our tokens. ``--gguf FILE``: the 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
+from workbench.argtypes import positive_int
 from workbench.bench import harness
+from workbench.bench.command import BenchParser
 
 PROMPT = 512
 
@@ -209,19 +210,18 @@ def check(model, weights, tokenizer=None, new_tokens: int = 32) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench model_decode", description=__doc__.splitlines()[0])
+    ap = BenchParser("model_decode", __doc__, gpu=True)
     ap.add_argument("--batches", default="1,16,64")
-    ap.add_argument("--new-tokens", type=harness.positive_int, default=256)
-    ap.add_argument("--eager-steps", type=harness.positive_int, default=32)
+    ap.add_argument("--new-tokens", type=positive_int, default=256)
+    ap.add_argument("--eager-steps", type=positive_int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--compile", action="store_true", help="also time the graph step with Llama.compile()")
     ap.add_argument("--check", action="store_true", help="graph step vs transformers' forward (random weights)")
     ap.add_argument("--gguf", default=None, help="also check with the real weights of this GGUF file")
-    ap.add_argument("--out", default=None, help="result folder (default results/, git-ignored)")
     args = ap.parse_args(argv)
-    if not harness.require_gpu("model_decode"):
+    out = ap.start(args)
+    if out is None:
         return 2
-    out = harness.output_dir(ap, args.out)
     from workbench.model import SMOLLM2_135M, random_weights
 
     cfg = SMOLLM2_135M

@@ -16,16 +16,16 @@ pair for all 30 layers (``cache``), and one pair per layer (``layer``), which th
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from workbench import quant
+from workbench.argtypes import positive_int
 from workbench.bench import harness
+from workbench.bench.command import BenchParser
 from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
 
 COLUMNS = ["scheme", "scales", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift",
@@ -45,32 +45,29 @@ def prompts_from(text_tokens: list[int], n: int, length: int) -> list[list[int]]
 def main(argv: list[str] | None = None) -> int:
     from workbench.model import quality
 
-    ap = argparse.ArgumentParser(prog="python -m workbench bench model_quality", description=__doc__.split("\n")[0])
+    ap = BenchParser("model_quality", __doc__, smoke="a tiny run (three schemes, a few tokens)")
     ap.add_argument("--schemes", default=None,
                     help="comma separated scheme names (default every one of workbench.quant.SCHEMES; --smoke: "
                          f"{','.join(SMOKE_SCHEMES)})")
-    ap.add_argument("--new-tokens", type=harness.positive_int, default=None,
+    ap.add_argument("--new-tokens", type=positive_int, default=None,
                     help="greedy tokens per prompt for agreement (default 32; --smoke 4)")
-    ap.add_argument("--chunk", type=harness.positive_int, default=None,
+    ap.add_argument("--chunk", type=positive_int, default=None,
                     help=f"tokens per teacher-forced sequence (default {quality.CHUNK}; --smoke 24)")
-    ap.add_argument("--prefill", type=harness.positive_int, default=None,
+    ap.add_argument("--prefill", type=positive_int, default=None,
                     help=f"of each chunk, tokens prefilled before stepping (default {quality.PREFILL}; --smoke 16)")
-    ap.add_argument("--chunks", type=harness.positive_int, default=None,
+    ap.add_argument("--chunks", type=positive_int, default=None,
                     help="teacher-forced chunks of the text at most (default 8; --smoke 2)")
-    ap.add_argument("--batch", type=harness.positive_int, default=None,
+    ap.add_argument("--batch", type=positive_int, default=None,
                     help=f"chunks decoded as one batch (default {quality.BATCH}; --smoke 2)")
-    ap.add_argument("--prompts", type=harness.positive_int, default=None,
+    ap.add_argument("--prompts", type=positive_int, default=None,
                     help="agreement prompts taken from the text (default 4; --smoke 2)")
-    ap.add_argument("--prompt-tokens", type=harness.positive_int, default=None,
+    ap.add_argument("--prompt-tokens", type=positive_int, default=None,
                     help="tokens per agreement prompt (default 256; --smoke 16)")
     ap.add_argument("--static-scales", default=",".join(quality.SCALES_BY),
                     help="static schemes' scales, comma separated: cache (one pair for all layers), layer (one pair "
                          "per layer); a row each (default both)")
-    ap.add_argument("--threads", type=harness.positive_int, default=None,
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="torch CPU threads (default torch's; on a busy 2-core CPU 1 is several times faster)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny run (three schemes, a few tokens)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="folder for the JSON (default results/, git-ignored; data/results holds the committed ones)")
     args = ap.parse_args(argv)
     smoke = args.smoke
     pick = lambda v, full, tiny: v if v is not None else (tiny if smoke else full)  # noqa: E731
@@ -89,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.static_scales!r}")
     if chunk - prefill < 2:
         ap.error(f"argument --prefill: must leave at least 2 tokens of --chunk {chunk} to step, got {prefill}")
-    out = harness.output_dir(ap, args.out)  # checked before the work, not after
+    out = ap.start(args)  # checked before the work, not after
 
     from workbench.model.gguf_weights import model_available
 

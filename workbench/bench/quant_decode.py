@@ -11,13 +11,11 @@ scales over the time, as a fraction of the copy bandwidth measured in the run), 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gc
 import math
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -25,7 +23,8 @@ from tqdm.auto import tqdm
 import workbench
 from workbench import quant
 from workbench.bench import harness
-from workbench.bench.decode import ref_fp32
+from workbench.bench.command import SMOKE_HELP, BenchParser
+from workbench.bench.decode_timing import ref_fp32
 from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
 from workbench.kernels import DecodePlan, decode_config, write_kv
 from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
@@ -322,8 +321,7 @@ def _free(device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench quant_decode", description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny workloads through the interpreter (correctness)")
+    ap = BenchParser("quant_decode", __doc__, smoke=SMOKE_HELP, gpu=True)
     ap.add_argument("--tune", action="store_true", help="time launch variants per scheme (tiles, splits, warps)")
     ap.add_argument("--only", default="", help="with --tune: variant-name prefixes to time (comma separated)")
     ap.add_argument("--workloads", default=None, help="comma separated (default W1-W5; --smoke: W1)")
@@ -331,12 +329,10 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma separated (default every scheme timed: {','.join(DECODE_SCHEMES)}; --smoke: one of "
                          f"each decode mode)")
     ap.add_argument("--sections", default="decode,write,midpoints")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
     args = ap.parse_args(argv)
-    if not args.smoke and not harness.require_gpu("quant_decode"):
+    out = ap.start(args)
+    if out is None:
         return 2
-    out = harness.output_dir(ap, args.out)
     device = "cuda" if not args.smoke else str(workbench.device())
     copy_gbps = harness.copy_bandwidth_gbps() if device == "cuda" else 0.0
     schemes = (args.schemes or ",".join(SMOKE_SCHEMES if args.smoke else DECODE_SCHEMES)).split(",")

@@ -41,17 +41,16 @@ path (the argument checks and launch arguments are the plans', made once).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import sys
-from pathlib import Path
 
 import torch
 
 import workbench  # noqa: F401  (backend first)
-from workbench.argtypes import positive_int_list
+from workbench.argtypes import positive_float, positive_int, positive_int_list
 from workbench.bench import harness
+from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.workloads import PagedKV, Workload, build_paged
 from workbench.compress.quest import quest_recall, select_pages
 from workbench.kernels import DecodePlan
@@ -361,27 +360,25 @@ def print_row(row: dict) -> None:
                    if row.get(k) is not None), flush=True)
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench quest", description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter)")
-    ap.add_argument("--context", type=harness.positive_int, default=32768, help="tokens per sequence")
+def parser() -> BenchParser:
+    ap = BenchParser("quest", __doc__, smoke=SMOKE_HELP, gpu=True)
+    ap.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
     ap.add_argument("--batches", type=positive_int_list, default=[8, 1], help="batch sizes, comma-separated")
     ap.add_argument("--budgets", type=positive_int_list, default=[2048, 4096, 1024, 8192], help="token budgets")
     ap.add_argument("--page-sizes", type=positive_int_list, default=[16, 32], help="tokens per page, comma-separated")
     ap.add_argument("--reduce", choices=("max", "sum"), default="sum", help="aggregate of the heads' bounds")
-    ap.add_argument("--rep-ms", type=harness.positive_float, default=100.0, help="do_bench repetition time")
+    ap.add_argument("--rep-ms", type=positive_float, default=100.0, help="do_bench repetition time")
     ap.add_argument("--no-real", action="store_true", help="skip the recall on real activations")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch sweeps of the scores and the attend")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
     return ap
 
 
-def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
-    ap = ap or parser()
-    if not args.smoke and not harness.require_gpu("quest"):
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    out = ap.start(args)  # checked before the run, not after
+    if out is None:
         return 2
-    out = harness.output_dir(ap, args.out)  # checked before the run, not after
     meta = harness.machine_meta()
     if args.smoke:
         rows, extra = run_smoke(args.page_sizes), {"mode": "smoke"}
@@ -401,8 +398,3 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
            and (r.get("rel_err") is None or r["rel_err"] > 2e-2 or r.get("select_match") is False
                 or r.get("scores_inf_match") is False or (r.get("err_vs_full") or 0) > 2e-2)]
     return 1 if bad else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    return run(ap.parse_args(argv), ap)

@@ -19,7 +19,8 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from workbench.bench.harness import load_results
+from workbench.bench.command import BenchParser
+from workbench.bench.harness import load_results, print_table
 from workbench.bench.workloads import WORKLOADS
 
 # H200 SXM dense FP16/BF16 tensor-core peak: NVIDIA's datasheet gives 1,979 TFLOPS "with sparsity", half dense.
@@ -197,11 +198,7 @@ def run_label(rows: Sequence[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m workbench bench results``: print the newest timed decode run's summary (no GPU needed)."""
-    import argparse
-
-    from workbench.bench.harness import print_table
-
-    ap = argparse.ArgumentParser(prog="python -m workbench bench results", description=main.__doc__)
+    ap = BenchParser("results", main.__doc__, out=False)
     ap.add_argument("--dir", type=Path, default=None, help="result folder (default data/results)")
     ap.add_argument("--graph", action="store_true", help="rank by CUDA-graph time")
     args = ap.parse_args(argv)

@@ -37,13 +37,13 @@ import argparse
 import dataclasses
 import math
 import random
-from pathlib import Path
 
 import torch
 
 import workbench  # noqa: F401  (backend first)
-from workbench.argtypes import positive_int_list
+from workbench.argtypes import positive_float, positive_int_list
 from workbench.bench import harness
+from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.kernels import CascadePlan, DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.shared_prefix import (
@@ -316,25 +316,23 @@ def _gqas(text: str) -> list[tuple[int, int]]:
     return out
 
 
-def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m workbench bench shared_prefix", description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes, correctness only (CPU interpreter)")
+def parser() -> BenchParser:
+    ap = BenchParser("shared_prefix", __doc__, smoke=SMOKE_HELP, gpu=True)
     ap.add_argument("--prefixes", type=positive_int_list, default=[128, 1024, 8192, 32768], help="shared prefix tokens")
     ap.add_argument("--sharers", type=positive_int_list, default=[1, 4, 16, 64, 256], help="sequences sharing it")
     ap.add_argument("--suffixes", type=positive_int_list, default=[128, 1024], help="private tokens per sequence")
     ap.add_argument("--gqa", type=_gqas, default=[(32, 8), (32, 32)], help="query/kv heads, comma-separated")
-    ap.add_argument("--rep-ms", type=harness.positive_float, default=50.0, help="do_bench repetition time")
+    ap.add_argument("--rep-ms", type=positive_float, default=50.0, help="do_bench repetition time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the rows_per_tile sweep (64 rows, 4 warps)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="result folder (default results/, git-ignored; data/results holds the committed ones)")
     return ap
 
 
-def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> int:
-    ap = ap or parser()
-    if not args.smoke and not harness.require_gpu("shared_prefix"):
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    out = ap.start(args)
+    if out is None:
         return 2
-    out = harness.output_dir(ap, args.out)
     meta = harness.machine_meta()
     if args.smoke:
         rows, extra = run_smoke(), {"mode": "smoke"}
@@ -351,8 +349,3 @@ def run(args: argparse.Namespace, ap: argparse.ArgumentParser | None = None) -> 
     bad = [r for r in rows if r.get("impl") == "cascade" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)
            and "error" not in r]
     return 1 if bad else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = parser()
-    return run(ap.parse_args(argv), ap)

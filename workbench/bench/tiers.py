@@ -24,7 +24,6 @@ Sections (every figure a ratio to something measured in the same run):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -32,6 +31,7 @@ import time
 import torch
 
 from workbench.bench import harness
+from workbench.bench.command import BenchParser
 from workbench.quant.names import TIER_BENCH_SCHEMES
 
 SIZES_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -337,14 +337,13 @@ def _summary(rows: list[dict], pinned: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench bench tiers", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None, help="folder for the JSON results (default results/, git-ignored)")
+    parser = BenchParser("tiers", __doc__, gpu=True)
     parser.add_argument("--quick", action="store_true", help="every third block size only")
     parser.add_argument("--only", action="append", choices=("link", "beside", "overlap", "check"), default=None)
     args = parser.parse_args(argv)
-    if not harness.require_gpu("tiers"):
+    out = parser.start(args)
+    if out is None:
         return 2
-    out = harness.output_dir(parser, args.out)
     only = set(args.only or ("link", "beside", "overlap", "check"))
     t0 = time.perf_counter()
     pinned = pinned_bandwidth()

@@ -342,9 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     n = SMOLLM2_135M.num_hidden_layers
     if layers is not None and not (layers and all(0 <= x < n for x in layers)):
         parser.error(f"argument --layers: layers must be in [0, {n}), got {args.layers!r}")
-    from workbench.bench.harness import output_dir
+    from workbench.argtypes import writable_dir
 
-    output_dir(parser, args.out)  # before the model runs (23 s), not after: a file there is a one-line error
+    writable_dir(parser, args.out)  # before the model runs (23 s), not after: a file there is a one-line error
     from workbench.model.gguf_weights import model_available
 
     if (why := model_available()) is not None:

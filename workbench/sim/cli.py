@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 
-from workbench.argtypes import positive_float, positive_int
+from workbench.argtypes import ensure_writable_dir, positive_float, positive_int
 from workbench.sim import strategies as st
 
 # The subcommands, each with the line `python -m workbench sim --help` shows for it.
@@ -195,7 +195,7 @@ def _forks(args) -> int:
         raise ValueError(f"argument --seed: must be >= 0, got {args.seed}")
     p_top = forks.DEFAULT_P_TOP if args.p_top is None else args.p_top
     try:
-        out = harness.ensure_writable_dir(harness.DEFAULT_OUT if args.out is None else args.out)
+        out = ensure_writable_dir(harness.DEFAULT_OUT if args.out is None else args.out)
     except ValueError as e:  # before the work, not after
         raise ValueError(f"argument --out: {e}") from None
     start = time.perf_counter()

@@ -16,7 +16,7 @@ import math
 
 from workbench.studies.base import BLOCK_SIZES, Param, Study
 
-# workbench.bench.workloads.WORKLOADS, decode.DTYPES and decode.PEERS (not imported here: they import torch)
+# workbench.bench.workloads.WORKLOADS, decode_timing.DTYPES and .PEERS (not imported here: they import torch)
 WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
 KV_DTYPES = ("fp16", "bf16", "fp8_e4m3")
 BASELINES = ("sdpa_contiguous", "gather_sdpa", "flex_paged", "none")
@@ -39,37 +39,39 @@ def _measure(w, *, layout: str, block_size: int, kv_dtype: str, pad: int, change
     the same cache (``decode.run_main``'s peers): ``x_baseline`` is the baseline's time over ours."""
     import torch
 
-    from workbench.bench import decode, harness
+    from workbench.bench import decode_timing as timing
+    from workbench.bench import harness
     from workbench.bench.workloads import build_paged, bytes_moved, contiguous_kv
 
-    dtype = decode.DTYPES[kv_dtype]
+    dtype = timing.DTYPES[kv_dtype]
     p = build_paged(w, layout=layout, block_size=block_size, kv_dtype=dtype, device=device, block_stride_pad=pad,
                     seed=seed)
     out = torch.empty_like(p.q)
-    cfg = {**decode._config(p, dtype), **change}
-    fn = decode.ours_fn(p, cfg, out)
+    cfg = {**timing.heuristic_config(p, dtype), **change}
+    fn = timing.ours_fn(p, cfg, out)
     out.fill_(float("nan"))
     fn()
     k, v = contiguous_kv(p, dtype=torch.float16 if dtype.itemsize == 1 else None)  # the peers read fp16 for fp8
-    ref = decode.ref_fp32(p.q, k, v, p.lens)
+    ref = timing.ref_fp32(p.q, k, v, p.lens)
     err = harness.rel_err(out, ref)
-    t, tg, _ = decode._time(fn, rep_ms, graph=graph)  # ours first: a peer's compile must not disturb our timing
+    # ours first: a peer's compile must not disturb our timing
+    t, tg, _ = timing.time_eager_and_graph(fn, rep_ms, graph=graph)
     copy_gbps = _copy_gbps()
     variant = "-".join(f"{SHORT[k]}{v}" for k, v in change.items()) or "heuristic"  # as bench decode names them
-    row = decode._row(w, "ours", variant, p, kv_dtype,
-                      bytes_moved(w, dtype.itemsize, p.q.element_size()), copy_gbps, t, tg, err, cfg,
-                      {"block_stride_pad": pad})
+    row = timing.decode_row(w, "ours", variant, p, kv_dtype,
+                            bytes_moved(w, dtype.itemsize, p.q.element_size()), copy_gbps, t, tg, err, cfg,
+                            {"block_stride_pad": pad})
     base = {"baseline_time_us": math.nan, "baseline_time_us_graph": math.nan, "baseline_rel_err": math.nan,
             "baseline_error": ""}
     if baseline != "none":
-        fns = decode.peer_fns(p, k, v)
+        fns = timing.peer_fns(p, k, v)
         bfn = fns.pop(baseline)
         fns.clear()
         try:
             if isinstance(bfn, Exception):
                 raise bfn
             base["baseline_rel_err"] = harness.rel_err(bfn().squeeze(2), ref)
-            bt, btg, gerr = decode._time(bfn, rep_ms, graph=graph)
+            bt, btg, gerr = timing.time_eager_and_graph(bfn, rep_ms, graph=graph)
             base.update(baseline_time_us=bt, baseline_time_us_graph=math.nan if btg is None else btg,
                         baseline_error=gerr or "")
         except Exception as e:  # noqa: BLE001  (a baseline that fails is a row's field, as in bench decode)
@@ -85,7 +87,7 @@ def _measure(w, *, layout: str, block_size: int, kv_dtype: str, pad: int, change
             row[key] = math.nan  # graph=False
     del fn, p, out, k, v, ref
     if device != "cpu":
-        decode._free()
+        timing.free_memory()
     # the parameters are the runner's columns: the bench row's copies of them are left out
     return {key: val for key, val in row.items() if key not in ("workload", "layout", "block_size", "kv_dtype")}
 
