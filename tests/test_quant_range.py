@@ -40,8 +40,10 @@ def make(name, ops="kernels", **kw):
 
 def state(cache):
     """Allocator, bytes, KIVI residuals and the non-finite counter, for 'a refused call changed nothing'."""
-    res = {s: tuple(bits(t).clone() for t in r) for s, r in cache._residual.items()}
-    return snapshot(cache.manager), bits(cache.pool).clone(), res, dict(cache._quantized), cache.nonfinite_count()
+    recorded = {s: cache.residual_state(s) for s in cache.manager.seq_ids}
+    res = {s: tuple(bits(t).clone() for t in r) for s, (_, r) in recorded.items() if r is not None}
+    quantized = {s: q for s, (q, _) in recorded.items() if q is not None}
+    return snapshot(cache.manager), bits(cache.pool).clone(), res, quantized, cache.nonfinite_count()
 
 
 def assert_same(a, b):

@@ -45,8 +45,13 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench import fragmentation
 from workbench.allocator import OutOfBlocks
+from workbench.cache import PagedKVCache
+from workbench.compress import policies, study
 from workbench.layout import Layout
+from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
+from workbench.quant import blocks as qblocks
 
 PARTIAL = ("keep", "compact")
 _TOKEN_AXIS = {Layout.NHD: 1, Layout.HND: 2, Layout.VLLM: 3}  # token axis of a [blocks, *block_shape] view
@@ -115,9 +120,6 @@ class EvictionReport:
 
 def check_evictable(cache) -> None:
     """ValueError unless ``cache`` is a PagedKVCache whose scheme :func:`evict` can move exactly."""
-    from workbench.cache import PagedKVCache
-    from workbench.quant import blocks as qblocks
-
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     scheme = cache.scheme
@@ -237,8 +239,9 @@ def evict(cache, seq_id, keep: torch.Tensor, *, partial: str = "keep") -> Evicti
         move_tokens(cache, bs, src, dst)
     vars(pool).update(vars(sp))
     manager._seqs = scratch._seqs  # the manager's table of sequences, replaced whole (as compaction does)
-    if seq_id in cache._quantized:  # packed per-token codes (int4/int2 "token"): every token is in the blocks
-        cache._quantized[seq_id] = len(retained)
+    quantized, residual = cache.residual_state(seq_id)
+    if quantized is not None:  # packed per-token codes (int4/int2 "token"): every token is in the blocks
+        cache.set_residual_state(seq_id, len(retained), residual)
     if src and getattr(cache, "k_bounds", None) is not None:  # Quest's per-block key bounds of the packed blocks
         cache.refresh_key_bounds([seq_id])
     moved_bytes = 2 * cache.num_layers * cache.token_bytes * len(src)
@@ -298,11 +301,6 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
         request placed or refused), and ``tokens_selected``, ``blocks_spread`` (blocks of ``block_size`` the selected
         tokens touch), ``prompt``.
     """
-    from workbench import fragmentation
-    from workbench.cache import PagedKVCache
-    from workbench.compress import policies, study
-    from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
-
     L, T, H, D = evicted.k.shape
     last = policies.Observation(evicted.k, evicted.v, evicted.q_last[:, -1:], evicted.sm_scale)
     q = evicted.q_last[:, -1].half()

@@ -69,7 +69,7 @@ class GraphDecoder:
         x = m.embed_tokens(self.ids)
         for layer in range(m.num_layers):
             q, _, k, v = m.qkv(layer, x, pos)
-            c._write_layer(layer, bs, self.slots, k, v)  # unchecked: the step checked the batch
+            c.write_layer(layer, bs, self.slots, k, v)  # unchecked: the step checked the batch
             if c.ops == "torch":
                 attn = c.decode_torch(q, layer, bs, self.table, self.lens)[0].to(q.dtype)
             else:
@@ -91,7 +91,7 @@ class GraphDecoder:
                                      dtype=self.q_dtype))
         q, k = self._qkv
         for layer in range(m.num_layers):
-            c._write_layer(layer, bs, self.slots, k, k)
+            c.write_layer(layer, bs, self.slots, k, k)
             self.plan.run(q, c.k_cache(layer, bs), c.v_cache(layer, bs), **self._scales(layer))
 
     def _scales(self, layer: int) -> dict:

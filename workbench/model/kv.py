@@ -2,7 +2,7 @@
 contiguous tensors per sequence. Both offer the same five calls to :class:`~workbench.model.runner.Runner`.
 
 A decode step is ``begin`` (reserve), ``attend`` per layer, ``commit`` (or ``abort``). The paged store runs
-it as a serving engine does (:class:`~workbench.step.DecodeStep`): each layer writes the new tokens' K/V into
+it as a serving engine does (:class:`~workbench.cache.DecodeStep`): each layer writes the new tokens' K/V into
 their slots, then the paged decode kernel attends over the blocks, the new tokens included (read back quantized
 if the cache is). KIVI schemes, whose newest tokens live in an fp16 residual, attend over the cache with its
 log-sum-exp, merge the new token's own K/V in (:func:`merge_own_token`) and append at commit.

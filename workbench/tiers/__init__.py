@@ -2,6 +2,7 @@
 
 - :mod:`~workbench.tiers.tiered`: :class:`TieredCache`, a ``PagedKVCache`` whose evicted prefix blocks are
   demoted (device -> host -> disk) and promoted back on a prefix hit, with preemption by swap.
+- :mod:`~workbench.tiers.promote`: a prompt's prefix found below the device brought back before it is added.
 - :mod:`~workbench.tiers.swap`: preemption by swap, a batch down and back with its sharing kept (a shared block
   travels once and comes back shared), all or nothing.
 - :mod:`~workbench.tiers.lower`: the host and disk pools as one store of blocks keyed by digest (what moves down,

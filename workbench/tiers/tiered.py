@@ -23,9 +23,10 @@ What lives where:
   are *pinned* (moved to disk if need be, never dropped). :meth:`TieredCache.block_table` gives every block's
   tier and place.
 
-Promotion reuses the allocator: the promoted blocks are allocated as a short-lived sequence holding just that
-prefix, filled from host or disk in one batch, published (so the device prefix map knows them) and released, so
-the following :meth:`PagedKVCache.add` finds them as ordinary device hits and computes nothing for them.
+Promotion (``workbench.tiers.promote``) reuses the allocator: the promoted blocks are allocated as a short-lived
+sequence holding just that prefix, filled from host or disk in one batch, published (so the device prefix map knows
+them) and released, so the following :meth:`PagedKVCache.add` finds them as ordinary device hits and computes
+nothing for them.
 
 Every method checks its arguments and the room it needs before it changes anything; a move that fails (a tier
 full, a corrupt disk block) raises and leaves every sequence where it was. Not supported with tiers: compaction
@@ -43,8 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.allocator.errors import SequenceExists, hashable, positive, token_ids
-from workbench.tiers import swap
-from workbench.tiers.errors import CorruptBlock, NotResident
+from workbench.tiers import promote, swap
+from workbench.tiers.errors import NotResident
 from workbench.tiers.lower import LowerEntry, LowerTiers
 from workbench.tiers.transfer import Transfer
 
@@ -89,7 +90,7 @@ class TieredCache:
     def __init__(self, cache, *, host_bytes: int, disk_path: str | os.PathLike | None = None, disk_bytes: int = 0,
                  eviction="lru", path: str = "auto", sm_programs: int | None = None, on_miss: str = "fetch",
                  fsync: bool = True):
-        from workbench.cache import PagedKVCache
+        from workbench.cache import PagedKVCache  # here: importing workbench.tiers (its simulators) stays kernel-free
 
         if not isinstance(cache, PagedKVCache):
             raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
@@ -194,7 +195,7 @@ class TieredCache:
         tokens = self._check_prompt(tokens, expected_len)
         hashable("extra_key", extra_key)
         self._check_priority(priority)
-        self.cache._check_kv(k, v, len(tokens))
+        self.cache.check_kv(k, v, len(tokens))
         self.promote_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
         placement = self.cache.add(seq_id, tokens, k, v, expected_len=expected_len, extra_key=extra_key)
         self._priority[seq_id] = priority
@@ -206,7 +207,7 @@ class TieredCache:
 
     def append(self, seq_id, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor):
         self._known([seq_id])
-        self.cache._check_kv(k, v, len(token_ids("tokens", tokens)))
+        self.cache.check_kv(k, v, len(token_ids("tokens", tokens)))
         self._resident([seq_id])
         placement = self.cache.append(seq_id, tokens, k, v)
         self._note(seq_id)
@@ -218,7 +219,7 @@ class TieredCache:
         tokens = token_ids("tokens", tokens)
         if len(tokens) != len(seq_ids):
             raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
-        self.cache._check_kv(k, v, len(seq_ids))
+        self.cache.check_kv(k, v, len(seq_ids))
         self._resident(seq_ids)
         placements = self.cache.append_batch(seq_ids, tokens, k, v)
         for s in seq_ids:
@@ -325,48 +326,7 @@ class TieredCache:
         device lacks free blocks for them: the prompt is then computed, as on a miss). A disk block that fails
         its checksum is dropped (counted in ``stats()["corrupt"]``) and the run stops before it."""
         tokens = self._check_prompt(tokens, expected_len)
-        m = self.cache.manager
-        pool = m.pool
-        self.cache.flush_evictions()  # blocks evicted since the last write (PagedKVCache.evict, say) go down first
-        bs, hits = m.cached_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
-        eligible = (len(tokens) - 1) // bs  # the block with the last prompt token is never a hit
-        if eligible <= len(hits):
-            return 0
-        digests = self.digests(tokens, bs, extra_key, eligible)
-        room = pool.free_blocks(bs) - sum(1 for b in hits if pool.ref_count(bs, b) == 0)
-        while True:
-            run = 0
-            for d in digests[len(hits):]:
-                e = self.lower.entries.get(d)
-                if e is None or e.corrupt or run >= room:
-                    break
-                run += 1
-            if not run:
-                return 0
-            keys = digests[len(hits):len(hits) + run]
-            on_disk = [d for d in keys if self.lower.entries[d].tier == "disk"]
-            try:
-                fetched = (on_disk, self.lower.fetch(on_disk))  # read and checked before the device changes
-                break
-            except CorruptBlock:
-                continue  # that entry is gone (or marked): the run now stops before it
-        temp = ("__tiers_promote__", next(self._temp_ids))
-        placement = m.add(temp, tokens[:(len(hits) + run) * bs], extra_key=extra_key, publish=False, block_size=bs)
-        try:
-            table = m.block_table(temp)
-            first = placement.first // bs
-            self._protect = set(keys)
-            try:
-                self.cache.flush_evictions()
-            finally:
-                self._protect = set()
-            self.lower.load(bs, list(zip(table[first:], keys, strict=True)), fetched)
-            m.publish(temp)
-            for e, d in zip(m.published(temp), digests, strict=False):
-                self._entry_digest[e] = (d, self.lower.entries[d].priority if d in self.lower.entries else 0)
-        finally:
-            m.free(temp, observe=False)
-        return len(table) - first
+        return promote.promote_prefix(self, tokens, expected_len, extra_key)
 
     # ---- moves between tiers ---------------------------------------------------------------
     def _on_evict(self, batch: list[tuple[int, int, int]]) -> None:

@@ -144,7 +144,7 @@ class BlockMover:
         c = self.cache
         elem = c.dtype.itemsize
         row = c.block_stride(block_size) * elem
-        return dict(num_rows=c.num_layers * 2, row_bytes=row, plane=c._plane * elem, base=c._base * elem)
+        return dict(num_rows=c.num_layers * 2, row_bytes=row, plane=c.storage.plane * elem, base=c.storage.base * elem)
 
     def _choose(self, nbytes: int) -> str:
         if self.path != "auto":
@@ -236,7 +236,7 @@ class BlockMover:
 
         c = self.cache
         n = len(dev_t)
-        pool_space = dict(buffer=c._flat, row=g["plane"], blk=g["row_bytes"], off=g["base"])
+        pool_space = dict(buffer=c.storage.flat, row=g["plane"], blk=g["row_bytes"], off=g["base"])
         if path == "sm":
             host_units = self.host.unit_bytes
             host_space = dict(buffer=self.host.buffer, row=g["row_bytes"], blk=host_units, off=0)
@@ -300,7 +300,7 @@ class BlockMover:
     def _blocks_view(self, pool_space, geometry) -> torch.Tensor:
         """The pool's bytes as ``[rows, num_blocks, row_bytes]`` (a view)."""
         c = self.cache
-        flat = c._flat.view(torch.uint8)
+        flat = c.storage.flat.view(torch.uint8)
         rows, row = geometry["num_rows"], geometry["row_bytes"]
         nblk = pool_space["row"] // row
         return flat.as_strided((rows, nblk, row), (pool_space["row"], row, 1), pool_space["off"])

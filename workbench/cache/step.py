@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from workbench.allocator.errors import token_ids
+from workbench.cache.exports import batch_block_size
 
 
 class DecodeStep:
@@ -36,7 +37,7 @@ class DecodeStep:
         tokens = token_ids("tokens", tokens)
         if len(tokens) != len(seq_ids):
             raise ValueError(f"tokens must hold one token per sequence ({len(seq_ids)}), got {len(tokens)}")
-        bs = cache._batch(seq_ids)  # validates the ids: one size class, one write per layer
+        bs = batch_block_size(cache.manager, seq_ids)  # validates the ids: one size class, one write per layer
         if cache.scheme.keeps_residual:
             raise ValueError(f"kv_dtype {cache.scheme.name} keeps its newest tokens in an fp16 residual, so it has no "
                              "per-layer decode step: attend with PagedKVCache.decode, then append_batch")
@@ -56,7 +57,7 @@ class DecodeStep:
         self.block_table, self.seq_lens = meta.block_table, meta.seq_lens  # lengths include the new tokens
         self.max_seq_len = max(manager.num_tokens(s) for s in seq_ids)
         self.slots = torch.tensor([p.slots[0] for p in self.placements], dtype=torch.int64, device=cache.device)
-        self._touched = cache._touched(bs, self.slots)  # key bounds: each sequence's block, recomputed per write
+        self._touched = cache.written_blocks(bs, self.slots)  # key bounds: each sequence's block, recomputed per write
         self._plans: dict = {}
         self.state = "open"  # -> "committed" | "aborted"
 
@@ -67,8 +68,8 @@ class DecodeStep:
         c = self.cache
         if not 0 <= layer < c.num_layers:
             raise ValueError(f"layer must be in [0, {c.num_layers}), got {layer}")
-        c._check_kv(k[None], v[None], len(self.seq_ids), layers=1)
-        c._write_layer(layer, self.block_size, self.slots, k, v, self._touched)
+        c.check_kv(k[None], v[None], len(self.seq_ids), layers=1)
+        c.write_layer(layer, self.block_size, self.slots, k, v, self._touched)
 
     def attend(self, q: torch.Tensor, layer: int, *, sm_scale: float | None = None, shared_prefix: str = "off",
                **launch) -> torch.Tensor:
@@ -79,36 +80,22 @@ class DecodeStep:
         from the tables and the allocator's reference counts, and read once per tile of stacked query heads where the
         fitted selector says that wins: ``workbench.shared_prefix.SharedPrefixDecode``) or ``"shared"`` (the cascade
         whenever anything is shared). Planned once per step, like the plain plan."""
-        from workbench.kernels import DecodePlan
-
         self._check_open()
         c = self.cache
         if not 0 <= layer < c.num_layers:
             raise ValueError(f"layer must be in [0, {c.num_layers}), got {layer}")
         if shared_prefix not in ("off", "auto", "shared"):
             raise ValueError(f"shared_prefix must be 'off', 'auto' or 'shared', got {shared_prefix!r}")
-        if c.ops == "torch":
-            out, _ = c.decode_torch(q, layer, self.block_size, self.block_table, self.seq_lens, sm_scale=sm_scale)
-            return out.to(q.dtype)
-        k_cache, v_cache = c.k_cache(layer, self.block_size), c.v_cache(layer, self.block_size)
         key = (tuple(q.shape), q.dtype, sm_scale, shared_prefix, tuple(sorted(launch.items())))
         plan = self._plans.get(key)
-        k_scale, v_scale = c.layer_scales(layer)  # static scales: this layer's (per-layer scales), run's argument
-        if plan is None:
-            kw = dict(quant=c.scheme, sm_scale=sm_scale, **launch)
-            if c.scheme.needs_static_scales:
-                kw.update(k_scale=k_scale, v_scale=v_scale)
-            if shared_prefix == "off":
-                plan = DecodePlan(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache, v_cache=v_cache,
-                                  num_q_heads=q.shape[1], q_dtype=q.dtype, max_seq_len=self.max_seq_len, **kw)
-            else:
-                from workbench.shared_prefix import SharedPrefixDecode
-
-                plan = SharedPrefixDecode(self.block_table, self.seq_lens, layout=c.layout, k_cache=k_cache,
-                                          v_cache=v_cache, num_q_heads=q.shape[1], q_dtype=q.dtype,
-                                          ref_counts=self._ref_counts(), path=shared_prefix, **kw)
+        if plan is None:  # planned on this layer's views and scales; each layer's run passes its own
+            plan = c.decode_plan(self.block_table, self.seq_lens, layer, self.block_size, num_q_heads=q.shape[1],
+                                 q_dtype=q.dtype, max_seq_len=self.max_seq_len, sm_scale=sm_scale,
+                                 shared_prefix=shared_prefix, ref_counts=self._ref_counts, **launch)
             self._plans[key] = plan
-        return plan.run(q, k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
+        k_scale, v_scale = c.layer_scales(layer)  # static scales: this layer's (per-layer scales), run's argument
+        return plan.run(q, c.k_cache(layer, self.block_size), c.v_cache(layer, self.block_size), k_scale=k_scale,
+                        v_scale=v_scale)
 
     def _ref_counts(self) -> torch.Tensor:
         """The allocator's holder count of every block this step's sequences hold (0 for the others)."""
