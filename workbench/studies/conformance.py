@@ -1,4 +1,4 @@
-"""Sweeps of bring-your-own-kernel conformance: notebook 09 (write your own kernel), a registered implementation's
+"""The bring-your-own-kernel conformance study: notebook 09 (write your own kernel), a registered implementation's
 conformance suite at one level, as ``conformance_panel`` runs it on this machine (``check_quietly``): how many
 cases passed, the worst error against its tolerance, per format, and the first failure's case id and reason.
 
@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import math
 
+from workbench import conformance
+from workbench.conformance.suite import check_quietly
 from workbench.studies.base import Param, Study, one_thread
 
-# workbench.conformance.LEVELS and OPS (not imported here: the suite imports torch)
-LEVELS = ("smoke", "pairwise", "full")
-OPS = ("decode", "write", "copy", "shared_prefix")
 # the implementations registered by default (workbench.conformance.builtin); a user's own, registered by name
 # before the sweep runs (``conformance.register``), is accepted as well, in that process only: the in-process
 # executor or a notebook's live panel (spawned --workers and Ray workers know the built-in ones)
@@ -32,9 +31,6 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
     the worst relative error (decode; differing bytes or codes for write and copy) and its ratio to the case's
     tolerance, the worst error per storage format, and the first failure (``""`` when every case passed). An
     implementation that does not claim ``op`` or is not registered raises ``ValueError`` naming the registered ones."""
-    from workbench import conformance
-    from workbench.conformance.suite import check_quietly
-
     names = conformance.names(op)
     if impl not in names:
         raise ValueError(f"impl: no {op} implementation named {impl!r} is registered; registered: "
@@ -62,6 +58,14 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
     return row
 
 
+def draw(result: dict):
+    """The conformance panel's figure (``conformance_figures.conformance_figure``): every case's error against its
+    tolerance, grouped by ``result["color_by"]``."""
+    from workbench.ui import conformance_figures  # plotly: an optional dependency, imported only to draw
+
+    return conformance_figures.conformance_figure(result["rows"], result["color_by"], result["title"])
+
+
 # every column's label and unit on the panel's axes (workbench.studies.base.Column); * : a storage format
 CONFORMANCE_COLUMNS = {
     "impl": ("implementation",), "level": ("level",), "op": ("op",),
@@ -77,9 +81,10 @@ CONFORMANCE = Study(
     "conformance", "a registered kernel's conformance suite: cases passed and worst error against the tolerance", (
         Param("impl", "str", "reference", grid=BUILTIN,
               help=f"a registered implementation ({', '.join(BUILTIN)} by default, or your own)"),
-        Param("level", "str", "smoke", choices=LEVELS, help="smoke: about a dozen to 30 cases; pairwise: every "
-                                                            "pair of axis values; full: for a GPU"),
-        Param("op", "str", "decode", choices=OPS, help="the panel checks decode")),
+        Param("level", "str", "smoke", choices=conformance.LEVELS, label="cases",
+              help="smoke: about a dozen to 30 cases; pairwise: every pair of axis values; full: for a GPU"),
+        Param("op", "str", "decode", choices=tuple(conformance.OPS), help="the panel checks decode")),
     conformance_point, notebook="09_write_your_own_kernel", panel="conformance_panel", x="impl", color="level",
-    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol"), columns=CONFORMANCE_COLUMNS)
+    y=("pass_rate", "failed_cases", "worst_error", "worst_error_over_tol"), columns=CONFORMANCE_COLUMNS,
+    controls=("level",), draw=draw)
 STUDIES = (CONFORMANCE,)

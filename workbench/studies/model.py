@@ -1,4 +1,4 @@
-"""Sweeps of the real model: notebook 06 (SmolLM2-135M through the paged cache), a quantized KV scheme's greedy run
+"""The real model's study: notebook 06 (SmolLM2-135M through the paged cache), a quantized KV scheme's greedy run
 of a captured prompt against the fp16 cache's, as ``agreement_panel`` computes it (``agreement.agreement_result``):
 leading tokens equal, the first divergence, the log-prob drift of the tokens both runs share, bytes per token.
 
@@ -13,26 +13,23 @@ from __future__ import annotations
 
 import functools
 
-from workbench.quant.names import AGREEMENT_GRID
-from workbench.quant.names import AGREEMENT_SCHEMES as SCHEMES  # workbench.quant.SCHEMES less fp16, the reference
+import torch
+
+from workbench import quant
+from workbench.model import agreement, capture, gguf_weights, load_smollm2
+from workbench.quant.names import AGREEMENT_GRID, AGREEMENT_SCHEMES
 from workbench.studies.base import Param, Study, one_thread
 
-# workbench.model.capture.PROMPTS (the agreement panel's prompts, by name)
-PROMPTS = ("chat_question", "code", "prose", "numbers", "chat_instructions")
+PROMPTS = tuple(p.name for p in capture.PROMPTS)  # the captured prompts, by name
 
 
 @functools.cache
 def _model(device: str):
     """``(model, tokenizer, ops)`` as notebook 06 loads them: fp16 with the kernels on a GPU, fp32 with the torch
     references on a CPU. Raises ``ModelUnavailable`` (with the install hint) when the extra is not installed."""
-    import torch
-
-    from workbench.model import load_smollm2
-    from workbench.model.gguf_weights import ModelUnavailable, model_available
-
-    why = model_available()
+    why = gguf_weights.model_available()
     if why is not None:
-        raise ModelUnavailable(f"sweep agreement runs SmolLM2-135M, which is not available: {why}")
+        raise gguf_weights.ModelUnavailable(f"sweep agreement runs SmolLM2-135M, which is not available: {why}")
     gpu = device == "cuda"
     model, tok = load_smollm2(dtype=torch.float16 if gpu else torch.float32, device=device)
     return model, tok, "kernels" if gpu else "torch"
@@ -40,18 +37,13 @@ def _model(device: str):
 
 @functools.cache
 def _tokens(device: str, prompt: str) -> tuple[int, ...]:
-    from workbench.model.capture import PROMPTS as CAPTURED
-    from workbench.model.capture import prompt_tokens
-
     _, tok, _ = _model(device)
-    return tuple(prompt_tokens(tok, next(p for p in CAPTURED if p.name == prompt)))
+    return tuple(capture.prompt_tokens(tok, next(p for p in capture.PROMPTS if p.name == prompt)))
 
 
 @functools.cache
 def _reference(device: str, prompt: str, new_tokens: int):
     """The fp16 cache's greedy run of the prompt (``agreement.greedy``), which every scheme is compared with."""
-    from workbench.model import agreement
-
     model, _, ops = _model(device)
     return agreement.greedy(model, _tokens(device, prompt), new_tokens, "fp16", ops)
 
@@ -59,8 +51,6 @@ def _reference(device: str, prompt: str, new_tokens: int):
 @functools.cache
 def _calibration(device: str):
     """The static schemes' calibration K/V (``agreement.calibration_sample``: the Gettysburg address)."""
-    from workbench.model import agreement
-
     model, tok, _ = _model(device)
     return agreement.calibration_sample(model, tok)
 
@@ -69,9 +59,6 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
     """``agreement.agreement_result`` of ``scheme`` on a captured prompt: ``equal`` leading tokens (of
     ``new_tokens``), ``first_divergence`` (``new_tokens`` when none), the drift of the chosen tokens' log-probs
     before it (the scheme's minus fp16's), bytes per token and layer of both caches, and both texts."""
-    from workbench import quant
-    from workbench.model import agreement
-
     with one_thread():
         model, tok, ops = _model(device)
         calibration = _calibration(device) if quant.get(scheme).needs_static_scales else None
@@ -90,6 +77,14 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
             "ref_text": tok.decode(r["ref_tokens"]), "ops": ops, "note": r["note"]}
 
 
+def draw(result: dict):
+    """The agreement panel's figure (``model_figures.agreement``) of an ``agreement.agreement_result`` run on the
+    prompt named ``result["prompt_name"]``."""
+    from workbench.ui import model_figures  # plotly: an optional dependency, imported only to draw
+
+    return model_figures.agreement({**result, "note": f"prompt '{result['prompt_name']}': {result['note']}"})
+
+
 # every column's label and unit on the panel's axes (workbench.studies.base.Column)
 AGREEMENT_COLUMNS = {
     "scheme": ("KV scheme",), "prompt": ("prompt",), "new_tokens": ("new tokens",), "device": ("device",),
@@ -106,12 +101,12 @@ AGREEMENT_COLUMNS = {
 
 AGREEMENT = Study(
     "agreement", "a quantized KV cache's greedy run on SmolLM2-135M against the fp16 cache's: tokens and log-probs", (
-        Param("scheme", "str", "int4/token", choices=SCHEMES, grid=AGREEMENT_GRID,
+        Param("scheme", "str", "int4/token", choices=AGREEMENT_SCHEMES, grid=AGREEMENT_GRID, label="KV dtype",
               help="the cache's workbench.quant scheme (fp16 is the reference)"),
         Param("prompt", "str", "chat_question", choices=PROMPTS, help="a captured prompt (workbench.model.capture)"),
         Param("new_tokens", "int", 8, minimum=1, maximum=1024, help="greedy tokens of each run (the notebook: 48)"),
         Param("device", "str", "cpu", choices=("cpu", "cuda"), help="cuda: fp16 weights and the Triton kernels")),
     agreement_point, notebook="06_real_model", panel="agreement_panel", x="scheme", color="prompt",
     y=("equal_share", "first_divergence", "max_drift", "mean_abs_drift", "bytes_ratio"), columns=AGREEMENT_COLUMNS,
-    needs_gpu=lambda p: p["device"] == "cuda")
+    needs_gpu=lambda p: p["device"] == "cuda", controls=("scheme",), draw=draw)
 STUDIES = (AGREEMENT,)

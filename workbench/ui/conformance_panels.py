@@ -2,7 +2,8 @@
 of the GPU session's committed reports), and the committed bandwidth runs of ``bench decode --impl`` beside ours
 and the peers.
 
-Like ``workbench.ui.panels``, they hold no logic: ``workbench.conformance`` runs the cases and judges them,
+Like ``workbench.ui.panels``, they hold no logic: ``workbench.conformance`` runs the cases and judges them (the
+``conformance`` study's check, ``workbench.studies.conformance``, whose level and figure the panel takes),
 ``workbench.bench.byok_results`` reads the committed runs, ``conformance_figures`` draws.
 """
 
@@ -17,7 +18,9 @@ import workbench
 from workbench import conformance
 from workbench.bench import byok_results as measured
 from workbench.conformance.suite import check_quietly  # the panel's checks (the sweep conformance's too)
+from workbench.studies.conformance import CONFORMANCE
 from workbench.ui import conformance_figures as cf
+from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
 LEVELS = ("smoke", "pairwise")  # what a CPU runs in a panel (``full`` is several hundred cases: for a GPU)
@@ -102,11 +105,13 @@ def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, 
     replay = W.HTML()
     holder: dict = {}
 
+    # the level is the conformance study's (what a CPU runs of it); the other controls are the panel's own
+    level_control = controls_for(CONFORMANCE, {"level": level}, options={"level": LEVELS})["level"]
     controls = {
         "source": W.Dropdown(options=source_choices(committed), value=source, description="source",
                              layout=W.Layout(width="460px")),
         "impl": W.Dropdown(options=names, value=impl or names[0], description="implementation"),
-        "level": W.ToggleButtons(options=list(LEVELS), value=level, description="cases"),
+        "level": level_control,
         "color_by": W.Dropdown(options=COLOR_BY, value=color_by, description="group by"),
     }
 
@@ -128,7 +133,7 @@ def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, 
                          f"<br><sup>{report.backend}, checked in {report.seconds:.1f} s; claims {claims}</sup>"}
 
     def draw(r):
-        fig = cf.conformance_figure(r["rows"], r["color_by"], r["title"])
+        fig = CONFORMANCE.draw(r)
         replay.value = replay_html(r["impl"], r["rows"], r["measured"])
         return fig
 

@@ -17,12 +17,13 @@ import ipywidgets as W
 from workbench import quant
 from workbench.model import inspect
 from workbench.model.agreement import agreement_result, calibration_sample, greedy  # the agreement panel's runs
+from workbench.studies.model import AGREEMENT
 from workbench.ui import model_figures
+from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
 DEFAULT_PROMPTS = "Name a fruit.\nName a colour."
 RUN_CONTROLS = {"prompt": "prompts", "max_new_tokens": "new tokens", "n": "samples", "temperature": "temperature"}
-AGREEMENT_SCHEMES = quant.names.AGREEMENT_SCHEMES  # every scheme but fp16, the reference
 
 
 def _texts_html(rows: list[tuple[str, str, str]], note: str = "") -> str:
@@ -213,19 +214,19 @@ def generation_panel(model, tok, **kwargs) -> GenerationPanel:
 
 # ---- a quantized cache against fp16 ----------------------------------------------------------------------------
 # calibration_sample, greedy and agreement_result live in workbench.model.agreement (imported above, under the
-# same names): the panel below and the sweep `agreement` (workbench.sweeps.catalog.model) call them.
+# same names): the panel below and the sweep `agreement` (workbench.studies.model, whose figure it draws) call them.
 
 
 def agreement_panel(model, tok, prompts: dict[str, list[int]], new_tokens: int = 16, scheme: str = "int4/token",
-                    schemes: Sequence[str] = AGREEMENT_SCHEMES, ops: str | None = None, refs: dict | None = None,
-                    results: dict | None = None, calibration=None) -> Panel:
+                    schemes: Sequence[str] = AGREEMENT.param("scheme").choices, ops: str | None = None,
+                    refs: dict | None = None, results: dict | None = None, calibration=None) -> Panel:
     """Scheme and prompt -> a greedy run with that cache against fp16's: tokens equal, first divergence, log-prob
     drift, the two texts side by side. Runs are kept: going back to a setting redraws at once.
 
     Args:
         prompts: name -> token ids (the dropdown's choices, in order).
         new_tokens: tokens generated per run.
-        schemes: the dropdown's schemes (``workbench.quant.SCHEMES`` names).
+        schemes: the dropdown's schemes (default: the ``agreement`` study's, every scheme but fp16).
         refs, results: runs already made, to start from (prompt name -> fp16 :func:`greedy` run;
             ``(scheme, prompt name)`` -> :func:`agreement_result`); the panel adds its own to them.
         calibration: :func:`calibration_sample` (computed at the first static scheme when None).
@@ -245,14 +246,10 @@ def agreement_panel(model, tok, prompts: dict[str, list[int]], new_tokens: int =
                                             calibration[0] if calibration else None)
         return {**results[key], "prompt_name": prompt}
 
-    def draw(r):
-        return model_figures.agreement({**r, "note": f"prompt '{r['prompt_name']}': {r['note']}"})
-
-    controls = {
-        "scheme": W.Dropdown(options=list(schemes), value=scheme, description="KV dtype"),
-        "prompt": W.Dropdown(options=list(prompts), value=next(iter(prompts)), description="prompt"),
-    }
-    panel = Panel(controls, compute, draw, live=False)
+    controls = controls_for(AGREEMENT, {"scheme": scheme}, options={"scheme": schemes})
+    # the panel's own prompts (any tokenized ones; the sweep runs the captured prompts by name)
+    controls["prompt"] = W.Dropdown(options=list(prompts), value=next(iter(prompts)), description="prompt")
+    panel = Panel(controls, compute, AGREEMENT.draw, live=False)
     panel.results = results
     return panel
 
