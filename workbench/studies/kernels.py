@@ -1,4 +1,4 @@
-"""Sweeps of the kernels on a GPU: notebook 02 (layouts and kernels), the paged decode kernel timed on one workload
+"""The decode kernel's study, on a GPU: notebook 02 (layouts and kernels), the paged decode kernel timed on one workload
 and cache variant, with a baseline timed in the same point, as ``python -m workbench bench decode`` measures them
 (``workbench.bench.decode``: the workload's fragmented paged cache, our launch heuristic, ``DecodePlan.run`` timed
 eagerly and as CUDA-graph replays, the error against a float32 reference); ``decode_results_panel`` plots the
@@ -14,12 +14,15 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
+from workbench.bench import decode_timing as timing
+from workbench.bench import harness, workloads
 from workbench.studies.base import BLOCK_SIZES, Param, Study
 
-# workbench.bench.workloads.WORKLOADS, decode_timing.DTYPES and .PEERS (not imported here: they import torch)
-WORKLOADS = ("W1", "W2", "W3", "W4", "W5")
-KV_DTYPES = ("fp16", "bf16", "fp8_e4m3")
-BASELINES = ("sdpa_contiguous", "gather_sdpa", "flex_paged", "none")
+WORKLOADS = tuple(workloads.WORKLOADS)
+KV_DTYPES = tuple(timing.DTYPES)
+BASELINES = (*timing.PEERS, "none")
 DEVICE = "cuda"
 SHORT = {"BLOCK_N": "BLOCK_N", "num_splits": "splits", "num_warps": "warps", "num_stages": "stages"}  # variant names
 
@@ -28,8 +31,6 @@ SHORT = {"BLOCK_N": "BLOCK_N", "num_splits": "splits", "num_warps": "warps", "nu
 def _copy_gbps() -> float:
     """The device's copy bandwidth (``harness.copy_bandwidth_gbps``), measured once a process: the ceiling every
     row's ``frac_copy_bw`` is against, as one bench run measures it once."""
-    from workbench.bench import harness
-
     return harness.copy_bandwidth_gbps()
 
 
@@ -37,21 +38,16 @@ def _measure(w, *, layout: str, block_size: int, kv_dtype: str, pad: int, change
              rep_ms: float, graph: bool, seed: int, device: str = DEVICE) -> dict:
     """One bench decode row of ours on ``w`` (``decode.run_sweep_point``'s measurement) and ``baseline``'s time on
     the same cache (``decode.run_main``'s peers): ``x_baseline`` is the baseline's time over ours."""
-    import torch
-
-    from workbench.bench import decode_timing as timing
-    from workbench.bench import harness
-    from workbench.bench.workloads import build_paged, bytes_moved, contiguous_kv
-
     dtype = timing.DTYPES[kv_dtype]
-    p = build_paged(w, layout=layout, block_size=block_size, kv_dtype=dtype, device=device, block_stride_pad=pad,
-                    seed=seed)
+    p = workloads.build_paged(w, layout=layout, block_size=block_size, kv_dtype=dtype, device=device,
+                              block_stride_pad=pad, seed=seed)
     out = torch.empty_like(p.q)
     cfg = {**timing.heuristic_config(p, dtype), **change}
     fn = timing.ours_fn(p, cfg, out)
     out.fill_(float("nan"))
     fn()
-    k, v = contiguous_kv(p, dtype=torch.float16 if dtype.itemsize == 1 else None)  # the peers read fp16 for fp8
+    # the peers read fp16 for fp8
+    k, v = workloads.contiguous_kv(p, dtype=torch.float16 if dtype.itemsize == 1 else None)
     ref = timing.ref_fp32(p.q, k, v, p.lens)
     err = harness.rel_err(out, ref)
     # ours first: a peer's compile must not disturb our timing
@@ -59,7 +55,7 @@ def _measure(w, *, layout: str, block_size: int, kv_dtype: str, pad: int, change
     copy_gbps = _copy_gbps()
     variant = "-".join(f"{SHORT[k]}{v}" for k, v in change.items()) or "heuristic"  # as bench decode names them
     row = timing.decode_row(w, "ours", variant, p, kv_dtype,
-                            bytes_moved(w, dtype.itemsize, p.q.element_size()), copy_gbps, t, tg, err, cfg,
+                            workloads.bytes_moved(w, dtype.itemsize, p.q.element_size()), copy_gbps, t, tg, err, cfg,
                             {"block_stride_pad": pad})
     base = {"baseline_time_us": math.nan, "baseline_time_us_graph": math.nan, "baseline_rel_err": math.nan,
             "baseline_error": ""}
@@ -100,12 +96,10 @@ def decode_point(workload: str, layout: str, block_size: int, kv_dtype: str, pad
     ``block_n``/``splits``/``warps``/``stages`` overriding it), then ``baseline`` on the same cache: its times,
     ``baseline_error`` when it cannot run (``gather_sdpa`` needs nhd; an fp8 cache is read as fp16 by SDPA) and
     ``x_baseline`` = its time over ours (also ``x_<baseline>``, as the bench row names it)."""
-    from workbench.bench.workloads import WORKLOADS as ALL
-
     change = {k: v for k, v in (("BLOCK_N", block_n), ("num_splits", splits), ("num_warps", warps),
                                 ("num_stages", stages)) if v}
-    return _measure(ALL[workload], layout=layout, block_size=block_size, kv_dtype=kv_dtype, pad=pad, change=change,
-                    baseline=baseline, rep_ms=rep_ms, graph=graph, seed=seed)
+    return _measure(workloads.WORKLOADS[workload], layout=layout, block_size=block_size, kv_dtype=kv_dtype, pad=pad,
+                    change=change, baseline=baseline, rep_ms=rep_ms, graph=graph, seed=seed)
 
 
 # every column's label and unit on the panel's axes (workbench.studies.base.Column); x_*: a baseline's time / ours
