@@ -3,7 +3,7 @@ rows, a worker killed mid-sweep loses no point, GPU points are refused on a clus
 
 One cluster for the whole file (starting one takes ~7 s of a 2-core machine; the whole file ~20 s) and one driver
 connection for the tests that run points: Ray's workers belong to a driver's job, so the tests after the first
-reuse warm workers (each imports torch and the sweep catalog once)."""
+reuse warm workers (each imports torch and the studies once)."""
 
 from __future__ import annotations
 

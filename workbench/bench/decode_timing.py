@@ -1,5 +1,5 @@
 """How one paged decode is timed, shared by ``bench decode``, ``bench decode --impl`` (``byok_decode``) and the
-decode sweep (``workbench.sweeps.catalog.kernels``):
+decode sweep (``workbench.studies.kernels``):
 
 - the callables timed: ours (:func:`ours_fn`, ``DecodePlan.run`` with the plan built outside the timed call) and the
   torch peers (:func:`peer_fns`: SDPA on a contiguous cache, gather-then-SDPA, FlexAttention paged);

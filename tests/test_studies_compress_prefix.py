@@ -1,4 +1,4 @@
-"""The sweeps of notebooks 07 and 08 (``workbench.studies.compress`` and ``shared_prefix``): every default
+"""The studies of notebooks 07 and 08 (``workbench.studies.compress`` and ``shared_prefix``): every default
 point runs, gives the columns it plots, in range and the same twice, and what it gives is what the package computes
 the way the panel calls it (so the sweep and the panel cannot drift apart)."""
 
