@@ -4,7 +4,8 @@ The private names of a class family are collected from its own modules (every ``
 ``_x`` method it defines); outside those modules, ``<anything but self or cls>._x`` for one of those names fails.
 The cache's privates belong to the ``workbench/cache/`` package (its parts and the class): the tiers, eviction and
 the model's decoders use its public surface. The block pool's privates belong to its modules in
-``workbench/allocator/`` (the manager asks the pool's methods).
+``workbench/allocator/`` (the manager asks the pool's methods), the manager's to ``manager.py`` (a plan made on a
+clone is adopted whole: ``BlockManager.adopt``).
 """
 
 import ast
@@ -17,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "workbench"
 # what -> the modules that own its private names, relative to workbench/ (a folder: every module in it)
 OWNERS = {
     "BlockPool": ["allocator/pool.py", "allocator/prefix_map.py", "allocator/moves.py", "allocator/invariants.py"],
+    "BlockManager": ["allocator/manager.py"],
     "PagedKVCache": ["cache/"],
 }
 

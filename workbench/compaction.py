@@ -351,8 +351,7 @@ def apply(target, p: Plan) -> int:
         for bs, mv in p.moves.items():
             cache.copy_blocks(bs, list(mv))
             written += _bytes(cache, 1, 0, {bs: len(mv)})
-    vars(manager.pool).update(vars(scratch.pool))
-    manager._seqs = scratch._seqs  # the manager's table of sequences, replaced whole
+    manager.adopt(scratch)  # the pool's state and the table of sequences, replaced whole
     return written
 
 

@@ -362,7 +362,7 @@ class BlockManager:
             assert len(s.table) == math.ceil(len(s.tokens) / s.block_size), f"{sid}: table length"
             assert len(s.entries) <= len(s.tokens) // s.block_size, f"{sid}: entries past the full blocks"
 
-    # ---- compaction support (workbench.compaction plans and applies) ----------------
+    # ---- plans made on a clone (compaction, eviction, a swap-in), then adopted ------------
     def clone(self) -> BlockManager:
         """An independent copy of the pool, the sequences and the policy's state."""
         new = object.__new__(BlockManager)
@@ -370,6 +370,24 @@ class BlockManager:
         new.policy_config, new.policy = self.policy_config, self.policy.copy()
         new._seqs = {sid: s.copy() for sid, s in self._seqs.items()}
         return new
+
+    def adopt(self, clone: BlockManager) -> None:
+        """Make a :meth:`clone`'s pool state and sequences this manager's, once the plan made on it can no longer
+        fail. The pool object stays (the cache and a tier below hold it); the policy's state is this manager's."""
+        self.pool.adopt(clone.pool)
+        self._seqs = clone._seqs
+
+    def insert(self, seq_id, block_size: int, table: Sequence[int], tokens: Sequence[int], *, prompt_len: int,
+               extra_key: object = None, publishing: bool = True) -> None:
+        """A sequence over ``table``, whose blocks already count it as a holder (the caller took the references: a
+        swap-in rebuilding tables on a clone). Unchecked; nothing is published."""
+        self._seqs[seq_id] = _Seq(block_size, list(table), list(tokens), [], prompt_len, extra_key, publishing)
+
+    def rewrite(self, seq_id, table: list[int], tokens: list[int], keep_published: int) -> None:
+        """The sequence's table and tokens replaced (an eviction planned on a clone: the caller moved the
+        references), its first ``keep_published`` published entries kept. Unchecked."""
+        s = self._get(seq_id)
+        s.table, s.tokens, s.entries = table, tokens, s.entries[:keep_published]
 
     def fingerprint(self) -> int:
         """A hash of the pool's state and every sequence's block size, table and length."""

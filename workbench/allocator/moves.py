@@ -1,4 +1,5 @@
-"""What compaction needs from the pool: snapshots, taking chosen blocks, moving blocks, releasing pages.
+"""What compaction needs from the pool: snapshots (and adopting one), taking chosen blocks, moving blocks,
+releasing pages.
 
 :class:`PoolMoves` is mixed into :class:`~workbench.allocator.pool.BlockPool`; ``workbench.compaction``
 plans on a clone and applies with these. Every method validates the whole request before it
@@ -39,6 +40,10 @@ class PoolMoves:
         new._classes = {bs: c.copy() for bs, c in self._classes.items()}
         new.evicted = None  # a clone (a compaction plan) has no tier below it
         return new
+
+    def adopt(self, other: PoolMoves) -> None:
+        """Take ``other``'s whole state (a :meth:`clone` a plan was made on, now applied) as this pool's."""
+        vars(self).update(vars(other))
 
     def fingerprint(self) -> int:
         """A hash of every descriptor, queue and page assignment (equal states, equal fingerprints)."""

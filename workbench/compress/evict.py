@@ -220,12 +220,11 @@ def evict(cache, seq_id, keep: torch.Tensor, *, partial: str = "keep") -> Evicti
     for j, c in enumerate(chunks):
         sp.set_valid(bs, new_table[j], len(c))
     tokens = manager.tokens(seq_id)
-    s = scratch._get(seq_id)  # the clone's own record of the sequence (nobody else sees it until the swap)
     unchanged = 0  # leading blocks in their old place with all of their old tokens: still the same prefix
     while unchanged < len(new_table) and new_table[unchanged] == old_table[unchanged] and \
             chunks[unchanged] == list(range(unchanged * bs, min(n, (unchanged + 1) * bs))):
         unchanged += 1
-    s.table, s.tokens, s.entries = new_table, [tokens[p] for p in retained], s.entries[:unchanged]
+    scratch.rewrite(seq_id, new_table, [tokens[p] for p in retained], unchanged)  # the clone's: nobody sees it yet
     scratch.stop_publishing(seq_id)
 
     # ---- copy the moved tokens (fresh blocks only), then swap the state in ----
@@ -237,8 +236,7 @@ def evict(cache, seq_id, keep: torch.Tensor, *, partial: str = "keep") -> Evicti
     cache.flush_evictions()  # a tier below copies the evicted cached blocks down before they are overwritten
     if src:
         move_tokens(cache, bs, src, dst)
-    vars(pool).update(vars(sp))
-    manager._seqs = scratch._seqs  # the manager's table of sequences, replaced whole (as compaction does)
+    manager.adopt(scratch)  # the pool's state and the table of sequences, replaced whole (as compaction does)
     quantized, residual = cache.residual_state(seq_id)
     if quantized is not None:  # packed per-token codes (int4/int2 "token"): every token is in the blocks
         cache.set_residual_state(seq_id, len(retained), residual)

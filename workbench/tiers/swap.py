@@ -29,7 +29,6 @@ import os
 from dataclasses import dataclass
 
 from workbench.allocator.errors import OutOfBlocks
-from workbench.allocator.manager import _Seq  # a record for a table the swap-in rebuilt (no public constructor)
 from workbench.tiers.errors import CorruptBlock
 from workbench.tiers.transfer import Transfer
 
@@ -192,8 +191,8 @@ def swap_in(tc, seq_ids: list) -> Transfer:
                 sp.incref(bs, [b] * (holders[(bs, k)] - 1))
     for s, sw in recs:
         table = [at[(sw.block_size, k)] for k in sw.keys]
-        scratch._seqs[s] = _Seq(sw.block_size, table, list(sw.tokens), [], sw.prompt_len, sw.extra_key,
-                                sw.publishing)
+        scratch.insert(s, sw.block_size, table, sw.tokens, prompt_len=sw.prompt_len, extra_key=sw.extra_key,
+                       publishing=sw.publishing)
         sp.touch(sw.block_size, table)
     # ---- disk blocks read and checked before the device changes ----
     fetched = {}
@@ -217,8 +216,7 @@ def swap_in(tc, seq_ids: list) -> Transfer:
     transfer = Transfer("host", "device", 0, 0, lower.mover.path, 0)
     for bs, keys in fresh.items():
         transfer = lower.load(bs, [(at[(bs, k)], k) for k in keys], fetched[bs])
-    vars(pool).update(vars(sp))
-    m._seqs = scratch._seqs  # the manager's table of sequences, replaced whole (as compaction does)
+    m.adopt(scratch)  # the pool's state and the table of sequences, replaced whole (as compaction does)
     for s, sw in recs:
         del tc._swapped[s]
         residual = tuple(t.to(cache.device) for t in sw.residual) if sw.residual is not None else None
