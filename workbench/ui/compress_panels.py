@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import ipywidgets as W
 
 from workbench.bench import compress_results as measured
-from workbench.compress import policies, study
+from workbench.bench.compression_delta import measured_links
+from workbench.compress import delta_study, policies, study
 from workbench.compress.study import (  # noqa: F401  (the panel's settings, importable from here too)
     HELD_OUT,
     THRESHOLD_SCALE,
@@ -268,9 +269,6 @@ def delta_panel(run: dict | None = None, layer: int | None = None, chunk: str = 
         if key not in cache:
             rows, src = measured.break_even(run, chunk, dtype, stages), "the study's rows"
             if not rows:  # not in the study: from its codec speeds, by the study's own function
-                from workbench.bench.compression_delta import measured_links
-                from workbench.compress import delta_study
-
                 rows = measured.fold_break_even(delta_study.break_even_rows(
                     measured.throughput(run, chunk, dtype, stages), links=measured_links(), config=stages, level=3))
                 src = "computed here from the committed codec speeds"

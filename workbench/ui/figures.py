@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 
+import numpy as np
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from workbench.fragmentation import SHARED, STATES, TOKEN
 
 BREAKDOWN_PARTS = ("token_states", "reservation", "internal_fragmentation")
 COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal_fragmentation": "#e76f51"}
@@ -77,8 +82,6 @@ def sharing_bars(blocks_used, blocks_unshared, cow_copies, prefix_hits):
 
 def sharing_overview(r) -> go.Figure:
     """A shared-prompt scenario (``sharing.shared_prompt``): its block tables beside the blocks each way uses."""
-    from plotly.subplots import make_subplots
-
     heat = block_table_heatmap(r.seq_ids, r.block_tables, r.ref_counts)
     bars = sharing_bars(r.blocks_used, r.blocks_unshared, r.cow_copies, r.prefix_hits)
     fig = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
@@ -97,8 +100,6 @@ IMPL_COLORS = {"ours": "#2a9d8f", "sdpa_contiguous": "#264653", "gather_sdpa": "
 def coalescing_map(c):
     """Left: bytes of each token of a tile in each 128-byte line it touches (``workbench.coalescing.Coalescing``);
     right: line and sector efficiency of a token read and of the tile read."""
-    from plotly.subplots import make_subplots
-
     m, g = c.line_map, c.geometry
     # short subplot titles (the long story is in the title): they must not run into each other at 700 px
     fig = make_subplots(rows=1, cols=2, column_widths=[0.66, 0.34], horizontal_spacing=0.16, subplot_titles=(
@@ -146,8 +147,6 @@ def decode_bars(best, graph=False):
 
 def roofline(points, copy_gbps, peak_tflops=None):
     """Log-log roofline: achieved TFLOP/s against FLOP/byte, under the measured copy-bandwidth ceiling."""
-    import math
-
     fig = go.Figure()
     xs = [p["intensity"] for p in points] or [1.0]
     lo, hi = min(xs) / 2, max(max(xs) * 4, (peak_tflops * 1e3 / copy_gbps * 2) if peak_tflops and copy_gbps else 0)
@@ -239,8 +238,6 @@ def block_size_lines(sweep, part="token_states", best=(16, 128)):
     """``part`` (percent) against block size, one line per trace (``sweeps.block_size_sweep``); the
     shaded band is the range the vLLM paper found best on ShareGPT (for latency, which also counts kernel
     efficiency)."""
-    import math
-
     fig = go.Figure()
     sizes = sorted({bs for t in sweep.values() for bs in t})
     for trace, rows in sweep.items():
@@ -265,10 +262,6 @@ OWNER_COLORS = ("#2a9d8f", "#e9c46a", "#8ab17d", "#f4a261", "#457b9d", "#b5838d"
 
 def _map_codes(pm):
     """Colour codes: 0-3 the free/unused states, 4 tokens of a shared block, 5+ tokens of sequence i."""
-    import numpy as np
-
-    from workbench.fragmentation import SHARED, TOKEN
-
     code = pm.state.astype(np.int64)
     tok = pm.state == TOKEN
     code[tok] = np.where(pm.owner[tok] == SHARED, 4, 5 + pm.owner[tok] % len(OWNER_COLORS))
@@ -276,8 +269,6 @@ def _map_codes(pm):
 
 
 def _map_trace(pm, showlegend=True):
-    from workbench.fragmentation import STATES
-
     n = len(MAP_COLORS) + len(OWNER_COLORS)
     scale = []
     for k, c in enumerate(MAP_COLORS + OWNER_COLORS):
@@ -297,8 +288,6 @@ def memory_maps(maps, titles):
     """Pages (rows) x token slots (columns) of one or more ``fragmentation.PageMap``: grey free, light blue
     cached, red held but unused, dark shared tokens, other colours the tokens of each sequence; thin white
     lines are block boundaries."""
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=1, cols=len(maps), subplot_titles=titles, horizontal_spacing=0.06)
     for i, pm in enumerate(maps, start=1):
         fig.add_trace(_map_trace(pm), row=1, col=i)
@@ -320,8 +309,6 @@ def memory_maps(maps, titles):
 
 def sim_run(r):
     """One simulator run (``sweeps.simulate``): the four parts, and token / free shares over steps."""
-    from plotly.subplots import make_subplots
-
     fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], subplot_titles=(
         "saturated average", "token states and free memory per step"))
     for trace in share_bars({r["label"]: r["shares"]}).data:
