@@ -32,6 +32,7 @@ measure.
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import subprocess
@@ -39,8 +40,18 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+import triton
+
+from workbench import quant
+from workbench.backend import is_interpreted
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.bench.quant_decode import PAGE, bench_scheme
+from workbench.bench.workloads import WORKLOADS
+from workbench.kernels import DecodePlan
+from workbench.kernels.write import write_launches as launches_of
+from workbench.quant import blocks as qblocks
 from workbench.quant.names import ANATOMY_SCHEMES as SCHEMES
 from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 
@@ -61,8 +72,6 @@ CLASSES = {  # SASS opcode -> what it spends issue slots on
 def _ensure_compile_backend(argv: list[str]) -> int | None:
     """Kernels decorated for the interpreter cannot be compiled: rerun this command in a process whose backend
     is ``compile`` (None when this one already compiles: a GPU, or ``WORKBENCH_BACKEND=compile``)."""
-    from workbench.backend import is_interpreted
-
     if not is_interpreted():
         return None
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -74,14 +83,6 @@ def _ensure_compile_backend(argv: list[str]) -> int | None:
 def decode_plan(scheme_name: str, workload: str = "W1", **launch):
     """``(plan, q, k_cache, v_cache)``: the plan a GPU would build for ``scheme_name`` on ``workload`` (its shape,
     lengths and batch), over a one-block cache (the plan trusts its table; nothing is launched)."""
-    import torch
-
-    from workbench import quant
-    from workbench.bench.quant_decode import bench_scheme
-    from workbench.bench.workloads import WORKLOADS
-    from workbench.kernels import DecodePlan
-    from workbench.quant import blocks as qblocks
-
     w = WORKLOADS[workload]
     scheme = bench_scheme(scheme_name)
     page, H, D = 16, w.num_kv_heads, w.head_dim
@@ -102,7 +103,7 @@ def decode_plan(scheme_name: str, workload: str = "W1", **launch):
 def compile_call(kernel, args, constexprs, arch: int = 90):
     """Compile ``kernel`` for ``args`` / ``constexprs`` as its launcher would specialize them (pointers and ints
     divisible by 16 marked so, ints equal to 1 made constants) for ``sm_<arch>``; the compiled kernel."""
-    import triton
+    # Triton's compiler internals, here: they move between Triton versions, and the SASS parsing needs none of them
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
@@ -129,8 +130,6 @@ def compile_call(kernel, args, constexprs, arch: int = 90):
 
 
 def _tool(name: str) -> str:
-    import triton
-
     path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
     if not path.exists():
         raise RuntimeError(f"{name} is not in this Triton's package ({path}): it ships with Triton's NVIDIA backend")
@@ -283,12 +282,6 @@ def write_launches(scheme_name: str, tokens: int = 32768, heads: int = 8, head_d
     """``(scheme, launches, nbytes)``: the launches ``bench quant_decode``'s write section makes for ``scheme_name``
     (a ``tokens``-token fp16 chunk into 16-token NHD pages, all of it written; nothing launched) and the bytes it
     counts for them (the source read, codes, scales and zero points written)."""
-    import torch
-
-    from workbench.bench.quant_decode import PAGE, bench_scheme
-    from workbench.kernels.write import write_launches as launches_of
-    from workbench.quant import blocks as qblocks
-
     scheme = bench_scheme(scheme_name)
     nb = -(-tokens // PAGE)
     caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, PAGE, heads, head_dim) for kind in "kv"]
@@ -309,8 +302,6 @@ def write_anatomy(scheme_name: str, tokens: int = 32768, arch: int = 90, gpu: di
     """One row for a write (``bench quant_decode``'s write section, compiled): every launch's program compiled,
     its hot path (:func:`hot_path`: a write kernel has no main loop) times its warps and programs, over the bytes
     the write moves; the same columns as :func:`anatomy` (``loop_*``: the hot path, summed over the launches)."""
-    import math
-
     scheme, launches, nbytes = write_launches(scheme_name, tokens, **launch)
     warp_instr, counts, per = 0, collections.Counter(), []
     for ln in launches:

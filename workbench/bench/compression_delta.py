@@ -24,13 +24,12 @@ from workbench.bench.command import BenchParser
 from workbench.compress import delta_study as study
 from workbench.compress.delta_options import check_level
 from workbench.model import capture
+from workbench.tiers.link import latest_link_model
 
 
 def measured_links(run: Mapping | None = None, link_model=None) -> dict:
     """The links of the newest committed ``tiers-h200-*.json`` run: ``{name: (direction of a swap, GB/s or a
     function of the transfer size, which codec stage a tier pays, codec side, source)}``."""
-    from workbench.tiers.link import latest_link_model
-
     run = tier_results.latest() if run is None else run
     model = latest_link_model() if link_model is None else link_model
     out = {}

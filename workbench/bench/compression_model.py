@@ -18,6 +18,7 @@ from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.compress import model_study as study
+from workbench.model import gguf_weights, load_smollm2
 
 
 def _floats(name: str):
@@ -69,15 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if new_tokens < 2:
         ap.error("argument --new-tokens: must be >= 2 (the first token comes before any eviction)")
     out = ap.start(args)
-
-    from workbench.model.gguf_weights import model_available
-
-    if (why := model_available()) is not None:
+    if (why := gguf_weights.model_available()) is not None:
         print(f"the model study needs SmolLM2-135M: {why}", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    from workbench.model import load_smollm2
-
     start = time.perf_counter()
     model, tok = load_smollm2()
     load_s = time.perf_counter() - start

@@ -20,6 +20,11 @@ import torch
 from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.cache import PagedKVCache
+from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
+from workbench.model.gguf_weights import read_gguf
+from workbench.model.graph import GraphDecoder
+from workbench.model.tokenizer import Tokenizer
 
 PROMPT = 512
 
@@ -29,14 +34,10 @@ def _sync() -> None:
 
 
 def _model(cfg, weights):
-    from workbench.model import Llama
-
     return Llama(cfg, weights, dtype=torch.float16, device="cuda")
 
 
 def _cache(cfg, batch: int, max_len: int, block: int = 16):
-    from workbench.cache import PagedKVCache
-
     pages = batch * -(-max_len // block) + 8
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, pages, page_tokens=block,
                         kv_dtype="fp16", device="cuda", prefix_caching=False)
@@ -49,9 +50,6 @@ def _prompts(cfg, batch: int, seed: int = 0) -> list[list[int]]:
 
 def ours(model, batch: int, new_tokens: int, eager_steps: int, compile: bool = False) -> dict:
     """Per-step times of our runner eagerly and of the CUDA-graph step, and the graph step's breakdown."""
-    from workbench.model import PagedKV, Runner
-    from workbench.model.graph import GraphDecoder
-
     cfg = model.config
     max_len = PROMPT + new_tokens + 1
     row: dict = {"batch": batch}
@@ -119,7 +117,7 @@ def _weights_of(model):
 
 def hf_generate(cfg, weights, batch: int, new_tokens: int) -> dict:
     """transformers' ``generate`` (greedy) with its static cache, compiled by generate itself, same weights."""
-    import transformers
+    import transformers  # here: an optional (dev) dependency, needed only for the peer's rows (--no-hf skips them)
 
     m = _hf_model(cfg, weights)
     m.generation_config.cache_implementation = "static"
@@ -144,7 +142,7 @@ def hf_generate(cfg, weights, batch: int, new_tokens: int) -> dict:
 
 
 def _hf_model(cfg, weights):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: optional, as in hf_generate
 
     hc = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
@@ -168,9 +166,6 @@ def _hf_model(cfg, weights):
 
 def check(model, weights, tokenizer=None, new_tokens: int = 32) -> dict:
     """Our graph step (greedy) against transformers' forward on the same weights, teacher-forced on our tokens."""
-    from workbench.model import PagedKV, Runner
-    from workbench.model.graph import GraphDecoder
-
     cfg = model.config
     prompts = ([tokenizer.chat("Write a short story about a robot who learns to paint."),
                 tokenizer.chat("Explain why the sky is blue.")] if tokenizer else _prompts(cfg, 2)[:2])
@@ -222,8 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     out = ap.start(args)
     if out is None:
         return 2
-    from workbench.model import SMOLLM2_135M, random_weights
-
     cfg = SMOLLM2_135M
     weights = {k: v.half() for k, v in random_weights(cfg, seed=0).items()}
     model = _model(cfg, weights)
@@ -232,9 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"section": "check", **check(model, weights)})
         print(rows[-1], file=sys.stderr)
     if args.gguf:
-        from workbench.model.gguf_weights import read_gguf
-        from workbench.model.tokenizer import Tokenizer
-
         g = read_gguf(args.gguf, use_cache=False)
         real = {k: v.half() for k, v in g.weights.items()}
         rows.append({"section": "check", **check(_model(g.config, real), real, Tokenizer.from_gguf(g))})

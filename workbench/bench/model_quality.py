@@ -26,6 +26,7 @@ from workbench import quant
 from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.model import gguf_weights, quality
 from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
 
 COLUMNS = ["scheme", "scales", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift",
@@ -43,8 +44,6 @@ def prompts_from(text_tokens: list[int], n: int, length: int) -> list[list[int]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbench.model import quality
-
     ap = BenchParser("model_quality", __doc__, smoke="a tiny run (three schemes, a few tokens)")
     ap.add_argument("--schemes", default=None,
                     help="comma separated scheme names (default every one of workbench.quant.SCHEMES; --smoke: "
@@ -87,10 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if chunk - prefill < 2:
         ap.error(f"argument --prefill: must leave at least 2 tokens of --chunk {chunk} to step, got {prefill}")
     out = ap.start(args)  # checked before the work, not after
-
-    from workbench.model.gguf_weights import model_available
-
-    if (why := model_available()) is not None:
+    if (why := gguf_weights.model_available()) is not None:
         print(f"bench model_quality needs SmolLM2-135M: {why}", file=sys.stderr)
         return 2
     if args.threads:

@@ -57,6 +57,7 @@ from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores
 from workbench.kernels.quest.reference import quest_page_scores_ref
+from workbench.model import capture
 
 REAL_PAGE = 16  # the captured prompts' recall rows
 COLUMNS = ["section", "workload", "batch", "context", "page_size", "impl", "budget_tokens", "reduce", "launch",
@@ -296,9 +297,7 @@ def _run_one(w: Workload, page: int, budgets, reduce: str, rep_ms: float, copy_g
 def real_recall_rows(budgets=REAL_BUDGETS, reduces=REDUCES, prompts=None, layers=None) -> list[dict]:
     """Recall of Quest's page choice on the captured SmolLM2-135M activations, averaged over prompts, layers and
     queries (each query attends to the prompt tokens before the last 16: ``workbench.model.capture.real_kv``)."""
-    from workbench.model.capture import load
-
-    caps = load()
+    caps = capture.load()
     caps = caps if prompts is None else caps[:prompts]
     acc: dict[tuple, list] = {}
     for c in caps:

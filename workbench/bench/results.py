@@ -22,6 +22,8 @@ from pathlib import Path
 from workbench.bench.command import BenchParser
 from workbench.bench.harness import load_results, print_table
 from workbench.bench.workloads import WORKLOADS
+from workbench.coalescing import analyze
+from workbench.spec import dtype_size
 
 # H200 SXM dense FP16/BF16 tensor-core peak: NVIDIA's datasheet gives 1,979 TFLOPS "with sparsity", half dense.
 H200_PEAK_TFLOPS_FP16 = 989.5
@@ -149,9 +151,6 @@ def with_coalescing(rows: Sequence[dict]) -> list[dict]:
     and ``model_lane_bytes`` (the smaller of K and V), from the row's layout, page size, dtype,
     ``block_stride_pad`` (elements) and ``BLOCK_N``.
     """
-    from workbench.coalescing import analyze
-    from workbench.spec import dtype_size
-
     out = []
     for r in rows:
         w = WORKLOADS.get(r.get("workload", ""))
@@ -184,8 +183,6 @@ def layout_sweep(rows: Iterable[dict]) -> list[dict]:
 def align_sweep(rows: Iterable[dict]) -> list[dict]:
     """The ``align`` sweep's rows with the coalescing model's columns (:func:`with_coalescing`) and ``pad_bytes``,
     the bytes added to the block stride (``block_stride_pad`` elements times the element size)."""
-    from workbench.spec import dtype_size
-
     return [{**r, "pad_bytes": int(r.get("block_stride_pad") or 0) * int(dtype_size(r["kv_dtype"]))}
             for r in with_coalescing(sweep_rows(rows, "align"))]
 

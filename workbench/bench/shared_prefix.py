@@ -39,6 +39,7 @@ import math
 import random
 
 import torch
+import torch.nn.functional as F
 
 import workbench  # noqa: F401  (backend first)
 from workbench.argtypes import positive_float, positive_int_list
@@ -149,8 +150,6 @@ def measure(section, p: Point, rows_per_tile, rep_ms, where: dict, sdpa=True) ->
 
 
 def _sdpa_row(section, p: Point, ref, tg_plain, rep_ms, where) -> dict:
-    import torch.nn.functional as F
-
     B, n = len(p.lens), max(p.lens)
     hkv = p.k.shape[2]
     k = torch.zeros((B, hkv, n, p.k.shape[3]), dtype=torch.float16, device=p.q.device)

@@ -32,7 +32,13 @@ import torch
 
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.cache import PagedKVCache
+from workbench.kernels import DecodePlan, move_blocks
 from workbench.quant.names import TIER_BENCH_SCHEMES
+from workbench.tiers import TieredCache
+from workbench.tiers.disk import DiskPool
+from workbench.tiers.host import HostPool
+from workbench.tiers.transfer import BlockMover, block_bytes
 
 SIZES_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCHES = (1, 4, 16, 64, 256)
@@ -84,8 +90,6 @@ def pinned_bandwidth(nbytes: int = 256 << 20) -> dict:
 
 def link_rows(pinned: dict, quick: bool) -> list[dict]:
     """The bandwidth map: every block size x batch x path x direction."""
-    from workbench.kernels import move_blocks
-
     sizes = SIZES_KIB[::3] if quick else SIZES_KIB
     max_bytes = max(sizes) * 1024 * max(BATCHES)
     pool = torch.empty(2 * max_bytes, dtype=torch.uint8, device="cuda").random_(0, 255)
@@ -144,8 +148,6 @@ def _link_case(pool, host, staging, bb: int, ids: torch.Tensor, pinned: dict, mo
 
 
 def _w1_cache(extra_blocks: int):
-    from workbench.cache import PagedKVCache
-
     B, ctx, hkv, hq, d = 64, 4096, 8, 32, 128
     bs = 16
     need = B * ctx // bs + extra_blocks
@@ -160,12 +162,8 @@ def _w1_cache(extra_blocks: int):
 
 def beside_rows(pinned: dict) -> list[dict]:
     """Decode alone vs decode with transfers queued on a side stream the whole time."""
-    from workbench.kernels import move_blocks
-
     cache, q, seqs = _w1_cache(extra_blocks=16)
     meta = cache.vllm_metadata(seqs)
-    from workbench.kernels import DecodePlan
-
     kc, vc = cache.k_cache(0), cache.v_cache(0)
     plan = DecodePlan(meta.block_table, meta.seq_lens, layout=cache.layout, k_cache=kc, v_cache=vc, num_q_heads=32,
                       q_dtype=q.dtype)
@@ -220,10 +218,6 @@ def overlap_rows(pinned: dict) -> list[dict]:
 
 
 def _overlap_case(path: str, pinned: dict, programs: int | None, steps: int = 20, batch: int = 1024) -> dict:
-    from workbench.kernels import DecodePlan
-    from workbench.tiers.host import HostPool
-    from workbench.tiers.transfer import BlockMover, block_bytes
-
     cache, q, seqs = _w1_cache(extra_blocks=4096)
     meta = cache.vllm_metadata(seqs)
     kc, vc = cache.k_cache(0), cache.v_cache(0)
@@ -271,11 +265,6 @@ def _overlap_case(path: str, pinned: dict, programs: int | None, steps: int = 20
 
 def check_rows() -> list[dict]:
     """TieredCache on the GPU, both paths: swap round trip and prefix promotion bit-exact; disk bandwidth."""
-    from workbench.cache import PagedKVCache
-    from workbench.tiers import TieredCache
-    from workbench.tiers.disk import DiskPool
-    from workbench.tiers.transfer import block_bytes
-
     rows = []
     for path in ("dma", "sm"):
         for kv_dtype in TIER_BENCH_SCHEMES:

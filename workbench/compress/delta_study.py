@@ -49,6 +49,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from workbench import quant
 from workbench.compress import delta as dz
 from workbench.compress import delta_quant as dq
 from workbench.quant.names import DELTA_SCHEMES as SCHEMES
@@ -162,8 +163,6 @@ def quantized_ratios(captures, *, schemes: Sequence[str] = SCHEMES, deltas: Sequ
         plain_ratio, rel_err}``: ``plain_bytes`` = codes + scales + zero points + fp16 residual as the scheme
         stores them; ``rel_err`` = ``||dequantized - x|| / ||x||`` against the fp32 capture.
     """
-    from workbench import quant
-
     caps = _check_captures(captures)
     rows = []
     for cap in caps:
