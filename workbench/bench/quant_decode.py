@@ -272,7 +272,7 @@ def run_midpoints(device, rep: int = 2) -> list[dict]:
 
 def _compiled_kernels() -> dict:
     """Compiled decode kernels Triton holds now, by id (introspection: empty where its cache is not reachable)."""
-    from workbench.kernels.decode import groups, kernel
+    from workbench.kernels.decode import groups, kernel  # here: the kernels' jit functions, read for their caches
 
     out = {}
     try:

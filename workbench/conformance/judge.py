@@ -120,7 +120,7 @@ def judge_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> tuple[float
 def judge_write(inputs: dict, ref) -> tuple[float, str]:
     """``ref``: the planes after the reference write, then (optionally) before it: a quantized code may be one
     apart from the reference's only where the reference wrote."""
-    from workbench.kernels.write.reference import quant_code_distance
+    from workbench.kernels.write.reference import quant_code_distance  # here: as problems.py's references
 
     worst, why = 0.0, ""
     wants, befores = ref[:2], ref[2:4]

@@ -29,6 +29,8 @@ from workbench.conformance.ops import OPS
 from workbench.layout import Layout, block_view
 from workbench.quant import blocks as qblocks
 
+# The references (workbench.kernels.<op>.reference) are imported by the builders that use them: workbench.kernels
+# imports Triton (0.36 s), which importing the conformance package does not otherwise need (builtin.py does the same)
 SM_SCALE_FACTOR = 0.87  # the suite's softmax scale is this times 1/sqrt(D): an impl that ignores sm_scale fails
 
 
