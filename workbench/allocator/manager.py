@@ -299,9 +299,9 @@ class BlockManager:
         if s is None or not s.table:
             return Checkpoint(seq_id, s is not None, len(s.tokens) if s else 0, 0, -1, 0, 0, pool.hits, pool.misses,
                               pool.clock)
-        bs, last = s.block_size, s.table[-1]
-        return Checkpoint(seq_id, True, len(s.tokens), len(s.table), last, pool.valid_tokens(bs, last),
-                          pool.last_access(bs, last), pool.hits, pool.misses, pool.clock)
+        last = s.table[-1]
+        return Checkpoint(seq_id, True, len(s.tokens), len(s.table), last,
+                          *pool.block_state_unchecked(s.block_size, last), pool.hits, pool.misses, pool.clock)
 
     def restore(self, cp: Checkpoint, placement: Placement) -> None:
         """Undo the ``add``/``append(..., publish=False)`` that returned ``placement`` after ``cp`` was taken.
@@ -329,9 +329,8 @@ class BlockManager:
         if not cp.existed:
             del self._seqs[cp.seq_id]
             return
-        if old_table:
-            pool.set_valid(bs, cp.last_block, cp.tail_valid)
-            pool.set_last_access(bs, cp.last_block, cp.tail_access)  # the LRU order as it was
+        if old_table:  # the old tail's valid tokens, and the LRU order as it was
+            pool.set_block_state_unchecked(bs, cp.last_block, cp.tail_valid, cp.tail_access)
         s.table[:] = old_table
         del s.tokens[cp.num_tokens:]
 
@@ -348,11 +347,10 @@ class BlockManager:
         s.tokens.extend(new)
         end = len(s.tokens)
         slots = [s.table[p // bs] * bs + p % bs for p in range(first, end)]
-        i, j = first // bs, -(-end // bs)  # the blocks that hold the new tokens
-        pool.fill_unchecked(bs, s.table[i:j], end - i * bs)
+        i = first // bs  # the blocks from here on hold the new tokens (the table ends with them)
+        pool.fill_unchecked(bs, s.table[i:], end - i * bs)
         if publish:
             self.publish(seq_id)
-        pool.touch_unchecked(bs, s.table[first // bs:])
         return Placement(seq_id, bs, first, slots, copies)
 
     def check_invariants(self) -> None:

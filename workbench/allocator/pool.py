@@ -115,11 +115,6 @@ class BlockPool(PrefixMap, PoolMoves, PoolInvariants):
         c = self._cls(block_size)
         return c.ref[self._check_id(c, block_id)]
 
-    def last_access(self, block_size: int, block_id: int) -> int:
-        """The :attr:`clock` reading when the block was last allocated, freed or touched."""
-        c = self._cls(block_size)
-        return c.last_access[self._check_id(c, block_id)]
-
     def is_free(self, block_size: int, block_id: int) -> bool:
         c = self._cls(block_size)
         return self._check_id(c, block_id) in c.free
@@ -271,16 +266,24 @@ class BlockPool(PrefixMap, PoolMoves, PoolInvariants):
         return sum(1 for b in ids if b in free)
 
     def fill_unchecked(self, block_size: int, ids: Sequence[int], tokens: int) -> None:
-        """Blocks ``ids``, in order, hold ``tokens`` tokens from the first one's start: each gets its valid count."""
+        """Blocks ``ids``, in order, hold ``tokens`` tokens from the first one's start: each gets its valid count,
+        and all of them the access time of now (:meth:`set_valid` and :meth:`touch` in one)."""
         c = self._cls(block_size)
         bs, valid = c.block_size, c.valid
         for j, bid in enumerate(ids):
             valid[bid] = min(bs, tokens - j * bs)
+        self._touch(c, ids)
 
-    # the manager's undo (BlockManager.restore): values read before the undone add or append
-    def set_last_access(self, block_size: int, block_id: int, clock: int) -> None:
+    # the manager's undo (BlockManager.checkpoint / restore): a block's state read before an add or append
+    def block_state_unchecked(self, block_size: int, block_id: int) -> tuple[int, int]:
+        """``(valid tokens, last access)`` of the block."""
         c = self._cls(block_size)
-        c.last_access[self._check_id(c, block_id)] = clock
+        return c.valid[block_id], c.last_access[block_id]
+
+    def set_block_state_unchecked(self, block_size: int, block_id: int, valid: int, last_access: int) -> None:
+        """Put back what :meth:`block_state_unchecked` read."""
+        c = self._cls(block_size)
+        c.valid[block_id], c.last_access[block_id] = valid, last_access
 
     def rewind_clock(self, clock: int) -> None:
         """Set the LRU clock back to an earlier reading (:attr:`clock` before the undone operation)."""
