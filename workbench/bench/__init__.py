@@ -1,6 +1,8 @@
 """Benchmarks: one module per benchmark, each with ``main(argv)`` run by
-``python -m workbench bench <name>``; ``harness`` holds timing, bandwidth and metadata,
-``workloads`` the decode workloads W1-W5, ``results`` the loaders the notebooks plot from."""
+``python -m workbench bench <name>``; ``command`` holds the command line they share (``--out``, ``--smoke``, the
+GPU check), ``harness`` timing, bandwidth and result files, ``workloads`` the decode workloads W1-W5,
+``decode_timing`` what the decode benchmarks and the decode study time, ``results`` the loaders the notebooks
+plot from."""
 
 # The modules `python -m workbench bench NAME` runs (the others are helpers), each with the line
 # `python -m workbench bench --help` shows for it. Runs write to results/ (git-ignored) unless --out DIR.
