@@ -15,7 +15,7 @@ if (_why := model_available()) is not None:
     pytest.skip(_why, allow_module_level=True)
 
 from workbench.model import capture  # noqa: E402
-from workbench.quant import study  # noqa: E402
+from workbench.quant import error_study, synthetic  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: a busy 2-core CPU runs one thread 10x faster
 
@@ -52,18 +52,18 @@ def test_shapes_and_attention_rows(cap, loaded):
     torch.testing.assert_close(cap.attn_last.sum(-1), torch.ones(30, 9), atol=1e-5, rtol=0)
     assert bool((cap.attn_last >= 0).all())
     # the same weights from the study's GQA attention (query head h reads kv head h // 3, scale 1 / sqrt(64))
-    ref = study.attention_weights(cap.q_last[:, -1:], cap.k)  # [L, Hkv, G, 1, T]
+    ref = error_study.attention_weights(cap.q_last[:, -1:], cap.k)  # [L, Hkv, G, 1, T]
     torch.testing.assert_close(cap.attn_last, ref.reshape(30, 9, T), atol=1e-5, rtol=1e-4)
     assert cap.sm_scale == model.sm_scale == 0.125 and cap.rope_base == 1e5
 
 
 def test_post_rope_keys_are_the_pre_rope_keys_rotated_at_their_positions(cap):
     T = cap.k.shape[1]
-    torch.testing.assert_close(cap.k, study.apply_rope(cap.k_pre, torch.arange(T), base=1e5), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cap.k, synthetic.apply_rope(cap.k_pre, torch.arange(T), base=1e5), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(capture.rope(cap.k_pre), cap.k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cap.k[:, 0], cap.k_pre[:, 0])  # position 0: no rotation
-    shifted = study.apply_rope(cap.k_pre, torch.arange(1, T + 1), base=1e5)  # one position off: clearly not it
-    assert study.reconstruction_error(cap.k, shifted) > 1e-2
+    shifted = synthetic.apply_rope(cap.k_pre, torch.arange(1, T + 1), base=1e5)  # one position off: clearly not it
+    assert error_study.reconstruction_error(cap.k, shifted) > 1e-2
 
 
 def _numbers(x):
@@ -104,9 +104,9 @@ def test_save_load_round_trip(cap, saved):
     for n in ("k_pre", "k", "v", "q_last"):
         got, ref = getattr(back, n), getattr(cap, n)[[0, 17, 29]]
         assert got.dtype == torch.float32 and got.shape == ref.shape
-        assert study.reconstruction_error(ref, got) < 2e-3  # fp16 storage
+        assert error_study.reconstruction_error(ref, got) < 2e-3  # fp16 storage
     assert back.attn_last.shape == cap.attn_last.shape  # every layer
-    assert study.reconstruction_error(cap.attn_last, back.attn_last) < 2e-3
+    assert error_study.reconstruction_error(cap.attn_last, back.attn_last) < 2e-3
     with pytest.raises(FileNotFoundError, match="capture"):
         capture.load(saved / "nowhere")
 
@@ -118,10 +118,10 @@ def test_real_kv_has_the_study_shapes(saved):
     assert r.q.shape == (3, capture.N_QUERIES, 9, 64)
     assert r.k_pre.shape == r.k.shape == r.v.shape == (3, T, 3, 64)
     assert float(r.k_pre.abs().mean()) > 1e-3 and float(r.v.abs().mean()) > 1e-3
-    torch.testing.assert_close(r.k, study.apply_rope(r.k_pre, base=r.rope_base), atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(r.k, synthetic.apply_rope(r.k_pre, base=r.rope_base), atol=1e-3, rtol=1e-3)
     one = capture.real_kv(29, "rivers", saved, multiple=32)
     assert one.layers == [29] and one.k_pre.shape == (1, 32, 3, 64)
-    rows = study.kivi_comparison(one.q, one.k_pre, one.v, bits=(4,), rope_base=one.rope_base)
+    rows = error_study.kivi_comparison(one.q, one.k_pre, one.v, bits=(4,), rope_base=one.rope_base)
     assert len(rows) == 4 and all(0 < x["attn_err"] < 1 for x in rows)
     with pytest.raises(ValueError, match="stored layers"):
         capture.real_kv(5, path=saved)

@@ -1,5 +1,5 @@
 """The pure helpers notebooks 03 (dtypes and quantization) and 05 (prefetch and tiers) call instead of computing or
-formatting tables in their cells: quant.study's tables, the committed decode and tiers runs as rows, the prefetch
+formatting tables in their cells: quant.error_study's tables, the committed decode and tiers runs as rows, the prefetch
 patterns and strategies, the swap-or-recompute curves and the tiered cache's stats line."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from workbench.bench import tier_results as measured
 from workbench.cache import PagedKVCache
-from workbench.quant import study
+from workbench.quant import error_study, synthetic
 from workbench.sim import preemption_cost as pc
 from workbench.tiers import TieredCache, access, prefetch
 from workbench.tiers.link import LinkModel
@@ -21,37 +21,39 @@ pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs
 
 # ---- notebook 03 ------------------------------------------------------------------------------------------------
 def test_bytes_table_and_ratios():
-    rows = {r["scheme"]: r for r in study.bytes_table(3, 64, context=512)}
+    rows = {r["scheme"]: r for r in error_study.bytes_table(3, 64, context=512)}
     assert rows["fp32"] == {"scheme": "fp32", "bits": 32, "granularity": "none", "bytes_per_token": 1536,
                             "vs_fp32": 1.0, "at_context": 1536}
     assert rows["fp8_e4m3/token"]["bytes_per_token"] == 408 and isinstance(rows["int4/kivi"]["bytes_per_token"], int)
     assert (rows["int4/kivi"]["bytes_per_token"], rows["int4/kivi"]["at_context"]) == (240, 372)  # fp16 residual
-    assert [r["scheme"] for r in study.bytes_table(3, 64, schemes=["fp16", "int2/token"])] == ["fp16", "int2/token"]
-    r = study.byte_ratios(3, 64)
+    chosen = error_study.bytes_table(3, 64, schemes=["fp16", "int2/token"])
+    assert [r["scheme"] for r in chosen] == ["fp16", "int2/token"]
+    r = error_study.byte_ratios(3, 64)
     assert r["fp16_vs_fp32"] == 0.5 and r["fp8_vs_fp16"] == 0.5 and r["token_scale_cost"] == pytest.approx(0.0625)
 
 
 def test_study_tables_on_small_data():
-    k_pre, v = study.synthetic_kv(2, 64, 1, 32, seed=0)
-    k = study.apply_rope(k_pre)
-    q = study.synthetic_queries(k, 4, 1, seed=1)
-    stats = study.data_stats_rows(q, {"pre": k_pre, "post": k}, v)
-    assert [s["keys"] for s in stats] == ["pre", "post"] and stats[1]["sink_mass"] == study.data_stats(q, k, v)[
+    k_pre, v = synthetic.synthetic_kv(2, 64, 1, 32, seed=0)
+    k = synthetic.apply_rope(k_pre)
+    q = synthetic.synthetic_queries(k, 4, 1, seed=1)
+    stats = error_study.data_stats_rows(q, {"pre": k_pre, "post": k}, v)
+    assert [s["keys"] for s in stats] == ["pre", "post"] and stats[1]["sink_mass"] == error_study.data_stats(q, k, v)[
         "sink_mass"]
-    table = study.summarize(study.evaluate_all(["fp16", "fp8_e4m3/tensor", "fp8_e5m2/tensor", "fp8_e4m3/token",
-                                                "fp8_e5m2/token"], q, k, v))
-    assert all(isinstance(r["bytes_per_token"], int) for r in study.whole_bytes(table))
-    assert study.whole_bytes([{"x": 1.6}], "x") == [{"x": 2}] and study.whole_bytes([{"y": 1.5}]) == [{"y": 1.5}]
-    ratios = study.error_ratios(table, granularities=("tensor", "token"))
+    table = error_study.summarize(error_study.evaluate_all(["fp16", "fp8_e4m3/tensor", "fp8_e5m2/tensor",
+                                                            "fp8_e4m3/token", "fp8_e5m2/token"], q, k, v))
+    assert all(isinstance(r["bytes_per_token"], int) for r in error_study.whole_bytes(table))
+    assert error_study.whole_bytes([{"x": 1.6}], "x") == [{"x": 2}]
+    assert error_study.whole_bytes([{"y": 1.5}]) == [{"y": 1.5}]
+    ratios = error_study.error_ratios(table, granularities=("tensor", "token"))
     by = {r["scheme"]: r for r in table}
     assert [r["granularity"] for r in ratios] == ["tensor", "token"]
     assert ratios[0]["attn_err"] == by["fp8_e5m2/tensor"]["attn_err"] / by["fp8_e4m3/tensor"]["attn_err"]
     with pytest.raises(ValueError, match="fp8_e5m2/head"):
-        study.error_ratios(table)
+        error_study.error_ratios(table)
     front = [{"scheme": "int4/token", "bytes_per_token": 240.0, "attn_err": 0.1543}, {"scheme": "fp16",
                                                                                      "bytes_per_token": 768.0,
                                                                                      "attn_err": 7.55e-4}]
-    assert study.describe_front(front) == "int4/token (240 B, 0.154), fp16 (768 B, 0.000755)"
+    assert error_study.describe_front(front) == "int4/token (240 B, 0.154), fp16 (768 B, 0.000755)"
 
 
 def test_h200_decode_run_is_what_the_rows_come_from():

@@ -208,7 +208,7 @@ def test_quant_speed_heatmap_frames_the_scheme_chosen_or_says_it_was_not_timed()
     from hypothesis import strategies as st
 
     from workbench import quant
-    from workbench.quant import study
+    from workbench.quant import error_study
     from workbench.ui.quant_panels import measured_scheme, quant_panel
 
     timed = ["fp16", "fp8_e4m3/tensor", "int8/token", "int4/kivi", "int4/token", "int2/kivi", "int2/token"]
@@ -222,13 +222,13 @@ def test_quant_speed_heatmap_frames_the_scheme_chosen_or_says_it_was_not_timed()
         return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in ("name", "label")}
 
     @settings(max_examples=10, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
-    @given(st.sampled_from(study.FAMILIES), st.sampled_from(["tensor", "head", "token"]), st.sampled_from(
+    @given(st.sampled_from(error_study.FAMILIES), st.sampled_from(["tensor", "head", "token"]), st.sampled_from(
         [8, 32, 128]), st.sampled_from([0, 128]), st.sampled_from(["channel", "token"]))
     def check(family, granularity, group, residual, key_mode):
         for k, v in dict(family=family, granularity=granularity, group=group, residual=residual,
                          key_mode=key_mode).items():
             c[k].value = v
-        chosen = study.scheme_for(family, granularity, group, residual, key_mode, head_dim=64)
+        chosen = error_study.scheme_for(family, granularity, group, residual, key_mode, head_dim=64)
         name = measured_scheme(chosen, timed)
         assert name is None or params(quant.get(name)) == params(chosen)
         heat = next(d for d in panel.figure.data if d.type == "heatmap")
@@ -238,7 +238,7 @@ def test_quant_speed_heatmap_frames_the_scheme_chosen_or_says_it_was_not_timed()
 
     check()
     c["family"].value, c["residual"].value, c["key_mode"].value = "int2", 128, "token"  # the example
-    assert measured_scheme(study.scheme_for("int2", "tensor", 32, 128, "token"), timed) is None
+    assert measured_scheme(error_study.scheme_for("int2", "tensor", 32, 128, "token"), timed) is None
     panel.reset()
 
 

@@ -68,12 +68,13 @@ def test_named_lists_name_registered_schemes_and_formats():
 def test_the_copies_import_the_registry():
     from workbench.bench import model_quality, quant_decode
     from workbench.compress import delta_study
-    from workbench.quant import study
+    from workbench.quant import error_study
     from workbench.studies.model import AGREEMENT
     from workbench.studies.quant import QUANT
 
-    assert study.FAMILIES is names.STUDY_FAMILIES and QUANT.param("family").choices is names.STUDY_FAMILIES
-    assert study.SCALED_FAMILIES is names.STUDY_SCALED_FAMILIES and study.GROUP_FAMILIES is names.STUDY_GROUP_FAMILIES
+    assert error_study.FAMILIES is names.STUDY_FAMILIES and QUANT.param("family").choices is names.STUDY_FAMILIES
+    assert error_study.SCALED_FAMILIES is names.STUDY_SCALED_FAMILIES
+    assert error_study.GROUP_FAMILIES is names.STUDY_GROUP_FAMILIES
     assert AGREEMENT.param("scheme").choices is names.AGREEMENT_SCHEMES and delta_study.SCHEMES is names.DELTA_SCHEMES
     assert quant_decode.DECODE_SCHEMES is names.DECODE_BENCH_SCHEMES
     assert quant_decode.SMOKE_SCHEMES is names.DECODE_SMOKE_SCHEMES

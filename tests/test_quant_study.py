@@ -1,4 +1,5 @@
-"""The quantization error study (``workbench.quant.study``): the synthetic K/V have the statistics they claim, the
+"""The quantization error study (``workbench.quant.error_study``) and its data (``workbench.quant.synthetic``): the
+synthetic K/V have the statistics they claim, the
 metrics behave, the schemes rank as their bits say, the Pareto front is non-dominated, KIVI's comparison is
 complete; and notebook 03's panel greys out what does not apply and redraws for everything else."""
 
@@ -7,7 +8,7 @@ import math
 import pytest
 import torch
 
-from workbench.quant import SCHEMES, study
+from workbench.quant import SCHEMES, error_study, synthetic
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors run faster on one thread
 
@@ -15,13 +16,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors ru
 @pytest.fixture(scope="module")
 def small():
     """Post-RoPE queries and keys, values: 3 layers x 256 tokens x 2 kv heads x 64, 2 query heads per kv head."""
-    k, v = study.synthetic_kv(3, 256, 2, 64, seed=3)
-    k = study.apply_rope(k)
-    return study.synthetic_queries(k, 16, 2, seed=4), k, v
+    k, v = synthetic.synthetic_kv(3, 256, 2, 64, seed=3)
+    k = synthetic.apply_rope(k)
+    return synthetic.synthetic_queries(k, 16, 2, seed=4), k, v
 
 
 def test_synthetic_keys_have_fixed_outlier_channels():
-    k, _ = study.synthetic_kv(2, 256, 3, 64, outlier_channels=4, outlier_scale=8.0)
+    k, _ = synthetic.synthetic_kv(2, 256, 3, 64, outlier_channels=4, outlier_scale=8.0)
     assert k.shape == (2, 256, 3, 64) and k.dtype == torch.float32
     body = k[:, 1:].abs()  # without the sink token
     per_channel = body.mean(dim=1)  # [L, H, D]
@@ -32,79 +33,79 @@ def test_synthetic_keys_have_fixed_outlier_channels():
     per_token = body.topk(4, dim=-1).indices  # [L, T, H, 4]
     hits = (per_token[..., :, None] == top.indices[:, None, :, None, :]).any(-1).float().mean()
     assert float(hits) > 0.9
-    assert study.data_stats(torch.zeros(2, 1, 3, 64), k, k, outlier_channels=4)["outlier_ratio"] > 5
-    flat, _ = study.synthetic_kv(2, 256, 3, 64, outlier_channels=0)
-    assert study.data_stats(torch.zeros(2, 1, 3, 64), flat, flat)["outlier_ratio"] < 3
+    assert error_study.data_stats(torch.zeros(2, 1, 3, 64), k, k, outlier_channels=4)["outlier_ratio"] > 5
+    flat, _ = synthetic.synthetic_kv(2, 256, 3, 64, outlier_channels=0)
+    assert error_study.data_stats(torch.zeros(2, 1, 3, 64), flat, flat)["outlier_ratio"] < 3
 
 
 def test_the_sink_draws_most_attention_and_attention_is_peaked():
-    k, v = study.synthetic_kv(2, 256, 3, 64)
-    kp = study.apply_rope(k)
-    s = study.data_stats(study.synthetic_queries(kp, 32, 3), kp, v)
+    k, v = synthetic.synthetic_kv(2, 256, 3, 64)
+    kp = synthetic.apply_rope(k)
+    s = error_study.data_stats(synthetic.synthetic_queries(kp, 32, 3), kp, v)
     assert s["sink_mass"] > 0.3 and s["sink_mass"] > 20 * s["max_other_mass"]
     assert s["top1_mass"] > 0.4  # far from uniform (1/256)
     assert kp[:, 0].norm(dim=-1).mean() > 3 * kp[:, 1:].norm(dim=-1).mean()  # the sink's key norm is large
-    no_sink, _ = study.synthetic_kv(2, 256, 3, 64, sink=False)
-    q = study.synthetic_queries(study.apply_rope(no_sink), 32, 3, sink_logit=0.0)
-    assert study.data_stats(q, study.apply_rope(no_sink), v)["sink_mass"] < 0.05
+    no_sink, _ = synthetic.synthetic_kv(2, 256, 3, 64, sink=False)
+    q = synthetic.synthetic_queries(synthetic.apply_rope(no_sink), 32, 3, sink_logit=0.0)
+    assert error_study.data_stats(q, synthetic.apply_rope(no_sink), v)["sink_mass"] < 0.05
 
 
 def test_values_grow_with_depth():
-    _, v = study.synthetic_kv(5, 128, 2, 32, value_growth=4.0)
-    rms = study.data_stats(torch.zeros(5, 1, 2, 32), v, v)["value_rms"]
+    _, v = synthetic.synthetic_kv(5, 128, 2, 32, value_growth=4.0)
+    rms = error_study.data_stats(torch.zeros(5, 1, 2, 32), v, v)["value_rms"]
     assert all(b > a for a, b in zip(rms, rms[1:], strict=False))
     assert rms[-1] / rms[0] == pytest.approx(4.0, rel=0.1)
 
 
 def test_synthetic_data_are_a_pure_function_of_the_arguments():
-    a, b = study.synthetic_kv(2, 64, 2, 16, seed=5), study.synthetic_kv(2, 64, 2, 16, seed=5)
+    a, b = synthetic.synthetic_kv(2, 64, 2, 16, seed=5), synthetic.synthetic_kv(2, 64, 2, 16, seed=5)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-    assert not torch.equal(a[0], study.synthetic_kv(2, 64, 2, 16, seed=6)[0])
+    assert not torch.equal(a[0], synthetic.synthetic_kv(2, 64, 2, 16, seed=6)[0])
     with pytest.raises(ValueError, match="head_dim even"):
-        study.synthetic_kv(1, 4, 1, 7)
+        synthetic.synthetic_kv(1, 4, 1, 7)
     with pytest.raises(ValueError, match="outlier_channels"):
-        study.synthetic_kv(1, 4, 1, 8, outlier_channels=9)
+        synthetic.synthetic_kv(1, 4, 1, 8, outlier_channels=9)
 
 
 def test_rope_rotates_pairs_by_position():
     x = torch.randn(2, 10, 3, 16, generator=torch.Generator().manual_seed(0))
-    r = study.apply_rope(x)
+    r = synthetic.apply_rope(x)
     torch.testing.assert_close(r.norm(dim=-1), x.norm(dim=-1))  # a rotation
     assert torch.equal(r[:, 0], x[:, 0])  # position 0 is unrotated
     # scores depend on relative position only: q at m, k at n is q at m + 5, k at n + 5
     q, k = x[0, :1], x[1, :1]
-    s1 = (study.apply_rope(q, [3]) * study.apply_rope(k, [1])).sum()
-    s2 = (study.apply_rope(q, [8]) * study.apply_rope(k, [6])).sum()
+    s1 = (synthetic.apply_rope(q, [3]) * synthetic.apply_rope(k, [1])).sum()
+    s2 = (synthetic.apply_rope(q, [8]) * synthetic.apply_rope(k, [6])).sum()
     torch.testing.assert_close(s1, s2, rtol=1e-5, atol=1e-5)
     # channel 0 pairs with channel D/2 and turns by one radian per position
     e = torch.zeros(1, 1, 16)
     e[..., 0] = 1.0
-    turned = study.apply_rope(e, [1])
+    turned = synthetic.apply_rope(e, [1])
     torch.testing.assert_close(turned[0, 0, [0, 8]], torch.tensor([math.cos(1.0), math.sin(1.0)]))
     with pytest.raises(ValueError, match="positions must hold 10"):
-        study.apply_rope(x, [0, 1])
+        synthetic.apply_rope(x, [0, 1])
 
 
 def test_metrics_are_zero_for_identical_inputs_and_positive_otherwise(small):
     q, k, v = (t[0] for t in small)
-    assert study.reconstruction_error(k, k.clone()) == 0.0
-    assert study.attention_error(q, k, v, k.clone(), v.clone()) == 0.0
-    assert study.topk_agreement(q, k, k.clone()) == 1.0
+    assert error_study.reconstruction_error(k, k.clone()) == 0.0
+    assert error_study.attention_error(q, k, v, k.clone(), v.clone()) == 0.0
+    assert error_study.topk_agreement(q, k, k.clone()) == 1.0
     noisy = k + 0.05 * k.std() * torch.randn(k.shape, generator=torch.Generator().manual_seed(1))
-    assert 0.03 < study.reconstruction_error(k, noisy) < 0.07
-    assert study.attention_error(q, k, v, noisy, v) > 0
-    assert study.attention_error(q, k, v, k, v * 1.01) == pytest.approx(0.01, rel=1e-4)  # linear in v
-    assert 0.5 < study.topk_agreement(q, k, noisy) < 1.0
-    assert study.topk_agreement(q, k, -k, top_k=4) < 0.1  # reversed scores: the top is the bottom
-    assert study.reconstruction_error(k, torch.full_like(k, float("nan"))) == math.inf
+    assert 0.03 < error_study.reconstruction_error(k, noisy) < 0.07
+    assert error_study.attention_error(q, k, v, noisy, v) > 0
+    assert error_study.attention_error(q, k, v, k, v * 1.01) == pytest.approx(0.01, rel=1e-4)  # linear in v
+    assert 0.5 < error_study.topk_agreement(q, k, noisy) < 1.0
+    assert error_study.topk_agreement(q, k, -k, top_k=4) < 0.1  # reversed scores: the top is the bottom
+    assert error_study.reconstruction_error(k, torch.full_like(k, float("nan"))) == math.inf
     with pytest.raises(ValueError, match="do not match"):
-        study.attention_error(q[..., :3, :], k, v, k, v)
+        error_study.attention_error(q[..., :3, :], k, v, k, v)
 
 
 def test_gqa_query_heads_read_their_own_kv_head():
     g = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(4, 6, 8, generator=g), torch.randn(20, 3, 8, generator=g), torch.randn(20, 3, 8, generator=g)
-    out = study.attention(q, k, v)
+    out = error_study.attention(q, k, v)
     for h in range(6):
         p = (q[:, h] @ k[:, h // 2].T / math.sqrt(8)).softmax(-1)
         torch.testing.assert_close(out[:, h], p @ v[:, h // 2])
@@ -112,12 +113,12 @@ def test_gqa_query_heads_read_their_own_kv_head():
 
 def test_evaluate_rows_and_the_ranking_of_the_bits(small):
     q, k, v = small
-    rows = study.evaluate_all(None, q, k, v)
+    rows = error_study.evaluate_all(None, q, k, v)
     assert len(rows) == len(SCHEMES) * 3
     r = rows[0]
     assert set(r) == {"scheme", "title", "family", "layer", "bytes_per_token", "quantized_tokens", "k_err", "v_err",
                       "attn_err", "topk"}
-    by = {s["scheme"]: s for s in study.summarize(rows)}
+    by = {s["scheme"]: s for s in error_study.summarize(rows)}
     assert by["fp32"]["attn_err"] == 0 and by["fp32"]["topk"] == 1
     for name, s in by.items():
         assert s["bytes_per_token"] == SCHEMES[name].bytes_per_token(2, 64, context=256), name
@@ -131,14 +132,14 @@ def test_evaluate_rows_and_the_ranking_of_the_bits(small):
     assert by["fp8_e4m3/tensor"]["attn_err"] < by["fp8_e5m2/tensor"]["attn_err"]  # one more mantissa bit
     assert by["int8/token"]["k_err"] < by["int8/tensor"]["k_err"]  # finer scales, outliers contained
     assert by["fp16"]["topk"] == 1.0 and by["int2/token"]["topk"] < by["int8/token"]["topk"]
-    one = study.evaluate("int4/kivi", q, k, v)
+    one = error_study.evaluate("int4/kivi", q, k, v)
     assert [x["layer"] for x in one] == [0, 1, 2] and one[0]["quantized_tokens"] == 128  # 256 - 128 residual
 
 
 def test_pareto_front_is_non_dominated_and_dominates_the_rest(small):
     q, k, v = small
-    rows = study.summarize(study.evaluate_all(None, q, k, v))
-    front = study.pareto_front(rows)
+    rows = error_study.summarize(error_study.evaluate_all(None, q, k, v))
+    front = error_study.pareto_front(rows)
 
     def dominates(a, b):
         return (a["bytes_per_token"] <= b["bytes_per_token"] and a["attn_err"] <= b["attn_err"]
@@ -150,17 +151,17 @@ def test_pareto_front_is_non_dominated_and_dominates_the_rest(small):
     names = {r["scheme"] for r in front}
     assert {"fp32", "int2/token"} <= names and "bf16" not in names  # bf16: fp16's bytes, more error
     pts = [{"bytes_per_token": x, "attn_err": y} for x, y in [(1, 5), (2, 3), (2, 4), (3, 3), (4, 1), (4, 1)]]
-    assert study.pareto_front(pts) == [pts[0], pts[1], pts[4], pts[5]]
+    assert error_study.pareto_front(pts) == [pts[0], pts[1], pts[4], pts[5]]
 
 
 def test_kivi_comparison_covers_both_key_modes_before_and_after_rope():
-    k, v = study.synthetic_kv(2, 256, 2, 64, seed=8)
-    q = study.synthetic_queries(study.apply_rope(k), 16, 2, seed=9)
-    rows = study.kivi_comparison(q, k, v)
+    k, v = synthetic.synthetic_kv(2, 256, 2, 64, seed=8)
+    q = synthetic.synthetic_queries(synthetic.apply_rope(k), 16, 2, seed=9)
+    rows = error_study.kivi_comparison(q, k, v)
     assert {(r["bits"], r["keys"], r["key_mode"]) for r in rows} == {
         (b, keys, mode) for b in (2, 4) for keys in ("pre-RoPE", "post-RoPE") for mode in ("channel", "token")}
     assert all("R0" in r["scheme"] for r in rows)  # no fp16 residual: only the key mode differs
-    summary = study.kivi_summary(rows)
+    summary = error_study.kivi_summary(rows)
     assert len(summary) == 4 and all(s["ratio"] == s["token"] / s["channel"] for s in summary)
     two_pre = next(s for s in summary if s["bits"] == 2 and s["keys"] == "pre-RoPE")
     assert two_pre["ratio"] > 1.2  # KIVI's finding on keys with outlier channels: per-channel wins at 2 bits
@@ -169,22 +170,22 @@ def test_kivi_comparison_covers_both_key_modes_before_and_after_rope():
 
     pre = next(r for r in rows if r["bits"] == 4 and r["keys"] == "pre-RoPE" and r["key_mode"] == "token")
     s = quant.get("int4/kivi", residual=0, key_mode="token")
-    direct = sum(study.reconstruction_error(k[i], s.roundtrip(k[i])) for i in range(2)) / 2
+    direct = sum(error_study.reconstruction_error(k[i], s.roundtrip(k[i])) for i in range(2)) / 2
     assert pre["k_err"] == pytest.approx(direct, rel=1e-4)
     with pytest.raises(ValueError, match="bits must be 2 or 4"):
-        study.kivi_comparison(q, k, v, bits=(3,))
+        error_study.kivi_comparison(q, k, v, bits=(3,))
 
 
 def test_scheme_for_maps_the_panel_knobs():
-    assert study.scheme_for("fp8_e5m2", "head") is SCHEMES["fp8_e5m2/head"]
-    assert study.scheme_for("int8_asym", "tensor") is SCHEMES["int8_asym/token"]
-    assert study.scheme_for("bf16", "token") is SCHEMES["bf16"]
-    s = study.scheme_for("int2", group=128, residual=64, key_mode="token", head_dim=64)
+    assert error_study.scheme_for("fp8_e5m2", "head") is SCHEMES["fp8_e5m2/head"]
+    assert error_study.scheme_for("int8_asym", "tensor") is SCHEMES["int8_asym/token"]
+    assert error_study.scheme_for("bf16", "token") is SCHEMES["bf16"]
+    s = error_study.scheme_for("int2", group=128, residual=64, key_mode="token", head_dim=64)
     assert (s.bits, s.group, s.value_group, s.residual, s.key_mode) == (2, 128, 64, 64, "token")
-    assert study.scheme_for("int4", group=16, head_dim=80).value_group == 16
-    assert study.scheme_for("int4", group=32, head_dim=80).value_group == 16  # 80 = 16 x 5
+    assert error_study.scheme_for("int4", group=16, head_dim=80).value_group == 16
+    assert error_study.scheme_for("int4", group=32, head_dim=80).value_group == 16  # 80 = 16 x 5
     with pytest.raises(ValueError, match="family must be one of"):
-        study.scheme_for("int3")
+        error_study.scheme_for("int3")
 
 
 # ---- the panel of notebook 03 (the browser test moves the same controls in Chromium) -------------------------------

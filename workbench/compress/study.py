@@ -54,9 +54,9 @@ RULES = (*PARTIAL, "keep-equal", "blocks")
 
 def synthetic_observation(num_layers: int = 2, num_tokens: int = 96, num_kv_heads: int = 2, head_dim: int = 16,
                           num_queries: int = 8, group: int = 2, seed: int = 0) -> Observation:
-    """An :class:`Observation` from ``workbench.quant.study``'s synthetic K/V (outlier channels, a sink on token 0)
+    """An :class:`Observation` from ``workbench.quant.synthetic``'s synthetic K/V (outlier channels, a sink on token 0)
     and queries correlated with the keys (peaked attention), post-RoPE; ``sm_scale = 1 / sqrt(head_dim)``."""
-    from workbench.quant.study import apply_rope, synthetic_kv, synthetic_queries
+    from workbench.quant.synthetic import apply_rope, synthetic_kv, synthetic_queries
 
     k_pre, v = synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, seed=seed)
     k = apply_rope(k_pre)

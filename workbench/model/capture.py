@@ -1,5 +1,5 @@
 """Real K/V and attention of SmolLM2-135M on a few fixed prompts, for the quantization, compression and prefetch
-studies (which otherwise run on ``workbench.quant.study.synthetic_kv``).
+studies (which otherwise run on ``workbench.quant.synthetic.synthetic_kv``).
 
     model, tok = load_smollm2()
     cap = capture_kv(model, prompt_tokens(tok, PROMPTS[0]), name=PROMPTS[0].name)
@@ -376,7 +376,7 @@ def _shown(path: str) -> str:
 
 class RealKV(NamedTuple):
     """Queries and K/V captured from SmolLM2-135M (:func:`real_kv`), fp32, in the layout of
-    ``workbench.quant.study.synthetic_kv``."""
+    ``workbench.quant.synthetic.synthetic_kv``."""
 
     q: torch.Tensor  # [layers, queries, 9, 64] post-RoPE: the last prompt tokens' queries
     k_pre: torch.Tensor  # [layers, tokens, 3, 64] keys before RoPE (what study.synthetic_kv returns)

@@ -1,7 +1,7 @@
 """Quantized K/V: the schemes, one class per storage family (``families``), their names (``names``), by name
 (:func:`get`), where blocks keep their scales (``blocks``), static scales from a calibration pass
 (:class:`Calibrator`, per cache or per layer; a cache's table of them: ``scale_table``), and the error study
-(``study``).
+(``error_study``) on synthetic K/V (``synthetic``) or captured ones.
 
 ``get("fp8_e4m3/token")``, ``get("int4", group=32, residual=128)``; :data:`SCHEMES` lists every name.
 The kernels (``workbench.kernels``) quantize on write and dequantize inside paged decode for every scheme;
@@ -9,6 +9,8 @@ The kernels (``workbench.kernels``) quantize on write and dequantize inside page
 """
 
 from __future__ import annotations
+
+from workbench import formats
 
 from . import names
 from .calibration import Calibrator
@@ -66,8 +68,6 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
     """The scheme a storage argument names: a :class:`Scheme`, a scheme name or alias, a ``workbench.formats``
     format name or a torch dtype (its plain reading: a cast, or fp8 / int8 with static scales). ``uint8``
     codes are refused: int8_asym, int4 and int2 all store them, so only the scheme says which."""
-    from workbench import formats
-
     if isinstance(kv_dtype, Scheme):
         return kv_dtype
     if isinstance(kv_dtype, str) and (kv_dtype in SCHEMES or kv_dtype in ALIASES):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from workbench.layout import block_view
+
 from .families import SCALE_ALIGN, BlockScales, Scheme
 
 __all__ = ["SCALE_ALIGN", "BlockScales", "block_bytes", "block_scales", "block_stride_bytes", "code_bytes", "code_dim",
@@ -78,8 +80,6 @@ def empty_cache(scheme: Scheme, layout, kind: str, num_blocks: int, block_size: 
     """One layer's K (or V) cache for ``scheme`` outside a ``PagedKVCache``: ``[num_blocks, *block_shape]`` in
     ``layout`` over blocks with room for their scales (benchmarks, tests). ``fill``: every byte set to it (a
     poisoned pool); default uninitialised."""
-    from workbench.layout import block_view
-
     dtype = scheme.format.storage
     stride = block_stride_bytes(scheme, block_size, num_heads, head_dim) // dtype.itemsize
     plane = torch.empty((num_blocks, stride), dtype=dtype, device=device)

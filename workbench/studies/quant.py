@@ -10,15 +10,16 @@ from typing import NamedTuple
 
 import torch
 
-from workbench.quant import study
+from workbench.quant import error_study
 from workbench.quant.families import Scheme
 from workbench.quant.names import QUANT_SWEEP_GRID, STUDY_FAMILIES, STUDY_GROUP_FAMILIES, STUDY_SCALED_FAMILIES
+from workbench.quant.synthetic import apply_rope, synthetic_kv, synthetic_queries
 from workbench.studies.base import Param, Study
 
 
 class Data(NamedTuple):
-    """Queries, post-RoPE keys and values (shapes as ``study.evaluate``) and every registry scheme's summary row on
-    them (fp32, the reference, left out): what every choice of scheme is compared with."""
+    """Queries, post-RoPE keys and values (shapes as ``error_study.evaluate``) and every registry scheme's summary
+    row on them (fp32, the reference, left out): what every choice of scheme is compared with."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -28,34 +29,35 @@ class Data(NamedTuple):
 
 def data_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Data:
     """``(q, k, v)`` (synthetic or captured) with every scheme's summary row (about a second at the panel's size)."""
-    return Data(q, k, v, [r for r in study.summarize(study.evaluate_all(None, q, k, v)) if r["scheme"] != "fp32"])
+    rows = error_study.summarize(error_study.evaluate_all(None, q, k, v))
+    return Data(q, k, v, [r for r in rows if r["scheme"] != "fp32"])
 
 
 @functools.lru_cache(maxsize=16)
 def synthetic(num_layers: int, num_tokens: int, num_kv_heads: int, head_dim: int, gqa_group: int, num_queries: int,
               outlier: float, seed: int) -> Data:
-    """The study's synthetic K/V (``study.synthetic_kv``, post-RoPE keys, ``study.synthetic_queries`` correlated
+    """The study's synthetic K/V (``synthetic_kv``, post-RoPE keys, ``synthetic_queries`` correlated
     with them), kept for the next point or redraw of the same data (a pure function of its arguments)."""
-    k, v = study.synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, outlier_scale=float(outlier), seed=seed)
-    k = study.apply_rope(k)
-    return data_for(study.synthetic_queries(k, num_queries, gqa_group, seed=seed + 1), k, v)
+    k, v = synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, outlier_scale=float(outlier), seed=seed)
+    k = apply_rope(k)
+    return data_for(synthetic_queries(k, num_queries, gqa_group, seed=seed + 1), k, v)
 
 
 class Evaluation(NamedTuple):
     scheme: Scheme
-    selected: dict  # the chosen scheme's summary row (study.summarize), averaged over layers
-    layers: list[dict]  # its per-layer rows (study.evaluate)
-    front: list[dict]  # the Pareto front of every scheme and the choice (study.pareto_front)
+    selected: dict  # the chosen scheme's summary row (error_study.summarize), averaged over layers
+    layers: list[dict]  # its per-layer rows (error_study.evaluate)
+    front: list[dict]  # the Pareto front of every scheme and the choice (error_study.pareto_front)
 
 
 def evaluate(data: Data, family: str, granularity: str, group: int, residual: int, key_mode: str) -> Evaluation:
-    """``study.evaluate`` of ``study.scheme_for(...)`` on ``data``, and the Pareto front of bytes per token against
-    attention error among every scheme of the registry and the choice."""
-    s = study.scheme_for(family, granularity, group, residual, key_mode, head_dim=data.k.shape[-1])
-    layers = study.evaluate(s, data.q, data.k, data.v)
-    selected = study.summarize(layers)[0]
+    """``error_study.evaluate`` of ``error_study.scheme_for(...)`` on ``data``, and the Pareto front of bytes per
+    token against attention error among every scheme of the registry and the choice."""
+    s = error_study.scheme_for(family, granularity, group, residual, key_mode, head_dim=data.k.shape[-1])
+    layers = error_study.evaluate(s, data.q, data.k, data.v)
+    selected = error_study.summarize(layers)[0]
     rows = data.schemes
-    front = study.pareto_front(rows if selected["title"] in {r["title"] for r in rows} else [*rows, selected])
+    front = error_study.pareto_front(rows if selected["title"] in {r["title"] for r in rows} else [*rows, selected])
     return Evaluation(s, selected, layers, front)
 
 
