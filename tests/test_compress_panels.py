@@ -334,7 +334,7 @@ def test_model_panel_filters_by_partial_and_prompt(panels, runs):
 
 
 def test_figure_helpers(ui):
-    from workbench.ui import compress_figures as cf
+    from workbench.figures import compress as cf
 
     assert cf._runs([True, True, False, True]) == [(0, 1), (3, 3)] and cf._runs([False]) == []
     assert cf.stage_words("shuffle") == "byte shuffle + zstd"

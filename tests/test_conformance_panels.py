@@ -36,7 +36,7 @@ ROWS = [_row(1), _row(2, kv_format="fp32", tol=1e-4, error=2e-7, block_size=1),
 
 # ---- the figures ---------------------------------------------------------------------------------------------------
 def test_error_figure_draws_every_case_against_its_tolerance():
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     fig = cf.error_figure(ROWS, "kv_format", "t")
     by_name = {t.name: t for t in fig.data}
@@ -56,7 +56,7 @@ def test_error_figure_draws_every_case_against_its_tolerance():
 
 @pytest.mark.parametrize("key", ["block_size", "layout", "head_dim", "group", "lens", "pad"])
 def test_error_figure_groups_by_any_axis(key):
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     fig = cf.error_figure(ROWS, key)
     counts = cf.failure_counts(ROWS, key)
@@ -67,7 +67,7 @@ def test_error_figure_groups_by_any_axis(key):
 
 
 def test_error_figure_refuses_an_unknown_axis():
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     with pytest.raises(ValueError, match="color_by"):
         cf.error_figure(ROWS, "colour")
@@ -76,7 +76,7 @@ def test_error_figure_refuses_an_unknown_axis():
 def test_conformance_figure_adds_the_failures_table_only_when_a_case_failed():
     import plotly.graph_objects as go
 
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     fig = cf.conformance_figure(ROWS, "kv_format", "t")
     tables = [t for t in fig.data if isinstance(t, go.Table)]
@@ -94,7 +94,7 @@ def test_conformance_figure_adds_the_failures_table_only_when_a_case_failed():
 
 
 def test_replay_lines_name_the_case_and_how_a_shell_finds_the_impl():
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     lines = cf.replay_lines("mine", ROWS[2])
     assert any(ROWS[2]["case"] in ln and "conformance.replay('mine'" in ln for ln in lines)
@@ -182,7 +182,7 @@ def test_report_choices_list_decode_first_starter_broken_then_ours():
 
 
 def test_committed_title_and_replay_say_where_it_was_measured():
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     r = COMMITTED[2]
     where = byok.provenance(r)
@@ -199,7 +199,7 @@ def test_committed_title_and_replay_say_where_it_was_measured():
 
 
 def test_an_exact_report_draws_its_tolerance_on_the_floor():
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     fig = cf.conformance_figure(EXACT, "block_size", "t")
     by_name = {t.name: t for t in fig.data}
@@ -213,7 +213,7 @@ def test_an_exact_report_draws_its_tolerance_on_the_floor():
 def test_bandwidth_figure_never_draws_an_absent_peer(run):
     import plotly.graph_objects as go
 
-    from workbench.ui import conformance_figures as cf
+    from workbench.figures import conformance as cf
 
     bw = byok.bandwidth(run, "graph")
     fig = cf.bandwidth_figure(bw, "W4", "t")

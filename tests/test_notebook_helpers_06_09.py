@@ -14,10 +14,10 @@ from workbench.bench import byok_results as byok
 from workbench.cache import PagedKVCache
 from workbench.conformance import exchange, judge, registry, starter, suite
 from workbench.conformance.problems import Case
+from workbench.figures import conformance as cf
 from workbench.model import agreement, inspect
 from workbench.model.capture import PROMPTS, prompts_by_name
 from workbench.model.runner import Generation
-from workbench.ui import conformance_figures as cf
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

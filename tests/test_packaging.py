@@ -66,9 +66,9 @@ def test_unknown_benchmark_lists_the_real_ones(capsys):
 
 
 def test_core_imports_without_ui_libraries():
-    """The GPU image has no plotly/ipywidgets/jupyter: every module but ``workbench.ui`` imports without them, and
-    the notebooks' pure helpers (committed results, the model inspector) work. One interpreter for all of it: each
-    one costs ~5 s of a 2-core machine (torch's import)."""
+    """The GPU image has no plotly/ipywidgets/jupyter: every module but ``workbench.ui`` and ``workbench.figures``
+    imports without them, and the notebooks' pure helpers (committed results, the model inspector) work. One
+    interpreter for all of it: each one costs ~5 s of a 2-core machine (torch's import)."""
     code = (
         "import sys\n"
         "class Block:\n"
@@ -80,7 +80,7 @@ def test_core_imports_without_ui_libraries():
         "mods = [*pkgutil.walk_packages(workbench.__path__, 'workbench.'),\n"
         "        *pkgutil.walk_packages(K.__path__, 'workbench.kernels.')]\n"
         "for m in mods:\n"
-        "    if not m.name.startswith('workbench.ui'):\n"
+        "    if not m.name.startswith(('workbench.ui', 'workbench.figures')):\n"
         "        importlib.import_module(m.name)\n"
         "from workbench.bench import tier_results as measured\n"
         "print(measured.bandwidth_map(measured.latest()).at(32768, 64))\n"

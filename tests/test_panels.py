@@ -250,7 +250,7 @@ def test_setup_titles_wrap_to_fit_and_grow_the_margin():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, setup_title
+    from workbench.figures.titles import SUB_CHARS, TITLE_CHARS, setup_title
 
     words = st.lists(st.text("abcdefghij:,%", min_size=1, max_size=12), min_size=1, max_size=40).map(" ".join)
 

@@ -75,7 +75,7 @@ def test_run_label():
 def test_decode_results_panel_draws_the_shared_rows():
     pytest.importorskip("ipywidgets")
     pytest.importorskip("plotly")
-    from workbench.ui import figures
+    from workbench.figures import cache as figures
     from workbench.ui.panels import decode_results_panel
 
     panel = decode_results_panel(ROWS)

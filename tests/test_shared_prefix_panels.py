@@ -155,7 +155,7 @@ def test_scenario_maps_say_what_they_leave_out_and_end_at_their_data():
 
 def test_crossover_numbers_read_on_their_cells_and_picks_frame_them():
     """08: circles sat on the numbers, dark text on dark blue, and the blank one-sharer column was unexplained."""
-    from workbench.ui import shared_prefix_figures as spf
+    from workbench.figures import shared_prefix as spf
     from workbench.ui import shared_prefix_panels as spp
 
     panel = spp.crossover_panel()

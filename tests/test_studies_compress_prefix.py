@@ -43,16 +43,21 @@ def test_default_point_is_flat_complete_finite_and_deterministic(name, defaults)
 
 
 def test_study_modules_import_no_ui_library_but_to_draw():
-    """The core without UI libraries: a study module imports ``workbench.ui`` (its figures, so plotly) only inside its
-    ``draw`` functions, and never ipywidgets."""
-    for module in (cc, csp):
+    """The core without UI libraries: a study module never imports ``workbench.ui`` or ipywidgets, and imports its
+    figures (``workbench.figures``, so plotly) only inside its ``draw`` functions."""
+    from workbench.sweeps import catalog
+
+    for module in catalog.MODULES:
         tree = ast.parse(Path(module.__file__).read_text())
-        top = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
-        top |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
-        assert not [m for m in top if m.startswith(("workbench.ui", "plotly", "ipywidgets"))], module.__name__
+        every = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        every |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in every if m.startswith(("workbench.ui", "ipywidgets"))], module.__name__
+        top = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+        top |= {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
+        assert not [m for m in top if m.startswith(("workbench.figures", "plotly"))], module.__name__
         for f in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and not n.name.startswith("draw")):
             inner = {n.module for n in ast.walk(f) if isinstance(n, ast.ImportFrom)}
-            assert not [m for m in inner if m.startswith(("workbench.ui", "plotly", "ipywidgets"))], f.name
+            assert not [m for m in inner if m.startswith(("workbench.figures", "plotly"))], (module.__name__, f.name)
 
 
 # ---- notebook 07 -------------------------------------------------------------------------------------------------

@@ -131,7 +131,8 @@ def ui():
     pytest.importorskip("ipywidgets")
     pytest.importorskip("plotly")
     pytest.importorskip("anywidget")
-    from workbench.ui import tier_figures, tier_panels
+    from workbench.figures import tiers as tier_figures
+    from workbench.ui import tier_panels
     from workbench.ui.plot_view import figure_json
 
     return tier_panels, tier_figures, figure_json

@@ -227,7 +227,7 @@ def eager_rows(run: Mapping, direction: str = "h2d", block_bytes: int = 32 << 10
 
 
 def beside_overlap_series(runs: Sequence[Mapping]) -> tuple[list[list[dict]], list[list[dict]], list[str]]:
-    """What ``workbench.ui.tier_figures.beside_overlap`` draws: per run (oldest first) its :func:`beside_rows`,
+    """What ``workbench.figures.tiers.beside_overlap`` draws: per run (oldest first) its :func:`beside_rows`,
     its :func:`overlap_rows` and its file name."""
     return [beside_rows(r) for r in runs], [overlap_rows(r) for r in runs], [run_name(r) for r in runs]
 

@@ -71,7 +71,7 @@ def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str 
 
 def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme: str, ref=None,
                      ops: str | None = None, calibration=None) -> dict:
-    """What ``workbench.ui.model_figures.agreement`` draws: ``scheme``'s greedy run of ``tokens`` against fp16's
+    """What ``workbench.figures.model.agreement`` draws: ``scheme``'s greedy run of ``tokens`` against fp16's
     (``ref``: an fp16 :class:`Recorded` of the same prompt, computed when None; ``calibration``:
     :func:`calibration_sample`, computed when a static scheme needs it)."""
     from workbench import quant

@@ -9,7 +9,7 @@
 A snapshot is taken after every prefill (``"prefill"``), every fork (``"fork"``: ``n > 1`` samples of a prompt)
 and every decode step (``"step"``). Ref counts are recomputed from the tables (a block's users are exactly the
 sequences whose table holds it: the prefix cache holds no reference), so a snapshot needs nothing but the
-manager's tables. No plotting here: ``workbench.ui.model_figures`` draws these. A quantized cache's greedy run
+manager's tables. No plotting here: ``workbench.figures.model`` draws these. A quantized cache's greedy run
 against fp16's is :mod:`workbench.model.agreement`.
 """
 

@@ -36,15 +36,11 @@ def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_r
     return row
 
 
-def _figures():
-    from workbench.ui import figures  # plotly: an optional dependency, imported only to draw
-
-    return figures
-
-
 def draw_memory(result: dict):
     """The memory panel's bars (``figures.breakdown_bars``) of :func:`allocation`'s result."""
-    return _figures().breakdown_bars(result)
+    from workbench.figures import cache as figures  # plotly: an optional dependency, imported only to draw
+
+    return figures.breakdown_bars(result)
 
 
 # every column's label and unit on the panel's axes (workbench.studies.base.Column)
@@ -96,7 +92,9 @@ def sharing_point(num_requests: int, system_len: int, samples: int, gen_len: int
 
 def draw_sharing(result: SharingResult):
     """The sharing panel's block tables and block counts (``figures.sharing_overview``)."""
-    return _figures().sharing_overview(result)
+    from workbench.figures import cache as figures  # plotly: an optional dependency, imported only to draw
+
+    return figures.sharing_overview(result)
 
 
 SHARING_COLUMNS = {
@@ -138,7 +136,9 @@ def coalescing_point(layout: str, kind: str, block_size: int, head_dim: int, kv_
 
 def draw_coalescing(result: Coalescing):
     """The coalescing panel's map of lines a warp touches (``figures.coalescing_map``)."""
-    return _figures().coalescing_map(result)
+    from workbench.figures import cache as figures  # plotly: an optional dependency, imported only to draw
+
+    return figures.coalescing_map(result)
 
 
 COALESCING_COLUMNS = {
@@ -196,7 +196,9 @@ def fragmentation_point(trace: str, strategy: str, block_size: int, kv_gib: floa
 
 def draw_fragmentation(result: dict):
     """The fragmentation panel's bars and steps (``figures.sim_run``) of one simulator run."""
-    return _figures().sim_run(result)
+    from workbench.figures import cache as figures  # plotly: an optional dependency, imported only to draw
+
+    return figures.sim_run(result)
 
 
 SHARE = "% of KV memory"  # the simulator's shares: percent of the KV budget

@@ -73,7 +73,7 @@ def sparsification_point(policy: str, budget: float, window: int, sinks: int, bl
 
 def draw_sparsification(result: dict):
     """The sparsification panel's page (``compress_figures.sparsification_overview``) of ``result``."""
-    from workbench.ui import compress_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import compress as compress_figures  # plotly: optional, imported only to draw
 
     return compress_figures.sparsification_overview(**result)
 
@@ -162,7 +162,7 @@ def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dic
 
 def draw_quest(result: dict):
     """The quest panel's page (``compress_figures.quest_overview``) of ``result``."""
-    from workbench.ui import compress_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import compress as compress_figures  # plotly: optional, imported only to draw
 
     return compress_figures.quest_overview(**result)
 

@@ -61,7 +61,7 @@ def conformance_point(impl: str, level: str, op: str) -> dict:
 def draw(result: dict):
     """The conformance panel's figure (``conformance_figures.conformance_figure``): every case's error against its
     tolerance, grouped by ``result["color_by"]``."""
-    from workbench.ui import conformance_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import conformance as conformance_figures  # plotly: optional, imported to draw
 
     return conformance_figures.conformance_figure(result["rows"], result["color_by"], result["title"])
 

@@ -80,7 +80,7 @@ def agreement_point(scheme: str, prompt: str, new_tokens: int, device: str) -> d
 def draw(result: dict):
     """The agreement panel's figure (``model_figures.agreement``) of an ``agreement.agreement_result`` run on the
     prompt named ``result["prompt_name"]``."""
-    from workbench.ui import model_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import model as model_figures  # plotly: an optional dependency, imported only to draw
 
     return model_figures.agreement({**result, "note": f"prompt '{result['prompt_name']}': {result['note']}"})
 

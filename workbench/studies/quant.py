@@ -77,7 +77,7 @@ def quant_point(family: str, granularity: str, group: int, residual: int, key_mo
 
 def draw(result: dict):
     """The panel's page (``quant_figures.quant_overview``) of ``result``: its keyword arguments."""
-    from workbench.ui import quant_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import quant as quant_figures  # plotly: an optional dependency, imported only to draw
 
     return quant_figures.quant_overview(**result)
 

@@ -52,7 +52,7 @@ def scenario_point(prefix: int, sharers: int, suffix: int, gqa: str, rows_per_ti
 
 def draw_scenario(result: dict):
     """The scenario panel's figure (``shared_prefix_figures.scenario_figure``): sc, plain, shared, title, model."""
-    from workbench.ui import shared_prefix_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import shared_prefix as shared_prefix_figures  # plotly: optional, imported to draw
 
     return shared_prefix_figures.scenario_figure(result["sc"], result["plain"], result["shared"], result["title"],
                                                  result["model"])
@@ -107,7 +107,7 @@ def forks_point(trace: str, mode: str, p_top: float, n: int, requests: int) -> d
 
 def draw_forks(result: dict):
     """The forks panel's figure (``shared_prefix_figures.forks_figure``): rows (one per width), paper, title."""
-    from workbench.ui import shared_prefix_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import shared_prefix as shared_prefix_figures  # plotly: optional, imported to draw
 
     return shared_prefix_figures.forks_figure(result["rows"], result["paper"], result["title"])
 

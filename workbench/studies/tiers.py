@@ -99,7 +99,7 @@ def prefetch_point(pattern: str, strategy: str, device_blocks: int, host_blocks:
 
 def draw_prefetch(result: dict):
     """The prefetch panel's page (``tier_figures.prefetch_overview``) of ``result``: rows, chosen, timeline, setup."""
-    from workbench.ui import tier_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import tiers as tier_figures  # plotly: an optional dependency, imported only to draw
 
     return tier_figures.prefetch_overview(result["rows"], result["chosen"], result["timeline"], result["setup"])
 
@@ -198,7 +198,7 @@ def preemption_point(model: str, copies: str, path: str, tokens: int, block_size
 
 def draw_preemption(result: dict):
     """The preemption panel's figure (``tier_figures.preemption_curve``) of ``result``: rows, setup."""
-    from workbench.ui import tier_figures  # plotly: an optional dependency, imported only to draw
+    from workbench.figures import tiers as tier_figures  # plotly: an optional dependency, imported only to draw
 
     return tier_figures.preemption_curve(**result)
 

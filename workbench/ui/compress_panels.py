@@ -25,9 +25,9 @@ from workbench.compress.study import (  # noqa: F401  (the panel's settings, imp
     score_rows,
     threshold_of,
 )
+from workbench.figures import compress as cf
 from workbench.model import capture
 from workbench.studies.compress import QUEST, QUEST_PAGE_SIZES, QUEST_SHARES, SPARSIFICATION, chosen, timed_speedups
-from workbench.ui import compress_figures as cf
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 

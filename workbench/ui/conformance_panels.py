@@ -18,8 +18,8 @@ import workbench
 from workbench import conformance
 from workbench.bench import byok_results as measured
 from workbench.conformance.suite import check_quietly  # the panel's checks (the sweep conformance's too)
+from workbench.figures import conformance as cf
 from workbench.studies.conformance import CONFORMANCE
-from workbench.ui import conformance_figures as cf
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 
@@ -91,7 +91,7 @@ def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, 
             nothing; any other (implementation, level) is checked when first chosen and kept.
         impl: the implementation shown first (default the first of ``impls``).
         level: ``smoke`` (about a dozen cases) or ``pairwise`` (every pair of axis values; about three times more).
-        color_by: the axis the cases are grouped by (a key of :data:`workbench.ui.conformance_figures.AXES`).
+        color_by: the axis the cases are grouped by (a key of :data:`workbench.figures.conformance.AXES`).
         committed: the committed GPU reports the source can show (default
             :func:`workbench.bench.byok_results.check_reports`); one is shown as measured, nothing runs, and the
             implementation and level are greyed out (they are the report's, named in the title).

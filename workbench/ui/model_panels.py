@@ -15,10 +15,10 @@ from collections.abc import Sequence
 import ipywidgets as W
 
 from workbench import quant
+from workbench.figures import model as model_figures
 from workbench.model import inspect
 from workbench.model.agreement import agreement_result, calibration_sample, greedy  # the agreement panel's runs
 from workbench.studies.model import AGREEMENT
-from workbench.ui import model_figures
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 

@@ -1,7 +1,7 @@
 """ipywidgets panels: controls wired to a pure function and a figure.
 
 A panel holds no logic of its own: on every change it calls ``compute`` (a function of the package) and
-``draw`` (a figure builder in ``workbench.ui.figures``), keeps the result as ``panel.figure`` (a plain
+``draw`` (a figure builder of ``workbench.figures``), keeps the result as ``panel.figure`` (a plain
 ``go.Figure``: what the browser shows, readable from Python) and sends it to its ``PlotView``. Setting
 ``panel.controls[name].value = x`` drives it without a browser (observers fire synchronously), which is how
 the notebooks test their panels under nbval; ``tests/browser`` moves the same controls in Chromium. A check cell
@@ -20,9 +20,9 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from workbench.bench import results
+from workbench.figures import cache as figures
 from workbench.report import PLOTLY_MIME
 from workbench.studies import cache
-from workbench.ui import figures
 from workbench.ui.controls import controls_for
 from workbench.ui.plot_view import PlotView, figure_json
 

@@ -14,13 +14,13 @@ from collections.abc import Sequence
 import ipywidgets as W
 
 from workbench.bench import shared_prefix_results as measured
+from workbench.figures import shared_prefix as spf
+from workbench.figures.titles import wrap
 from workbench.shared_prefix import study
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
 from workbench.studies import shared_prefix as sp
-from workbench.ui import shared_prefix_figures as spf
 from workbench.ui.controls import controls_for
-from workbench.ui.figures import wrap
 from workbench.ui.panels import Panel
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import ipywidgets as W
 import plotly.graph_objects as go
 
+from workbench.figures.titles import SUB_CHARS, TITLE_CHARS, wrap
 from workbench.studies.base import Study
 from workbench.sweeps import catalog, runner, store, view
-from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, wrap
 from workbench.ui.panels import Panel
 
 LIVE = "live"

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import ipywidgets as W
 
 from workbench.bench import tier_results as measured
+from workbench.figures import tiers as tier_figures
 from workbench.sim.preemption_cost import BLOCK_SIZES  # the block sizes of vLLM's Figure 19(a)
 from workbench.studies import tiers
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import needs_scores
-from workbench.ui import tier_figures
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
 

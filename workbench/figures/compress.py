@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.bench.compress_results import KINDS, STAGES
-from workbench.ui.figures import setup_title
+from workbench.figures.titles import setup_title
 
 POLICY_COLORS = {"streaming": "#8d99ae", "h2o": "#e76f51", "snapkv": "#2a9d8f", "threshold": "#d4a72c",
                  "quest": "#264653"}

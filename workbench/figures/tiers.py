@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.bench.tier_results import DIRECTIONS, PATHS
-from workbench.ui.figures import setup_title
+from workbench.figures.titles import setup_title
 
 PATH_COLORS = {"dma": "#2a9d8f", "dma_per_block": "#e76f51", "sm": "#264653"}
 PATH_SHORT = {"dma": "gathered batch (DMA)", "dma_per_block": "one copy per block", "sm": "SM copy kernel"}

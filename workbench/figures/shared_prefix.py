@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.ui.figures import SUB_CHARS, TITLE_CHARS, wrap
+from workbench.figures.titles import SUB_CHARS, TITLE_CHARS, wrap
 
 COLORS = {"plain": "#e76f51", "cascade": "#2a9d8f", "shared": "#264653", "suffix": "#2a9d8f", "sdpa": "#8d99ae",
           "arrival": "#e76f51", "grouped": "#2a9d8f", "none": "#a8b8c0", "ours": "#2a9d8f", "paper": "#264653"}
