@@ -14,6 +14,7 @@ from workbench import compaction, fragmentation, quant
 from workbench.allocator import OutOfBlocks, UnknownSequence
 from workbench.cache import PagedKVCache
 from workbench.compress import policies
+from workbench.compress.block_keep import block_keep
 from workbench.compress.evict import PARTIAL, evict
 from workbench.compress.evicting_kv import EvictingKV
 from workbench.layout import Layout
@@ -101,7 +102,7 @@ def test_kept_tokens_are_bit_identical_and_blocks_go_back(scheme, layout, partia
     m = cache.manager
     m.check_invariants()
     idx = torch.tensor(rep.retained)
-    want = policies.block_keep(keep, bs, partial)
+    want = block_keep(keep, bs, partial)
     assert torch.equal(torch.zeros(n, dtype=torch.bool).index_fill_(0, idx, True), want.mask)
     assert (rep.blocks_before, rep.blocks_after) == (6, want.blocks)
     # packed chunks [0 1 2 5] [9 10 11 12] [13 14 15 22] match no old block: all copied (published blocks are

@@ -16,7 +16,7 @@ import pytest
 from panel_controls import control_values, next_value
 
 from workbench.bench import compress_results as measured
-from workbench.compress import study
+from workbench.compress import recall_study, sparsity_study
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
 MODEL = "compression-model-cpu-x86_64-20261201T234402.json"
@@ -188,7 +188,7 @@ def captures():
 @pytest.fixture(scope="module")
 def panels(ui, captures, runs):
     cp, _ = ui
-    recall = study.quest_recall_curves(captures, page_sizes=(8, 16), shares=(0.1, 0.2, 0.3))
+    recall = recall_study.quest_recall_curves(captures, page_sizes=(8, 16), shares=(0.1, 0.2, 0.3))
     return {"sparsification": cp.sparsification_panel(captures),
             "quest": cp.quest_panel(runs=runs["quest"], recall=recall, share=0.2),
             "model": cp.model_panel(runs["model"]), "delta": cp.delta_panel(runs["delta"])}
@@ -250,7 +250,7 @@ def test_sparsification_panel_shows_what_the_study_computes(ui, panels, captures
     whole = p.compute()["current"]
     p.controls["partial"].value = "compact"
     r = p.compute()
-    want = study.score_policies([captures[0]], ["h2o"], [0.25], 16, ["compact"], held_out=8,
+    want = sparsity_study.score_policies([captures[0]], ["h2o"], [0.25], 16, ["compact"], held_out=8,
                                 options={"h2o": {"sinks": 4, "window": 16}})[-1]
     assert want["layer"] == "all" and r["current"]["error"] == want["error"]
     assert r["current"]["blocks_kept"] == want["blocks_kept"] == 3 and want["blocks_full"] == 10
@@ -267,18 +267,19 @@ def test_sparsification_panel_shows_what_the_study_computes(ui, panels, captures
     assert "holds 3 of 10 blocks of 16, error 0.214" in fig.layout.title.text.replace("<br>", " ")  # wrapped title
     assert len(fig.layout.shapes) > 0  # the tokens no longer read, washed out on the map
     # kept whole, the same chosen tokens hold 9 of the 10 blocks: the study's "keep" rule
-    assert whole["blocks_kept"] == study.score_policies([captures[0]], ["h2o"], [0.25], 16, ["keep"], held_out=8,
-                                                        options={"h2o": {"sinks": 4, "window": 16}})[-1]["blocks_kept"]
+    kept = sparsity_study.score_policies([captures[0]], ["h2o"], [0.25], 16, ["keep"], held_out=8,
+                                         options={"h2o": {"sinks": 4, "window": 16}})[-1]["blocks_kept"]
+    assert whole["blocks_kept"] == kept
     assert whole["blocks_kept"] == 9 and whole["error"] < r["current"]["error"]
     p.controls["partial"].value = "keep"
 
 
 def test_quest_recall_is_quest_recall_over_the_keys_before_the_queries(ui, captures):
-    from workbench.compress.quest import quest_recall
+    from workbench.compress.page_selection import quest_recall
 
     cp, _ = ui
     cap = captures[0]
-    (row,) = study.quest_recall_curves([cap], page_sizes=(16,), shares=(0.3,))
+    (row,) = recall_study.quest_recall_curves([cap], page_sizes=(16,), shares=(0.3,))
     n = cap.k.shape[1] - 16  # 135 keys, 9 pages: 30% -> 3 pages
     assert row["pages"] == 3 and row["read"] == pytest.approx((2 * 16 + n - 8 * 16) / n)
     got = [float(quest_recall(cap.q_last[i], cap.k[i, :n], 16, 3, sm_scale=cap.sm_scale).shared.mean())

@@ -12,16 +12,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.compress import policies, study
+from workbench.compress import observation, policies, recall_study, sparsity_study
+from workbench.compress.block_keep import block_keep
 from workbench.compress.csr import CSRStore, csr_nbytes
-from workbench.compress.policies import Observation, attention_output, block_keep, resolve_budget
+from workbench.compress.observation import Observation, attention_output
+from workbench.compress.policies import resolve_budget
 
 BUDGETED = ("streaming", "h2o", "snapkv", "quest")
 
 
 @pytest.fixture(scope="module")
 def obs():
-    return study.synthetic_observation(num_layers=2, num_tokens=83, num_kv_heads=2, head_dim=16, num_queries=6)
+    return observation.synthetic_observation(num_layers=2, num_tokens=83, num_kv_heads=2, head_dim=16, num_queries=6)
 
 
 def _forced(T, sinks, window):
@@ -160,19 +162,19 @@ def test_a_full_budget_reads_exactly_the_full_cache(obs, name):
         keep = budget_pol.keep(obs)
         assert bool(keep.all()) and bool(budget_pol.per_head_keep(obs).all())
         assert torch.equal(attention_output(obs, keep), full)
-        assert study.attention_error(obs, keep) == 0.0
+        assert observation.attention_error(obs, keep) == 0.0
 
 
 def test_heavy_hitters_find_the_looked_up_tokens_a_window_misses(obs):
     # the synthetic queries look up random tokens: accumulated attention finds them, a window cannot
-    err = {n: study.attention_error(obs, policies.get(n, budget=0.25, sinks=4, window=4).keep(obs))
+    err = {n: observation.attention_error(obs, policies.get(n, budget=0.25, sinks=4, window=4).keep(obs))
            for n in ("streaming", "h2o")}
     assert err["h2o"] < 0.7 * err["streaming"], err
 
 
 def test_snapkv_scores_are_the_last_queries_attention_max_pooled(obs):
     pol = policies.get("snapkv", obs_window=2, kernel=3)
-    p = policies.attention_probs(obs)[:, :, :, -2:].sum((2, 3))  # [L, Hkv, T]
+    p = observation.attention_probs(obs)[:, :, :, -2:].sum((2, 3))  # [L, Hkv, T]
     pad = torch.nn.functional.pad(p, (1, 1), value=float("-inf"))
     expect = torch.stack([pad[..., :-2], pad[..., 1:-1], pad[..., 2:]]).amax(0)
     torch.testing.assert_close(pol.score(obs), expect)
@@ -180,7 +182,7 @@ def test_snapkv_scores_are_the_last_queries_attention_max_pooled(obs):
 
 def test_h2o_is_causal(obs):
     # a query never weighs keys after its position: the first observed query sees T - W + 1 keys
-    p = policies.attention_probs(obs)
+    p = observation.attention_probs(obs)
     T, W = obs.num_tokens, obs.num_queries
     assert float(p[..., 0, T - W + 1:].abs().max()) == 0.0
     torch.testing.assert_close(p.sum(-1), torch.ones_like(p.sum(-1)))
@@ -266,7 +268,7 @@ def test_keep_blocks_chooses_whole_blocks(obs):
 
 
 def test_score_policies_rows(obs):
-    rows = study.score_policies([obs], budgets=(0.25,), block_size=8, thresholds=(0.02,), held_out=2)
+    rows = sparsity_study.score_policies([obs], budgets=(0.25,), block_size=8, thresholds=(0.02,), held_out=2)
     L = obs.k.shape[0]
     per = {(r["policy"], r["partial"]) for r in rows}
     assert ("threshold", "blocks") not in per and ("h2o", "keep-equal") in per and ("quest", "compact") in per
@@ -282,26 +284,27 @@ def test_score_policies_rows(obs):
     a = next(r for r in rows if r["policy"] == "h2o" and r["partial"] == "compact" and r["layer"] == "all")
     assert a["tokens_kept"] == resolve_budget(0.25, obs.num_tokens - 2) + 2  # the held-out tokens appended whole
     assert a["bytes_kept"] == L * a["blocks_kept"] * 8 * 2 * 16 * 2 * 2
-    s = study.summarize(rows)
+    s = sparsity_study.summarize(rows)
     assert {(d["policy"], d["partial"]) for d in s} == per and all(d["n"] == 1 for d in s)
     # without the per-head masks (the panel's rows): the same rows, their per-head columns None
-    shared = study.score_policies([obs], budgets=(0.25,), block_size=8, thresholds=(0.02,), held_out=2, per_head=False)
+    shared = sparsity_study.score_policies([obs], budgets=(0.25,), block_size=8, thresholds=(0.02,), held_out=2,
+                                           per_head=False)
     heads = ("tokens_per_head", "bytes_csr", "error_per_head")
     assert [{k: v for k, v in r.items() if k not in heads} for r in shared] == [
         {k: v for k, v in r.items() if k not in heads} for r in rows]
     assert all(r[k] is None for r in shared for k in heads)
     with pytest.raises(ValueError, match="partial"):
-        study.score_policies([obs], ["h2o"], partial="drop")
+        sparsity_study.score_policies([obs], ["h2o"], partial="drop")
 
 
 def test_attention_error_and_quest_recall_rows(obs):
     keep = policies.get("h2o", budget=0.5).keep(obs)
-    per_layer = study.attention_error(obs, keep, by_layer=True)
+    per_layer = observation.attention_error(obs, keep, by_layer=True)
     assert len(per_layer) == obs.k.shape[0] and all(e > 0 for e in per_layer)
-    assert study.attention_error(obs, keep, last=1) >= 0
+    assert observation.attention_error(obs, keep, last=1) >= 0
     with pytest.raises(ValueError, match="last"):
-        study.attention_error(obs, keep, last=0)
-    rows = study.quest_recall_rows([obs], page_sizes=(8,), page_budgets=(2, 1.0))
+        observation.attention_error(obs, keep, last=0)
+    rows = recall_study.quest_recall_rows([obs], page_sizes=(8,), page_budgets=(2, 1.0))
     assert len(rows) == 2 * obs.k.shape[0]
     full = [r for r in rows if r["page_budget"] == 1.0]
     assert all(abs(r["recall"] - 1) < 1e-5 and abs(r["recall_per_head"] - 1) < 1e-5 for r in full)

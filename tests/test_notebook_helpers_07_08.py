@@ -9,7 +9,7 @@ from workbench import notebook
 from workbench.bench import compress_results as cm
 from workbench.bench import harness
 from workbench.bench import shared_prefix_results as spm
-from workbench.compress import evict, study
+from workbench.compress import evict, observation, recall_study, sparsity_study
 from workbench.shared_prefix import cut, find_shared_runs
 from workbench.shared_prefix.decode import random_batch
 from workbench.sim import forks
@@ -18,40 +18,40 @@ from workbench.sim import forks
 # ---- notebook 07 ---------------------------------------------------------------------------------------------------
 def fake_capture(name: str, tokens: int = 96, start: int = 0, seed: int = 0, layers: int = 2):
     """What the helpers read of a ``capture.Capture``: K/V ``[L, T, Hkv, D]``, the last queries, tokens, name."""
-    obs = study.synthetic_observation(num_layers=layers, num_tokens=tokens, num_queries=4, seed=seed)
+    obs = observation.synthetic_observation(num_layers=layers, num_tokens=tokens, num_queries=4, seed=seed)
     return SimpleNamespace(name=name, tokens=list(range(start, start + tokens)), k=obs.k, v=obs.v, q_last=obs.q,
                            sm_scale=obs.sm_scale, layers=list(range(layers)))
 
 
 def test_capture_named_and_described():
     caps = [fake_capture("a", 32), fake_capture("b", 48)]
-    assert study.capture_named(caps, "b") is caps[1]
+    assert sparsity_study.capture_named(caps, "b") is caps[1]
     with pytest.raises(ValueError, match=r"name: expected one of \['a', 'b'\], got 'c'"):
-        study.capture_named(caps, "c")
-    assert study.describe_captures(caps) == "2 prompts (a 32, b 48 tokens), layers [0, 1]"
+        sparsity_study.capture_named(caps, "c")
+    assert sparsity_study.describe_captures(caps) == "2 prompts (a 32, b 48 tokens), layers [0, 1]"
 
 
 def test_score_settings_scores_as_the_panel_and_adds_memory():
-    obs = [study.synthetic_observation(num_tokens=64, num_queries=8)]
+    obs = [observation.synthetic_observation(num_tokens=64, num_queries=8)]
     names, budgets = ["streaming", "h2o", "threshold"], [0.25, 0.5]
-    rows = study.score_settings(obs, names, budgets, 16, 4, 8, held_out=4)
-    direct = study.score_policies(obs, names, budgets, 16, ["keep", "compact"], held_out=4,
-                                  thresholds=[study.threshold_of(b) for b in budgets],
-                                  options={n: study.policy_options(n, 16, 4, 8) for n in names})
+    rows = sparsity_study.score_settings(obs, names, budgets, 16, 4, 8, held_out=4)
+    direct = sparsity_study.score_policies(obs, names, budgets, 16, ["keep", "compact"], held_out=4,
+                                  thresholds=[sparsity_study.threshold_of(b) for b in budgets],
+                                  options={n: sparsity_study.policy_options(n, 16, 4, 8) for n in names})
     assert [r["error"] for r in rows] == [r["error"] for r in direct]
     assert all(r["memory"] == r["blocks_kept"] / r["blocks_full"] for r in rows)
-    table = study.policy_table(study.summarize(rows), names, budgets)
+    table = sparsity_study.policy_table(sparsity_study.summarize(rows), names, budgets)
     assert [(t["policy"], t["budget"]) for t in table] == [
         ("streaming", "25%"), ("streaming", "50%"), ("h2o", "25%"), ("h2o", "50%"),
         ("threshold", "p>=0.025"), ("threshold", "p>=0.05")]
-    assert set(table[0]) == {"policy", "budget", *study.POLICY_TABLE_HEADERS}
-    mean = harness.pick(study.summarize(rows), policy="h2o", budget=0.5, partial="compact")
+    assert set(table[0]) == {"policy", "budget", *sparsity_study.POLICY_TABLE_HEADERS}
+    mean = harness.pick(sparsity_study.summarize(rows), policy="h2o", budget=0.5, partial="compact")
     assert table[3]["mem_compact"] == mean["memory"] and table[3]["err_compact"] == mean["error"]
 
 
 def test_format_recall_curves_is_a_grid():
     curves = [{"page_size": ps, "share": s, "read": s + 0.01, "recall": 0.5 + s} for ps in (8, 16) for s in (0.1, 0.5)]
-    assert study.format_recall_curves(curves).splitlines() == [
+    assert recall_study.format_recall_curves(curves).splitlines() == [
         " pages of          10%          50%",
         "        8  0.11 0.600  0.51 1.000",
         "       16  0.11 0.600  0.51 1.000"]

@@ -152,7 +152,7 @@ def test_shared_prefix_cascade_takes_each_layers_scales():
 
 def test_key_bounds_and_quest_read_each_layers_keys():
     cache, _, _ = filled("int8/tensor", key_bounds=True)
-    from workbench.compress.quest import quest_decode
+    from workbench.compress.quest_decode import quest_decode
 
     table = torch.tensor(cache.manager.block_table("a"), dtype=torch.long, device=cache.device)
     counts = torch.tensor([16, 16, 8], dtype=torch.long, device=cache.device)

@@ -13,14 +13,8 @@ from workbench.kernels.quest.reference import key_bounds_ref, quest_page_scores_
 import workbench
 from workbench import compaction, quant
 from workbench.cache import PagedKVCache
-from workbench.compress.quest import (
-    QuestDecode,
-    page_key_bounds,
-    page_upper_bounds,
-    quest_decode,
-    quest_recall,
-    select_pages,
-)
+from workbench.compress.page_selection import page_key_bounds, page_upper_bounds, quest_recall, select_pages
+from workbench.compress.quest_decode import QuestDecode, quest_decode
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

@@ -62,7 +62,7 @@ def test_study_modules_import_no_ui_library_but_to_draw():
 
 # ---- notebook 07 -------------------------------------------------------------------------------------------------
 def test_sparsification_row_is_the_study_score_of_the_panel_setting(defaults):
-    from workbench.compress import study
+    from workbench.compress import sparsity_study
     from workbench.model import capture
 
     row = defaults["sparsification"]
@@ -71,24 +71,24 @@ def test_sparsification_row_is_the_study_score_of_the_panel_setting(defaults):
     caps = capture.load()
     cap = caps[0]  # the panel's first prompt, its middle saved layer
     assert cap.name == "chat_question" and capture.SAVED_LAYERS[len(capture.SAVED_LAYERS) // 2] == 18
-    want = study.score_policies([cap], ["h2o"], [0.25], 16, ["keep"], held_out=8,
+    want = sparsity_study.score_policies([cap], ["h2o"], [0.25], 16, ["keep"], held_out=8,
                                 options={"h2o": {"sinks": 4, "window": 16}}, per_head=False)
     at = {r["layer"]: r for r in want}
     assert row["error"] == at["all"]["error"] and row["layer_error"] == at[18]["error"]
     assert (row["blocks_kept"], row["blocks_full"], row["tokens_kept"]) == (9, 10, at["all"]["tokens_kept"])
-    _, bk = study.kept_tokens(cap, "h2o", 0.25, 16, "keep", 4, 16)
+    _, bk = sparsity_study.kept_tokens(cap, "h2o", 0.25, 16, "keep", 4, 16)
     assert row["attention_read"] == float((cap.attn_last[18] * bk.mask).sum(-1).mean())
     point = sweeps.get("sparsification").point
     compact = point(**{**sweeps.get("sparsification").defaults(), "partial": "compact"})
     assert compact["blocks_kept"] == 3 and compact["error"] > row["error"]  # what the panel's test pins
     threshold = point(**{**sweeps.get("sparsification").defaults(), "policy": "threshold", "budget": 0.5})
-    assert threshold["applied_budget"] == study.threshold_of(0.5) == 0.05
+    assert threshold["applied_budget"] == sparsity_study.threshold_of(0.5) == 0.05
     quest = point(**{**sweeps.get("sparsification").defaults(), "policy": "quest"})
     assert not quest["frees"] and quest["memory"] < 1
 
 
 def test_compress_names_are_the_packages_and_the_moved_helpers_stay_importable():
-    from workbench.compress import policies, study
+    from workbench.compress import policies, sparsity_study
     from workbench.model import capture
 
     assert cc.POLICIES == tuple(n for n in policies.NAMES if n != "full")
@@ -102,7 +102,7 @@ def test_compress_names_are_the_packages_and_the_moved_helpers_stay_importable()
     assert list(p.controls) == list(cc.SPARSIFICATION.controls) and cp.SHOWN_POLICIES is cc.POLICIES
     assert [o[1] for o in p.controls["budget"].options] == list(cc.BUDGETS)
     for name in ("score_rows", "policy_options", "threshold_of", "kept_tokens", "HELD_OUT", "THRESHOLD_SCALE"):
-        assert getattr(cp, name) is getattr(study, name), name
+        assert getattr(cp, name) is getattr(sparsity_study, name), name
 
 
 def test_sparsification_panel_shows_the_sweeps_point():
@@ -122,14 +122,14 @@ def test_sparsification_panel_shows_the_sweeps_point():
 
 def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
     from workbench.bench import compress_results as measured
-    from workbench.compress import study
+    from workbench.compress import recall_study
     from workbench.model import capture
 
     row = defaults["quest"]
     for k in ("recall", "recall_per_head", "recall_oracle", "read"):
         assert 0 < row[k] <= 1, k
     assert row["recall"] <= row["recall_oracle"] + 1e-9 and row["speedup_graph"] > 0
-    (want,) = study.quest_recall_curves(capture.load(), (16,), (0.2,))
+    (want,) = recall_study.quest_recall_curves(capture.load(), (16,), (0.2,))
     assert {k: row[k] for k in ("recall", "recall_per_head", "recall_oracle", "pages", "read", "samples")} == \
         {k: want[k] for k in ("recall", "recall_per_head", "recall_oracle", "pages", "read", "samples")}
     newest = measured.runs("quest")[-1]
@@ -146,7 +146,7 @@ def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
     pytest.importorskip("anywidget")
     from workbench.ui import compress_panels as cp
 
-    recall = study.quest_recall_curves(capture.load(), (8, 16), (0.2,))
+    recall = recall_study.quest_recall_curves(capture.load(), (8, 16), (0.2,))
     assert point["recall"] == recall[0]["recall"] and recall[1] == want
     r = cp.quest_panel(runs=[newest], recall=recall, page_size=8, share=0.2).compute()
     assert [x["speedup_graph"] for x in r["speedups"][row["run_name"]]] == [x["speedup_graph"] for x in speed]

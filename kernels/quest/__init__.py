@@ -12,7 +12,7 @@ to the top-k pages. One module per kernel, their PyTorch references beside them:
 - ``plan.py``: :class:`QuestPlan`, scores and selection planned once per decode step and run per layer (FlashInfer's
   plan / run);
 - ``reference.py``: ``key_bounds_ref``, ``quest_page_scores_ref`` (the selection's reference is
-  ``workbench.compress.quest.select_pages``, the same table bit for bit).
+  ``workbench.compress.page_selection.select_pages``, the same table bit for bit).
 
 Index arithmetic is int64 (pools beyond 2**31 elements).
 """

@@ -1,5 +1,5 @@
 """Plain PyTorch references of the Quest kernels (key bounds and page scores): slow, obvious, and the ground truth
-in tests. The page selection's reference is ``workbench.compress.quest.select_pages``.
+in tests. The page selection's reference is ``workbench.compress.page_selection.select_pages``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def quest_page_scores_ref(q: torch.Tensor, bounds: torch.Tensor, block_table: to
                           page_size: int, reduce: str = "sum", sm_scale: float | None = None, keep_first: int = 0,
                           keep_last: int = 0) -> torch.Tensor:
     """``workbench.kernels.quest.quest_page_scores`` in float64: per sequence the Quest bound of each page of its
-    table (``workbench.compress.quest.page_upper_bounds`` on the gathered bounds), padding ``-inf``, forced pages
+    table (``workbench.compress.page_selection.page_upper_bounds`` on the gathered bounds), padding ``-inf``, forced pages
     ``+inf``. ``[B, max_blocks]`` (``[B, Hq, max_blocks]`` for ``reduce="none"``)."""
     B, Hq, D = q.shape
     W = block_table.shape[1]

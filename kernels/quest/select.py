@@ -3,7 +3,7 @@
 :func:`quest_select` runs one program per sequence: a radix search over order-preserving int32 keys of the scores
 (:mod:`.scores`) finds the budget-th largest, a prefix sum places the chosen pages in page order, their block ids and
 the new lengths are written (every chosen page full but the sequence's last, which keeps its partial length). Ties go
-to the lower page index, as in the reference (``workbench.compress.quest.select_pages``), so the tables match bit for
+to the lower page index, as in the reference (``workbench.compress.page_selection.select_pages``), so the tables match bit for
 bit. No host sync anywhere: the tables feed :class:`~workbench.kernels.decode.DecodePlan` built once on these buffers.
 """
 
@@ -179,7 +179,7 @@ def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
     """The compacted block table of each sequence's ``page_budget`` best pages: one launch, on the device (no host
     sync, no ``torch.topk``).
 
-    The choice is :func:`workbench.compress.quest.select_pages`' (the reference, the same table bit for bit): per
+    The choice is :func:`workbench.compress.page_selection.select_pages`' (the reference, the same table bit for bit): per
     sequence the ``min(page_budget, pages)`` pages of highest score among its ``ceil(seq_lens / page_size)`` pages,
     equal scores going to the lower page index; NaN counts as ``+inf``, ``-0.0`` as ``+0.0``. The forced pages are
     the scores kernel's ``+inf`` (``keep_first`` / ``keep_last``); the scores of padding pages are not read.

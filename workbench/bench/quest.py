@@ -21,11 +21,11 @@ Every row: ``page_size``, ``time_us`` (the lower of two ``do_bench`` medians, CU
 (CUDA-graph replay), ``bytes`` (what the call must read and write: the K/V of the attended tokens, the bounds of every
 page, scores, tables, q and out), ``gbps``; ``quest`` rows ``speedup`` / ``speedup_graph`` (full's time over
 quest's), ``rel_err`` (against a float32 attention restricted to the chosen pages) and ``recall_random`` (the share
-of the true attention mass inside the chosen pages). On random keys every page's bound is about the same, so that
-recall is about ``budget / context`` and says nothing about Quest: ``section="recall_real"`` rows give the recall on
-real SmolLM2-135M keys and queries (``data/activations``, ``workbench.compress.quest.quest_recall``, 16-token pages)
-per ``reduce`` (``max``, ``sum``, ``softmax``) and budget, with the per-head selection (Quest's own, which a paged
-cache cannot use) and the oracle shared set (the true attention mass) beside it.
+of the true attention mass inside the chosen pages). On random keys every page's bound is about the same, so that recall
+is about ``budget / context`` and says nothing about Quest: ``section="recall_real"`` rows give the recall on real
+SmolLM2-135M keys and queries (``data/activations``, ``workbench.compress.page_selection.quest_recall``, 16-token pages)
+per ``reduce`` (``max``, ``sum``, ``softmax``) and budget, with the per-head selection (Quest's own, which a paged cache
+cannot use) and the oracle shared set (the true attention mass) beside it.
 
 Unless ``--no-sweep``, ``section="sweep"`` rows (graph times only) time launch variants of each part at the first
 budget (``launch`` names them): ``quest_scores`` per ``block_p`` / ``num_stages``, ``quest_select`` per
@@ -52,7 +52,7 @@ from workbench.argtypes import positive_float, positive_int, positive_int_list
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.workloads import PagedKV, Workload, build_paged
-from workbench.compress.quest import quest_recall, select_pages
+from workbench.compress.page_selection import quest_recall, select_pages
 from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores

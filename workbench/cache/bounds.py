@@ -1,6 +1,6 @@
-"""Key bounds (Quest page selection, ``workbench.compress.quest``): per layer, block and kv head, the elementwise
-min and max of the block's keys as attention reads them (dequantized), fp16 rounded outward so they stay true
-bounds.
+"""Key bounds (Quest page selection, ``workbench.compress.page_selection``): per layer, block and kv head, the
+elementwise min and max of the block's keys as attention reads them (dequantized), fp16 rounded outward so they stay
+true bounds.
 
 Every write recomputes the bounds of the blocks it touched from the stored keys (one launch per layer after the
 write kernel: ``workbench.kernels.quest.key_bounds``, or its reference); block copies (copy-on-write,

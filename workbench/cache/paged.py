@@ -50,8 +50,8 @@ class PagedKVCache:
         zero_storage: fill the storage with zeros. By default it is ``torch.empty`` (whatever the
             allocator hands out, NaN included): kernels never read an unwritten slot, but a user who
             exports the raw pool (``blocks()``, ``k_cache()``) sees only written slots as defined.
-        key_bounds: also keep, per block and kv head, the elementwise min and max of the block's keys as attention
-            reads them, for Quest page selection (``workbench.compress.quest``; :meth:`key_bounds` per layer; kept
+        key_bounds: also keep, per block and kv head, the elementwise min and max of the block's keys as attention reads
+            them, for Quest page selection (``workbench.compress.page_selection``; :meth:`key_bounds` per layer; kept
             and costed as ``workbench.cache.bounds`` says). Needs one block size and a scheme whose keys live in the
             blocks (not KIVI's packed groups); a tier below (``workbench.tiers``) is refused, as its swap-ins write
             blocks without recomputing them.

@@ -48,12 +48,12 @@ import torch
 from workbench import fragmentation
 from workbench.allocator import OutOfBlocks
 from workbench.cache import PagedKVCache
-from workbench.compress import policies, study
+from workbench.compress.block_keep import PARTIAL, block_keep
+from workbench.compress.observation import Observation, attention_error, attention_output
 from workbench.layout import Layout
 from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
 from workbench.quant import blocks as qblocks
 
-PARTIAL = ("keep", "compact")
 _TOKEN_AXIS = {Layout.NHD: 1, Layout.HND: 2, Layout.VLLM: 3}  # token axis of a [blocks, *block_shape] view
 
 
@@ -300,7 +300,7 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
         tokens touch), ``prompt``.
     """
     L, T, H, D = evicted.k.shape
-    last = policies.Observation(evicted.k, evicted.v, evicted.q_last[:, -1:], evicted.sm_scale)
+    last = Observation(evicted.k, evicted.v, evicted.q_last[:, -1:], evicted.sm_scale)
     q = evicted.q_last[:, -1].half()
     out = []
     for partial in partials:
@@ -314,16 +314,16 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
         after = fragmentation.breakdown(cache)
         free1 = pool.free_blocks(block_size)
         stored = torch.zeros(T, dtype=torch.bool).index_fill_(0, torch.tensor(rep.retained), True)
-        ref = policies.attention_output(last, stored)[:, 0]  # fp32, over exactly the stored tokens
+        ref = attention_output(last, stored)[:, 0]  # fp32, over exactly the stored tokens
         err = max(float((cache.decode(q[i][None], ["a"], i, sm_scale=evicted.sm_scale)[0].float() - ref[i]).norm()
                         / ref[i].norm()) for i in range(L))
         out.append({"partial": partial, "prompt": evicted.name, "report": rep, "pool_blocks": pool.num_pages,
-                    "tokens_selected": int(keep.sum()), "blocks_spread": policies.block_keep(keep, block_size).blocks,
+                    "tokens_selected": int(keep.sum()), "blocks_spread": block_keep(keep, block_size).blocks,
                     "blocks_full": -(-T // block_size), "tokens": T, "free_before": free0, "free_after": free1,
                     "slots_before": before.token, "slots_after": after.token, "internal_before": before.internal,
                     "internal_after": after.internal, "utilization_before": before.block_utilization,
                     "utilization_after": after.block_utilization, "stored_tokens": int(stored.sum()),
-                    "decode_error": Bound(err), "error_vs_full": study.attention_error(last, stored),
+                    "decode_error": Bound(err), "error_vs_full": attention_error(last, stored),
                     "newcomer_before": fits0, "newcomer_after": _admit(cache, newcomer, newcomer_tokens, block_size),
                     "newcomer_tokens": newcomer_tokens, "newcomer_blocks": -(-newcomer_tokens // block_size)})
         cache.manager.check_invariants()

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from workbench.compress.evict import PARTIAL, EvictionReport, check_evictable, evict
+from workbench.compress.observation import Observation
 from workbench.model.kv import PagedKV
 
 
@@ -177,8 +178,6 @@ class EvictingKV(PagedKV):
     # ---- internals -----------------------------------------------------------------
     def _evict(self, seq_id, k: torch.Tensor, v: torch.Tensor, event: str) -> EvictionReport:
         """One policy decision over the sequence's stored tokens (``k``, ``v`` ``[L, T, Hkv, D]``), applied."""
-        from workbench.compress.policies import Observation
-
         T, position = k.shape[1], self.num_tokens(seq_id)
         q = torch.stack(self._queries[seq_id])[:, -T:]  # a window never longer than what is stored
         obs = Observation(k.float(), v.float(), q.float(), self.sm_scale)

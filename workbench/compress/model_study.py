@@ -30,10 +30,17 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.cache import PagedKVCache
+from workbench.compress import policies
+from workbench.compress.block_keep import PARTIAL
+from workbench.compress.evicting_kv import EvictingKV
+from workbench.model.capture import PROMPTS, prompt_tokens
+from workbench.model.runner import Runner
+
 DEFAULT_POLICIES = ("streaming", "h2o", "snapkv", "threshold")
 DEFAULT_BUDGETS = (0.1, 0.25, 0.5)
 DEFAULT_THRESHOLDS = (0.02, 0.005)
-PARTIALS = ("keep", "compact")
+PARTIALS = PARTIAL  # both partial-block rules
 # overrides of the registry's defaults: H2O's paper splits the budget half heavy hitters, half recent; SnapKV
 # always keeps its observation window (16)
 OVERRIDES = {"h2o": {"window": 0.5}, "snapkv": {"window": 16}}
@@ -57,8 +64,6 @@ class Config:
     partial: str
 
     def build(self):
-        from workbench.compress import policies
-
         if self.policy == "threshold":
             return policies.get("threshold", threshold=self.budget)
         return policies.get(self.policy, budget=self.budget, **OVERRIDES.get(self.policy, {}))
@@ -67,8 +72,6 @@ class Config:
 def configs(names=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, thresholds=DEFAULT_THRESHOLDS,
             partials=PARTIALS) -> list[Config]:
     """Every (policy, budget, partial): ``budgets`` for the budgeted policies, ``thresholds`` for ``threshold``."""
-    from workbench.compress import policies
-
     out = []
     for name in names:
         if name not in policies.NAMES or name == "full":
@@ -82,8 +85,6 @@ def configs(names=DEFAULT_POLICIES, budgets=DEFAULT_BUDGETS, thresholds=DEFAULT_
 
 
 def _cache(model, num_pages: int, kv_dtype: str, page_tokens: int):
-    from workbench.cache import PagedKVCache
-
     cfg = model.config
     return PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, num_pages,
                         page_tokens=page_tokens, kv_dtype=kv_dtype, device="cpu", ops="torch",
@@ -95,10 +96,6 @@ def study_prompt(model, tokens: list[int], cfgs: list[Config], *, new_tokens: in
                  page_tokens: int = PAGE_TOKENS, obs_window: int = 32, every: int | None = None,
                  name: str = "") -> list[dict]:
     """The rows of one prompt (see the module docstring): the reference (``policy="full"``) first."""
-    from workbench.compress import policies
-    from workbench.compress.evicting_kv import EvictingKV
-    from workbench.model import Runner
-
     if new_tokens < 2:
         raise ValueError(f"new_tokens must be >= 2 (the first token comes before any eviction), got {new_tokens}")
     T = len(tokens)
@@ -173,8 +170,6 @@ def summarize(rows: list[dict]) -> list[dict]:
 def run(model, tok, *, prompts: int | None = None, max_prompt_tokens: int | None = None, progress=None,
         **kw) -> list[dict]:
     """:func:`study_prompt` over the first ``prompts`` of ``capture.PROMPTS`` (each cut to ``max_prompt_tokens``)."""
-    from workbench.model.capture import PROMPTS, prompt_tokens
-
     rows = []
     for i, p in enumerate(PROMPTS[:prompts]):
         tokens = prompt_tokens(tok, p)[:max_prompt_tokens]

@@ -2,11 +2,11 @@
 
 The registry pattern of ``workbench.registry`` (as ``workbench.sim.strategies``): a frozen, validated config kept
 by name in :data:`POLICIES`, :func:`get` ``(name, **overrides)``, a ``label``. A policy sees one sequence through
-an :class:`Observation` and answers
+an :class:`~workbench.compress.observation.Observation` and answers
 
 - ``keep(obs) -> bool [T]``: ONE token set for every layer and head. A paged cache shares a block id across
   layers and heads (vLLM's block table), so only a token dropped everywhere can free its slot: this is the set
-  that frees blocks (:func:`block_keep` says how many);
+  that frees blocks (:func:`~workbench.compress.block_keep.block_keep` says how many);
 - ``per_head_keep(obs) -> bool [L, Hkv, T]``: the kvpress-style choice, each (layer, kv head) its own tokens. It
   masks attention but frees nothing in a paged cache (a block holds every head); the study shows what sharing one
   set costs against it.
@@ -17,7 +17,8 @@ masses, or made non-negative), the rows are averaged, and the budget is filled i
 ``sinks`` tokens, the last ``window`` tokens (newest first), then the highest averaged scores. The budget is
 exact: when sinks and window alone exceed it, the sinks and the newest window tokens that fit are kept. Per head:
 the same order on each row's own scores. ``keep_blocks(obs, block_size)``: the same choice made block by block
-(whole blocks by their summed scores). :func:`block_keep` says what a set costs in blocks.
+(whole blocks by their summed scores). :func:`~workbench.compress.block_keep.block_keep` says what a set costs in
+blocks.
 
 Policies (:data:`NAMES`):
 
@@ -33,9 +34,9 @@ Policies (:data:`NAMES`):
   the kept entries per (layer, head) in a :class:`~workbench.compress.csr.CSRStore`; the shared set is their
   union (a token any head keeps).
 - ``quest``: query-dependent page selection (Quest): ``page_key_bounds`` / ``page_upper_bounds`` of
-  :mod:`workbench.compress.quest` bound each page's ``q . k`` for the last ``obs_window`` queries; whole pages
-  are kept (``ceil(budget / page_size)`` of them). It reads fewer pages per step but frees none: every page stays
-  in the cache for the next query.
+  :mod:`workbench.compress.page_selection` bound each page's ``q . k`` for the last ``obs_window`` queries; whole
+  pages are kept (``ceil(budget / page_size)`` of them). It reads fewer pages per step but frees none: every page
+  stays in the cache for the next query.
 
 Budgets: an int is tokens, a float in ``(0, 1]`` a share of the sequence (:func:`resolve_budget`). ``window``: an
 int is tokens, a float in ``[0, 1]`` a share of the resolved budget (H2O's paper splits 0.5 / 0.5).
@@ -45,96 +46,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from workbench.compress.csr import CSRStore
+from workbench.compress.observation import Observation, attention_probs
+from workbench.compress.page_selection import page_key_bounds, page_upper_bounds
 from workbench.registry import lookup
 
 NAMES = ("full", "streaming", "h2o", "snapkv", "threshold", "quest")
-PARTIAL = ("keep", "compact")
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What a policy sees of one sequence when it decides.
-
-    Attributes:
-        k: ``[L, T, Hkv, D]`` keys as cached (post-RoPE).
-        v: ``[L, T, Hkv, D]`` values.
-        q: ``[L, W, Hq, D]`` post-RoPE queries of the last ``W`` positions ``T - W .. T - 1`` (``1 <= W <= T``;
-            query head ``i`` reads kv head ``i // (Hq / Hkv)``).
-        sm_scale: the softmax scale (``1 / sqrt(D)`` usually).
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    q: torch.Tensor
-    sm_scale: float
-
-    def __post_init__(self) -> None:
-        if self.k.dim() != 4 or self.v.shape != self.k.shape:
-            raise ValueError(f"k and v must be [L, T, Hkv, D] of one shape, got {tuple(self.k.shape)} and "
-                             f"{tuple(self.v.shape)}")
-        L, T, H, D = self.k.shape
-        if self.q.dim() != 4 or self.q.shape[0] != L or self.q.shape[3] != D or self.q.shape[2] % H:
-            raise ValueError(f"q must be [L={L}, W, Hkv * group, D={D}] with Hkv={H}, got {tuple(self.q.shape)}")
-        if not 1 <= self.q.shape[1] <= T:
-            raise ValueError(f"q must hold 1 .. T={T} queries (the last positions), got {self.q.shape[1]}")
-        if isinstance(self.sm_scale, bool) or not isinstance(self.sm_scale, int | float) or not (
-                math.isfinite(self.sm_scale) and self.sm_scale > 0):
-            raise ValueError(f"sm_scale must be a finite number > 0, got {self.sm_scale!r}")
-
-    @classmethod
-    def from_capture(cls, cap) -> Observation:
-        """A :class:`workbench.model.capture.Capture`'s saved layers: its K/V and its last 16 queries."""
-        return cls(cap.k, cap.v, cap.q_last, float(cap.sm_scale))
-
-    @property
-    def num_tokens(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def num_queries(self) -> int:
-        return self.q.shape[1]
-
-    def prefix(self, n: int) -> Observation:
-        """The observation a policy would have had ``n`` tokens earlier (``n < W``): the first ``T - n`` tokens and
-        the queries at positions ``T - W .. T - n - 1``. The study compresses it and evaluates the last ``n``
-        queries, decode steps the policy did not see."""
-        if not 0 <= n < self.num_queries:
-            raise ValueError(f"n must be in [0, W={self.num_queries}), got {n!r}")
-        T = self.num_tokens
-        return self if n == 0 else Observation(self.k[:, :T - n], self.v[:, :T - n], self.q[:, :-n], self.sm_scale)
-
-
-def attention_probs(obs: Observation, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal softmax attention of the observed queries, fp32 ``[L, Hkv, G, W, T]``.
-
-    Args:
-        obs: the observation (query ``w`` sits at position ``T - W + w`` and sees keys ``<= `` it).
-        mask: keys kept, bool ``[T]`` (one set) or ``[L, Hkv, T]`` (per head); dropped keys get no weight. A query
-            that sees no kept key gets zeros.
-    """
-    L, T, H, D = obs.k.shape
-    W = obs.num_queries
-    qg = obs.q.float().reshape(L, W, H, -1, D)  # [L, W, Hkv, G, D]
-    s = torch.einsum("lwhgd,lthd->lhgwt", qg, obs.k.float()) * obs.sm_scale  # [L, Hkv, G, W, T]
-    m_see = torch.arange(T)[None, :] <= torch.arange(T - W, T)[:, None]  # [W, T] causal
-    if mask is not None:
-        if mask.shape not in ((T,), (L, H, T)) or mask.dtype != torch.bool:
-            raise ValueError(f"mask must be bool [T={T}] or [L={L}, Hkv={H}, T], got {tuple(mask.shape)} {mask.dtype}")
-        m_see = m_see & (mask if mask.dim() == 1 else mask[:, :, None, None, :])
-    return s.masked_fill(~m_see, float("-inf")).softmax(-1).nan_to_num(0.0)
-
-
-def attention_output(obs: Observation, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``[L, W, Hq, D]`` fp32: the observed queries' attention output over the kept keys (:func:`attention_probs`)."""
-    p = attention_probs(obs, mask)
-    out = torch.einsum("lhgwt,lthd->lwhgd", p, obs.v.float())
-    return out.reshape(*out.shape[:2], -1, out.shape[-1])
 
 
 # ---- budgets and validation ---------------------------------------------------------------------------------------
@@ -374,7 +295,7 @@ class Quest(Scored):
     """Quest: whole pages of ``page_size`` tokens by their bound on ``q . k`` for the last ``obs_window``
     queries; ``ceil(budget / page_size)`` pages, the pages of the sinks and window first."""
 
-    sinks: int = 1  # the sink's page (quest.select_pages' keep_first=1)
+    sinks: int = 1  # the sink's page (page_selection.select_pages' keep_first=1)
     window: int | float = 1  # the newest page (keep_last=1)
     page_size: int = 16
     obs_window: int = 1
@@ -396,8 +317,6 @@ class Quest(Scored):
         ``obs_window`` queries and the group's query heads (a bound on the page's unnormalised attention). Once
         :func:`normalise`-d it is each head's softmax over pages, so the shared set's mean over heads is
         ``page_upper_bounds(..., reduce="softmax")``'s vote."""
-        from workbench.compress.quest import page_key_bounds, page_upper_bounds
-
         L, T, H, D = obs.k.shape
         ub = torch.stack([page_upper_bounds(obs.q[i_l, -self.obs_window:], page_key_bounds(obs.k[i_l], self.page_size),
                                             "none") for i_l in range(L)])  # [L, w, Hq, P]
@@ -439,66 +358,3 @@ def get(policy: str | Policy, **overrides) -> Policy:
     """A policy config from a name in :data:`NAMES` (or a config), with fields overridden:
     ``get("h2o", budget=0.25, sinks=4, window=32)``."""
     return lookup(POLICIES, "policy", policy, **overrides)
-
-
-# ---- block granularity ---------------------------------------------------------------------------------------------
-
-
-class BlockKeep(NamedTuple):
-    """What a token set costs in a paged cache (:func:`block_keep`).
-
-    Attributes:
-        mask: ``[T]`` bool, the tokens attention reads afterwards (``keep``: rounded up to whole blocks).
-        blocks: blocks the sequence holds afterwards.
-        freed: blocks returned to the pool (``ceil(T / block_size) - blocks``).
-        moved: tokens copied to a fresh block (``compact`` only): the kept tokens are packed in order into chunks of
-            ``block_size``, and a chunk that is exactly an old block's valid tokens keeps that block in place
-            (the rule of ``workbench.compress.evict``); every other chunk is copied.
-    """
-
-    mask: torch.Tensor
-    blocks: int
-    freed: int
-    moved: int
-
-
-def block_keep(keep: torch.Tensor, block_size: int, partial: str = "keep") -> BlockKeep:
-    """Apply a token set at block granularity: fully dropped blocks go back to the pool, and partly dropped ones
-
-    - ``"keep"``: stay whole; their dropped tokens are still attended (the effective mask is rounded up);
-    - ``"compact"``: exactly the kept tokens remain, packed in order into ``ceil(kept / block_size)`` blocks.
-
-    Use ``"compact"`` for scored policies. Measured on the 5 SmolLM2-135M captures (``study.score_policies``, blocks
-    of 16, 8 held-out decode queries, 2026-12-01): H2O at 25% keeps 4.4 of 14.2 blocks compacted (error 0.244)
-    against 10.8 under ``"keep"`` (its heavy hitters touch most blocks, error 0.086), and ``"keep"`` cut to
-    compaction's 4.4 blocks errs 0.292; SnapKV 4.4 / 8.0 blocks, 0.279 / 0.173, 0.292 at equal blocks. Compaction
-    copies about every kept token once (fresh blocks), a one-off beside the decode steps that read them all.
-    ``"keep"`` costs little only for contiguous sets (streaming: 5.6 against 4.4 blocks) or where a block cannot
-    be rewritten (shared, ``ref_count > 1``).
-
-    Args:
-        keep: ``[T]`` bool, the policy's token set.
-        block_size: tokens per block.
-        partial: ``"keep"`` or ``"compact"``.
-    """
-    _check_int("block_size", block_size, 1)
-    if partial not in PARTIAL:
-        raise ValueError(f"partial must be one of {PARTIAL}, got {partial!r}")
-    if keep.dim() != 1 or keep.dtype != torch.bool:
-        raise ValueError(f"keep must be a bool [T] mask, got {tuple(keep.shape)} {keep.dtype}")
-    T = keep.numel()
-    total = -(-T // block_size)
-    if partial == "compact":
-        kept = keep.nonzero().flatten().tolist()  # source positions, in order; chunk j fills new block j
-        moved = 0
-        for j in range(0, len(kept), block_size):
-            chunk, i = kept[j:j + block_size], kept[j] // block_size
-            # old block i is reused in place only when the chunk is exactly its valid tokens (as compress.evict)
-            moved += 0 if chunk == list(range(i * block_size, min(T, (i + 1) * block_size))) else len(chunk)
-        blocks = -(-len(kept) // block_size)
-        return BlockKeep(keep.clone(), blocks, total - blocks, moved)
-    pad = torch.zeros(total * block_size, dtype=torch.bool)
-    pad[:T] = keep
-    m_block = pad.reshape(total, block_size).any(-1)  # [blocks] any token kept
-    blocks = int(m_block.sum())
-    return BlockKeep(m_block.repeat_interleave(block_size)[:T], blocks, total - blocks, 0)

@@ -1,5 +1,5 @@
-"""Plotly figures of notebook 07 (KV compression), built from the rows of ``workbench.compress.study``, the panels'
-Quest recall and the committed results' tables (``workbench.bench.compress_results``)."""
+"""Plotly figures of notebook 07 (KV compression), built from the rows of ``workbench.compress.sparsity_study``, the
+panels' Quest recall and the committed results' tables (``workbench.bench.compress_results``)."""
 
 from __future__ import annotations
 

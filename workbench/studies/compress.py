@@ -1,10 +1,11 @@
 """The compression studies: notebook 07 (compression), the sparsification policies and Quest's page choice on the
 committed SmolLM2-135M activations (``data/activations``: 5 prompts, 6 of its 30 layers, the last 16 queries).
-``sparsification`` scores one setting as its panel does (``study.score_rows``: the policy decides 8 tokens before
-the end of the prompt, those 8 queries are scored as decode steps); ``quest`` is Quest's recall at one page size and
-budget (``study.quest_recall_curves``) beside the speedup a committed H200 run measured (``bench quest``; read from
-the file, nothing is timed here). A point runs on one torch thread, as notebook 07 does, and puts it back after.
-``SPARSIFICATION`` and ``QUEST`` are both the panels' controls (``workbench.ui.compress_panels``) and the sweeps."""
+``sparsification`` scores one setting as its panel does (``sparsity_study.score_rows``: the policy decides 8 tokens
+before the end of the prompt, those 8 queries are scored as decode steps); ``quest`` is Quest's recall at one page size
+and budget (``recall_study.quest_recall_curves``) beside the speedup a committed H200 run measured (``bench quest``;
+read from the file, nothing is timed here). A point runs on one torch thread, as notebook 07 does, and puts it back
+after. ``SPARSIFICATION`` and ``QUEST`` are both the panels' controls (``workbench.ui.compress_panels``) and the
+sweeps."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import NamedTuple
 import torch
 
 from workbench.bench import compress_results as measured
-from workbench.compress import policies, study
+from workbench.compress import policies, recall_study, sparsity_study
+from workbench.compress.block_keep import BlockKeep
 from workbench.model import capture
 from workbench.studies.base import Param, Study, one_thread
 
@@ -34,20 +36,21 @@ def _captures() -> dict:
 
 
 class Chosen(NamedTuple):
-    """One policy setting on one capture, as scored (``study.score_rows``) and applied (``study.kept_tokens``)."""
+    """One policy setting on one capture, as scored (``sparsity_study.score_rows``) and applied
+    (``sparsity_study.kept_tokens``)."""
 
     current: dict  # the score over the saved layers (the row of layer "all")
     at_layer: dict  # the score of the chosen layer
     keep: torch.Tensor  # [T] the tokens the policy chose
-    blocks: policies.BlockKeep  # the block rule's result: the blocks held (Quest: read), its mask over the tokens
+    blocks: BlockKeep  # the block rule's result: the blocks held (Quest: read), its mask over the tokens
     attention_read: float  # the last prompt token's attention inside the blocks read, mean over heads
 
 
 def chosen(rows: list[dict], cap, policy: str, budget: float, window: int, sinks: int, block_size: int, partial: str,
            layer: int) -> Chosen:
-    """The setting's ``rows`` (``study.score_rows`` of it: every layer's and ``"all"``) at the chosen layer, and what
-    it keeps (``study.kept_tokens``): the sweep's point and the panel's chosen setting."""
-    keep, bk = study.kept_tokens(cap, policy, budget, block_size, partial, sinks, window)
+    """The setting's ``rows`` (``sparsity_study.score_rows`` of it: every layer's and ``"all"``) at the chosen layer,
+    and what it keeps (``sparsity_study.kept_tokens``): the sweep's point and the panel's chosen setting."""
+    keep, bk = sparsity_study.kept_tokens(cap, policy, budget, block_size, partial, sinks, window)
     read = float((cap.attn_last[layer] * bk.mask).sum(-1).mean())
     return Chosen(next(r for r in rows if r["layer"] == "all"), next(r for r in rows if r["layer"] == layer), keep,
                   bk, read)
@@ -60,7 +63,7 @@ def sparsification_point(policy: str, budget: float, window: int, sinks: int, bl
     ``applied_budget`` is the policy's own (threshold: its probability)."""
     cap = _captures()[prompt]
     with one_thread():
-        rows = study.score_rows(cap, policy, (budget,), block_size, partial, sinks, window)
+        rows = sparsity_study.score_rows(cap, policy, (budget,), block_size, partial, sinks, window)
         c = chosen(rows, cap, policy, budget, window, sinks, block_size, partial, layer)
     current = c.current
     row = {k: current[k] for k in ("label", "error", "tokens", "tokens_kept", "blocks_full", "blocks_kept", "freed",
@@ -144,11 +147,11 @@ def timed_speedups(doc: Mapping, batch: int, page_size: int) -> Timed:
 
 
 def quest_point(page_size: int, share: float, batch: int, quest_run: str) -> dict:
-    """``study.quest_recall_curves`` of every capture at one page size and page budget (what the quest panel draws
-    on the left), and :func:`timed_speedups` of the committed run: the best (the panel's title) and at the timed
+    """``recall_study.quest_recall_curves`` of every capture at one page size and page budget (what the quest panel
+    draws on the left), and :func:`timed_speedups` of the committed run: the best (the panel's title) and at the timed
     budget nearest ``share``."""
     with one_thread():
-        (cur,) = study.quest_recall_curves(list(_captures().values()), (page_size,), (share,))
+        (cur,) = recall_study.quest_recall_curves(list(_captures().values()), (page_size,), (share,))
     doc = _quest_run(quest_run)
     t = timed_speedups(doc, batch, page_size)
     near = min(t.rows, key=lambda r: (abs(math.log(r["share"] / share)), r["share"]))

@@ -3,9 +3,10 @@ evicted cache, delta coding of K/V.
 
 The sparsification and Quest panels are the controls, computation and figures of their studies
 (``workbench.studies.compress``), which the ``sparsification`` and ``quest`` sweeps run too;
-``workbench.compress.study`` scores the policies and measures Quest's recall, ``workbench.bench.compress_results``
-reads the committed runs, ``compress_figures`` draws. What a redraw needs again is cached per prompt (the policies'
-rows by what they depend on), so a change redraws in well under a second on a shared 2-core CPU.
+``workbench.compress.sparsity_study`` scores the policies, ``recall_study`` measures Quest's recall,
+``workbench.bench.compress_results`` reads the committed runs, ``compress_figures`` draws. What a redraw needs again is
+cached per prompt (the policies' rows by what they depend on), so a change redraws in well under a second on a shared
+2-core CPU.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import ipywidgets as W
 
 from workbench.bench import compress_results as measured
 from workbench.bench.compression_delta import measured_links
-from workbench.compress import delta_study, policies, study
-from workbench.compress.study import (  # noqa: F401  (the panel's settings, importable from here too)
+from workbench.compress import delta_study, policies, recall_study
+from workbench.compress.sparsity_study import (  # noqa: F401  (the panel's settings, importable from here too)
     HELD_OUT,
     THRESHOLD_SCALE,
     kept_tokens,
@@ -54,8 +55,8 @@ def sparsification_panel(captures: Sequence | None = None, prompt: str | None = 
     and partial rule; the chosen policy at the chosen sinks and window, the others at 4 sinks + 16 recent), the
     chosen setting ringed, and the chosen layer's attention of the last prompt token with what the setting keeps.
 
-    Errors as ``study.score_policies(..., held_out=8)``: the policy decides 8 tokens before the end of the prompt,
-    and those 8 tokens' queries, decode steps it did not see, are scored over the 6 saved layers.
+    Errors as ``sparsity_study.score_policies(..., held_out=8)``: the policy decides 8 tokens before the end of the
+    prompt, and those 8 tokens' queries, decode steps it did not see, are scored over the 6 saved layers.
 
     Args:
         captures: ``workbench.model.capture.load()`` (default: loaded here).
@@ -144,7 +145,7 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
 
     Args:
         captures: ``workbench.model.capture.load()`` (default: loaded here); recall:
-            :func:`workbench.compress.study.quest_recall_curves`
+            :func:`workbench.compress.recall_study.quest_recall_curves`
             of them, if already computed.
         runs: the committed H200 Quest runs (default ``compress_results.runs("quest")``), oldest first.
     """
@@ -154,7 +155,7 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
     if recall is None:
         if captures is None:
                 captures = capture.load()
-        recall = study.quest_recall_curves(captures, QUEST_PAGE_SIZES, QUEST_SHARES)
+        recall = recall_study.quest_recall_curves(captures, QUEST_PAGE_SIZES, QUEST_SHARES)
     recall = list(recall)
     names = [measured.run_name(r) for r in runs]
     sizes = sorted({r["page_size"] for r in recall})

@@ -1,14 +1,14 @@
 """Scoring the sparsification policies of :mod:`workbench.compress.policies`: memory kept, attention-output error
-against the full cache, the cost of one shared token set against per-head masks, and Quest's recall.
+against the full cache, the cost of one shared token set against per-head masks; and the settings and tables of
+notebook 07's sparsification panel. Quest's recall is :mod:`workbench.compress.recall_study`'s.
 
 Pure functions returning tidy rows (one dict per prompt, policy, budget, block rule and layer); no plots.
 
     caps = workbench.model.capture.load()           # 5 prompts of SmolLM2-135M, 6 of its 30 layers
     rows = score_policies(caps, ["streaming", "h2o", "snapkv", "quest"], [0.1, 0.25, 0.5], held_out=8)
     table = summarize(rows)                         # mean over prompts, layer "all"
-    recall = quest_recall_rows(caps, page_sizes=(8, 16, 32), page_budgets=(0.1, 0.25, 0.5))
 
-Block rules (:data:`RULES`): ``keep`` and ``compact`` of :func:`~workbench.compress.policies.block_keep`, and to
+Block rules (:data:`RULES`): ``keep`` and ``compact`` of :func:`~workbench.compress.block_keep.block_keep`, and to
 compare them at equal memory ``keep-equal`` (the ``keep`` rule with the token budget cut until it holds no more
 blocks than ``compact`` does) and ``blocks`` (the policy scores whole blocks, ``Scored.keep_blocks``).
 
@@ -31,7 +31,6 @@ store of the same entries would take (values plus int32 indices).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -39,8 +38,9 @@ import torch
 
 from workbench import formats
 from workbench.compress import policies
+from workbench.compress.block_keep import PARTIAL, BlockKeep, block_keep
 from workbench.compress.csr import CSRStore, csr_nbytes
-from workbench.compress.policies import PARTIAL, BlockKeep, Observation, attention_output, block_keep
+from workbench.compress.observation import Observation, attention_output, observations, relative_error
 
 THRESHOLDS = (0.001, 0.003, 0.01, 0.03)  # the threshold policy's "budgets": attention probabilities
 # options of each policy in the study (a share of the budget for the recent window: a fixed 32-token window would
@@ -50,51 +50,6 @@ STUDY_OPTIONS: dict[str, dict] = {"h2o": {"window": 0.5}, "snapkv": {"window": 0
 # "keep-equal" (keep, with the budget cut until it holds no more blocks than "compact") and "blocks" (the policy
 # chooses whole blocks, ``keep_blocks``: nothing partly dropped, nothing copied)
 RULES = (*PARTIAL, "keep-equal", "blocks")
-
-
-def synthetic_observation(num_layers: int = 2, num_tokens: int = 96, num_kv_heads: int = 2, head_dim: int = 16,
-                          num_queries: int = 8, group: int = 2, seed: int = 0) -> Observation:
-    """An :class:`Observation` from ``workbench.quant.synthetic``'s synthetic K/V (outlier channels, a sink on token 0)
-    and queries correlated with the keys (peaked attention), post-RoPE; ``sm_scale = 1 / sqrt(head_dim)``."""
-    from workbench.quant.synthetic import apply_rope, synthetic_kv, synthetic_queries
-
-    k_pre, v = synthetic_kv(num_layers, num_tokens, num_kv_heads, head_dim, seed=seed)
-    k = apply_rope(k_pre)
-    q = synthetic_queries(k, num_queries, group, seed=seed + 1)
-    return Observation(k, v, q, 1.0 / math.sqrt(head_dim))
-
-
-def as_observation(obs_or_capture) -> Observation:
-    """An :class:`Observation` as is, or a ``Capture``'s (``Observation.from_capture``)."""
-    return obs_or_capture if isinstance(obs_or_capture, Observation) else Observation.from_capture(obs_or_capture)
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor, dims) -> torch.Tensor:
-    """``||x - ref|| / ||ref||`` over ``dims``, float64."""
-    num = torch.linalg.vector_norm((x - ref).double(), dim=dims)
-    return num / torch.linalg.vector_norm(ref.double(), dim=dims).clamp_min(1e-300)
-
-
-def attention_error(obs_or_capture, keep: torch.Tensor, *, last: int | None = None,
-                    by_layer: bool = False) -> float | list[float]:
-    """Relative L2 error of the observed queries' attention output over the kept keys against the full cache.
-
-    Args:
-        obs_or_capture: an :class:`Observation` or a ``Capture``.
-        keep: bool ``[T]`` (one set) or ``[L, Hkv, T]`` (per head), the keys attention reads.
-        last: score only the last ``last`` queries (default all ``W``).
-        by_layer: one error per layer instead of one over all layers.
-
-    Returns:
-        ``||o_kept - o_full|| / ||o_full||`` over (queries, heads, D) [and layers].
-    """
-    obs = as_observation(obs_or_capture)
-    if last is not None:
-        if isinstance(last, bool) or not isinstance(last, int) or not 1 <= last <= obs.num_queries:
-            raise ValueError(f"last must be an int in [1, W={obs.num_queries}], got {last!r}")
-        obs = Observation(obs.k, obs.v, obs.q[:, -last:], obs.sm_scale)
-    full, kept = attention_output(obs), attention_output(obs, keep)
-    return _rel(kept, full, (1, 2, 3)).tolist() if by_layer else float(_rel(kept, full, (0, 1, 2, 3)))
 
 
 def _per_query_outputs(policy, obs: Observation, last: int, per_head: bool,
@@ -142,14 +97,6 @@ def _block_rule(pol, seen: Observation, keep: torch.Tensor, tail: torch.Tensor, 
     return held(lo)
 
 
-def _observations(captures: Sequence):
-    """``(prompt name, layer numbers, Observation)`` of each capture (or Observation)."""
-    for i_c, cap in enumerate(captures):
-        obs = as_observation(cap)
-        yield (getattr(cap, "name", "") or f"obs{i_c}", list(getattr(cap, "layers", None) or range(obs.k.shape[0])),
-               obs)
-
-
 def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                    budgets: Iterable[int | float] = (0.1, 0.25, 0.5), block_size: int = 16,
                    partial: str | Iterable[str] = RULES, *, held_out: int = 0,
@@ -163,7 +110,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
         budgets: token counts or ratios; the ``threshold`` policy uses ``thresholds`` instead.
         block_size: tokens per block.
         partial: block rules of :data:`RULES`: ``"keep"``, ``"compact"``
-            (:func:`~workbench.compress.policies.block_keep`), ``"keep-equal"``, ``"blocks"``.
+            (:func:`~workbench.compress.block_keep.block_keep`), ``"keep-equal"``, ``"blocks"``.
         held_out: decode steps scored that the policy did not see (0: in sample; see the module docstring).
         options: per policy name, fields to override (default :data:`STUDY_OPTIONS`).
         kv_dtype: the cache's storage format (bytes per value).
@@ -183,7 +130,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
     opts = STUDY_OPTIONS if options is None else options
     value = formats.get(kv_dtype).bytes_per_value
     rows = []
-    for prompt, layers, obs in _observations(captures):
+    for prompt, layers, obs in observations(captures):
         L, T, H, D = obs.k.shape
         last = held_out or obs.num_queries
         ev = Observation(obs.k, obs.v, obs.q[:, -last:], obs.sm_scale)  # the scored queries
@@ -221,10 +168,10 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                             heads = attention_output(ev, ph)
                         ph_tokens, ph_bytes = float(ph.float().sum(-1).mean()), _csr_bytes_by_layer(ph, D, kv_dtype)
                         ph_all = csr_nbytes(int(ph.sum()), L * H, D, kv_dtype)
-                err_h = [None] * L if heads is None else _rel(heads, full, (1, 2, 3)).tolist()
-                err_h_all = None if heads is None else float(_rel(heads, full, (0, 1, 2, 3)))
+                err_h = [None] * L if heads is None else relative_error(heads, full, (1, 2, 3)).tolist()
+                err_h_all = None if heads is None else float(relative_error(heads, full, (0, 1, 2, 3)))
                 for p, (out, tokens_kept, blocks, moved, frees) in shared.items():
-                    err = _rel(out, full, (1, 2, 3)).tolist()
+                    err = relative_error(out, full, (1, 2, 3)).tolist()
                     kept_b = blocks * block_bytes if frees else blocks_full * block_bytes
                     base = {"prompt": prompt, "policy": name, "label": pol.label, "budget": 1.0 if b is None else b,
                             "partial": p, "held_out": held_out, "tokens": T, "tokens_kept": tokens_kept,
@@ -236,7 +183,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
                                      "bytes_csr": None if ph_bytes is None else ph_bytes[i_l],
                                      "error_per_head": err_h[i_l]})
                     rows.append({**base, "layer": "all", "bytes_full": L * blocks_full * block_bytes,
-                                 "bytes_kept": L * kept_b, "error": float(_rel(out, full, (0, 1, 2, 3))),
+                                 "bytes_kept": L * kept_b, "error": float(relative_error(out, full, (0, 1, 2, 3))),
                                  "bytes_csr": None if ph_bytes is None else ph_all,
                                  "error_per_head": err_h_all})
     return rows
@@ -260,93 +207,6 @@ def summarize(rows: Sequence[dict], by: Sequence[str] = ("policy", "budget", "pa
         d["n"] = len(rs)
         out.append(d)
     return out
-
-
-def quest_recall_rows(captures: Sequence, page_sizes: Iterable[int] = (8, 16, 32),
-                      page_budgets: Iterable[int | float] = (0.1, 0.25, 0.5), *, reduce: str = "max",
-                      keep_first: int = 1, keep_last: int = 1, top_k: int = 16) -> list[dict]:
-    """Quest's recall on every capture, per (prompt, layer, page size, page budget): the mean over the observed
-    queries (each over the keys up to its position, a decode step) and query heads.
-
-    A page budget is pages (int) or a share of the sequence's pages (float, :func:`~policies.resolve_budget`), at
-    least ``keep_first + keep_last``. Columns from ``workbench.compress.quest.quest_recall`` (the share of a head's
-    attention mass inside the chosen pages): ``recall_per_head`` (each head its own pages, Quest's original),
-    ``recall`` (one page set per query for all heads, ``reduce``: what a paged cache reads) and ``recall_oracle``
-    (the best single set: the true mass summed over heads); and ``recall_topk``, the issue's measure: the share of
-    the true top-``top_k`` keys' attention mass inside the shared set (``quest.select_pages`` on the ``reduce``
-    scores).
-    """
-    from workbench.compress.quest import page_key_bounds, page_upper_bounds, quest_recall, select_pages
-
-    rows = []
-    for prompt, layers, obs in _observations(captures):
-        L, T, H, D = obs.k.shape
-        W, G = obs.num_queries, obs.q.shape[2] // H
-        for ps in page_sizes:
-            for pb in page_budgets:
-                acc = torch.zeros(L, 4, dtype=torch.float64)
-                pages = []
-                for i_w in range(W):
-                    p = T - W + i_w
-                    num_pages = -(-(p + 1) // ps)
-                    n = max(policies.resolve_budget(pb, num_pages), keep_first + keep_last)
-                    pages.append(min(n, num_pages))
-                    for i_l in range(L):
-                        q, k = obs.q[i_l, i_w], obs.k[i_l, :p + 1]  # [Hq, D], [p + 1, Hkv, D]
-                        kw = dict(keep_first=keep_first, keep_last=keep_last)
-                        r = quest_recall(q, k, ps, n, reduce=reduce, sm_scale=obs.sm_scale, **kw)
-                        scores = page_upper_bounds(q, page_key_bounds(k, ps), reduce, sm_scale=obs.sm_scale)
-                        table, _ = select_pages(scores[None], torch.tensor([p + 1]), torch.arange(num_pages)[None],
-                                                n, page_size=ps, **kw)
-                        m_page = torch.zeros(num_pages, dtype=torch.bool)
-                        m_page[table[0].long()] = True
-                        m_tok = m_page.repeat_interleave(ps)[:p + 1]  # [p + 1]
-                        attn = (torch.einsum("hd,thd->ht", q.float(), k.float().repeat_interleave(G, 1))
-                                * obs.sm_scale).softmax(-1)  # [Hq, p + 1]
-                        top = attn.topk(min(top_k, p + 1), -1)
-                        topk = (top.values * m_tok[top.indices]).sum(-1) / top.values.sum(-1)  # [Hq]
-                        acc[i_l] += torch.stack([r.per_head.mean(), r.shared.mean(), r.oracle.mean(),
-                                                 topk.mean()]).double()
-                acc /= W
-                for i_l in range(L):
-                    rows.append({"prompt": prompt, "layer": layers[i_l], "page_size": ps, "page_budget": pb,
-                                 "pages": sum(pages) / W, "num_pages": -(-T // ps), "tokens": T,
-                                 "recall_per_head": float(acc[i_l, 0]), "recall": float(acc[i_l, 1]),
-                                 "recall_oracle": float(acc[i_l, 2]), "recall_topk": float(acc[i_l, 3])})
-    return rows
-
-
-def quest_recall_curves(captures: Sequence, page_sizes: Sequence[int] = (8, 16, 32, 64),
-                        shares: Sequence[float] = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5),
-                        reduce: str = "sum") -> list[dict]:
-    """Quest's recall on the captures as ``python -m workbench bench quest`` measures it (``real_recall_rows``):
-    each prompt's 16 saved queries attend to the keys before them (``workbench.compress.quest.quest_recall``), a
-    budget is a share of those keys' pages (at least the sink page and the newest), and everything is averaged over
-    prompts, layers, queries and heads.
-
-    Returns:
-        Rows ``{page_size, share, pages (mean), read (mean share of the keys in the pages read), recall (one page
-        set for all heads, ``reduce``), recall_per_head, recall_oracle, samples ((prompt, layer) pairs)}``.
-    """
-    from workbench.compress.quest import quest_recall
-
-    rows = []
-    for ps in page_sizes:
-        for share in shares:
-            acc = []
-            for c in captures:
-                n = c.k.shape[1] - c.q_last.shape[1]  # keys before the queries (decode-like)
-                P = -(-n // ps)
-                pages = min(P, max(2, policies.resolve_budget(share, P)))
-                read = n if pages >= P else (pages - 1) * ps + n - (P - 1) * ps  # the newest (partial) page is read
-                for i in range(len(c.layers)):
-                    r = quest_recall(c.q_last[i], c.k[i, :n], ps, pages, reduce=reduce, sm_scale=c.sm_scale)
-                    acc.append((float(r.shared.mean()), float(r.per_head.mean()), float(r.oracle.mean()), pages,
-                                read / n))
-            m = [sum(a[j] for a in acc) / len(acc) for j in range(5)]
-            rows.append({"page_size": ps, "share": share, "recall": m[0], "recall_per_head": m[1],
-                         "recall_oracle": m[2], "pages": m[3], "read": m[4], "samples": len(acc)})
-    return rows
 
 
 # ---- the settings of notebook 07's sparsification panel --------------------------------------------------------
@@ -449,15 +309,3 @@ def policy_table(mean: Sequence[dict], names: Sequence[str], budgets: Sequence[f
                           "mem_compact": got["compact"]["memory"], "err_compact": got["compact"]["error"],
                           "moved": got["compact"]["moved"], "err_per_head": got["compact"]["error_per_head"]})
     return table
-
-
-def format_recall_curves(curves: Sequence[dict]) -> str:
-    """:func:`quest_recall_curves`' rows as a text grid: a line per page size, a column per budget share, each
-    cell ``read recall`` (the share of the keys read, the attention they hold)."""
-    sizes = list(dict.fromkeys(r["page_size"] for r in curves))
-    shares = list(dict.fromkeys(r["share"] for r in curves))
-    lines = [f"{'pages of':>9}" + "".join(f"{s:>13.0%}" for s in shares)]
-    for ps in sizes:
-        lines.append(f"{ps:9d}" + "".join(f"  {r['read']:.2f} {r['recall']:.3f}" for r in curves
-                                          if r["page_size"] == ps))
-    return "\n".join(lines)
