@@ -1,4 +1,4 @@
-"""Notebook 08's data and panels: the study functions (``workbench.shared_prefix.study``), the loaders of the
+"""Notebook 08's data and panels: the study functions (``workbench.shared_prefix.scenarios``), the loaders of the
 committed ``bench shared_prefix`` runs against the files, and the panels headless: they build, every control changes
 the figure, and what they show is what the package computes."""
 
@@ -9,31 +9,31 @@ import pytest
 from panel_controls import control_values, next_value
 
 from workbench.bench import shared_prefix_results as measured
-from workbench.shared_prefix import study
+from workbench.shared_prefix import scenarios
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
 NEW = "shared-prefix-h200-20261202T064526.json"
 
 
 def test_tables_hold_what_the_scenario_says():
-    tables, lens, n = study.build_tables(100, 6, 40, 16, groups=2, fork=50)
+    tables, lens, n = scenarios.build_tables(100, 6, 40, 16, groups=2, fork=50)
     assert len(tables) == 6 and lens == [190] * 6 and n == max(b for t in tables for b in t) + 1
     assert all(t[:6] == tables[0][:6] for t in tables)  # 6 full prompt blocks shared by all
     assert tables[0][6:9] == tables[2][6:9] and tables[0][6] != tables[3][6]  # (4 + 50) // 16 = 3 fork blocks
     with pytest.raises(ValueError, match="groups"):
-        study.build_tables(10, 2, 1, 16, groups=3)
+        scenarios.build_tables(10, 2, 1, 16, groups=3)
     with pytest.raises(ValueError, match="suffix"):
-        study.build_tables(10, 2, -1, 16)
+        scenarios.build_tables(10, 2, -1, 16)
 
 
 @pytest.mark.parametrize("groups", [1, 4])
 def test_program_reads_cover_every_block_of_every_sequence(groups):
-    sc = study.scenario(1000, 12, 70, groups=groups, fork=300 if groups > 1 else 0, rows_per_tile=16)
+    sc = scenarios.scenario(1000, 12, 70, groups=groups, fork=300 if groups > 1 else 0, rows_per_tile=16)
     bs = sc.geo.block_size
     need = {i: t[: -(-n // bs)] for i, (t, n) in enumerate(zip(sc.tables, sc.lens, strict=True))}
-    plain = study.program_reads(sc, "plain", max_programs=1000)
+    plain = scenarios.program_reads(sc, "plain", max_programs=1000)
     assert [p["blocks"] for p in plain] == list(need.values())
-    shared = study.program_reads(sc, "shared", max_programs=1000)
+    shared = scenarios.program_reads(sc, "shared", max_programs=1000)
     got = {i: [] for i in need}
     for s, e, rows in sc.choice.segments:
         for r in rows:
@@ -44,18 +44,18 @@ def test_program_reads_cover_every_block_of_every_sequence(groups):
     tiles = [p for p in shared if p["kind"] == "shared"]
     assert len(tiles) == sum(sc.geo.tiles(len(r)) for *_, r in sc.choice.segments)
     assert sum(p["rows"] for p in tiles) == sum(len(r) * sc.geo.group for *_, r in sc.choice.segments)
-    capped = study.program_reads(sc, "shared", max_programs=5)
+    capped = scenarios.program_reads(sc, "shared", max_programs=5)
     assert len(capped) == 5 and capped[-1]["kind"] == "more"
 
 
 def test_scenario_reads_less_through_the_cascade_and_the_selector_follows_the_model():
-    small, big = study.scenario(128, 4, 128), study.scenario(32768, 64, 128)
+    small, big = scenarios.scenario(128, 4, 128), scenarios.scenario(32768, 64, 128)
     assert small.choice.path == "plain" and big.choice.path == "shared" and big.speedup > 5
     assert big.choice.bytes["cascade"] < big.choice.bytes["plain"] / 10
 
 
 def test_batching_study_groups_sharers():
-    r = study.batching_study(8, 8, 1024, 64, 16, seed=3)
+    r = scenarios.batching_study(8, 8, 1024, 64, 16, seed=3)
     assert r["grouped"] < r["arrival"] < r["plain"]
     assert sorted(i for b in r["grouping"] for i in b) == list(range(64))
 

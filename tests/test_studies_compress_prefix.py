@@ -157,16 +157,16 @@ def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
 
 # ---- notebook 08 -------------------------------------------------------------------------------------------------
 def test_scenario_row_is_the_study_scenario_the_panel_builds(defaults):
-    from workbench.shared_prefix import study
+    from workbench.shared_prefix import scenarios
     from workbench.shared_prefix.decode import cost_model
 
     row = defaults["scenario"]
     assert row["plain_mb"] > row["cascade_mb"] > 0 and row["predicted_speedup"] > 0 and row["plain_us"] > 0
-    sc = study.scenario(1024, 8, 128, num_q_heads=32, num_kv_heads=8, rows_per_tile=64, groups=1, fork=0,
+    sc = scenarios.scenario(1024, 8, 128, num_q_heads=32, num_kv_heads=8, rows_per_tile=64, groups=1, fork=0,
                         model=cost_model("NVIDIA H200", "graph"))
     assert (row["path"], row["predicted_speedup"]) == (sc.choice.path, sc.speedup)
     assert (row["plain_mb"], row["cascade_mb"]) == (sc.choice.bytes["plain"] / 1e6, sc.choice.bytes["cascade"] / 1e6)
-    assert row["block_reads_plain"] == sum(len(p["blocks"]) for p in study.program_reads(sc, "plain", 1000))
+    assert row["block_reads_plain"] == sum(len(p["blocks"]) for p in scenarios.program_reads(sc, "plain", 1000))
     big = sweeps.get("scenario").point(**{**sweeps.get("scenario").defaults(), "prefix": 32768, "sharers": 64,
                                           "groups": 8})
     assert big["cascade_chosen"] and big["predicted_speedup"] > 1 and big["fork_groups"] == 8

@@ -1,4 +1,4 @@
-"""Plotly figures of notebook 08 (shared-prefix decode), built from ``workbench.shared_prefix.study``,
+"""Plotly figures of notebook 08 (shared-prefix decode), built from ``workbench.shared_prefix.scenarios``,
 ``workbench.bench.shared_prefix_results`` and ``workbench.sim.forks`` tables."""
 
 from __future__ import annotations

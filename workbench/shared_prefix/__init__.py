@@ -4,7 +4,8 @@
 - :mod:`.cost`: bytes read by both paths, the cost model fitted to measured times, the selector;
 - :mod:`.decode`: :class:`SharedPrefixDecode`, plain or cascade as the selector says (the kernels:
   ``workbench.kernels.CascadePlan``);
-- :mod:`.batching`: overlap-aware batching (sequences that share blocks run in one batch).
+- :mod:`.batching`: overlap-aware batching (sequences that share blocks run in one batch);
+- :mod:`.scenarios`: notebook 08's batches described by a few numbers, what each path reads (no tensors, no GPU).
 
 docs/shared_prefix.md has the measurements; notebook 08 the panels.
 """

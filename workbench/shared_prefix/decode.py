@@ -17,6 +17,9 @@ import functools
 
 import torch
 
+from workbench.kernels import CascadePlan, DecodePlan, common
+from workbench.kernels.decode import checks
+from workbench.kernels.decode.plan import _values_head_dim
 from workbench.layout import Layout
 from workbench.shared_prefix.cost import CostModel, Geometry, choose
 from workbench.shared_prefix.runs import find_shared_runs
@@ -27,8 +30,6 @@ def cost_model(gpu: str | None = None, mode: str = "graph") -> CostModel:
     """This GPU's fitted cost model (``kernels/tuning/shared_prefix.json``; the file's default GPU if unmeasured):
     ``mode="graph"`` fitted on CUDA-graph replays (how serving engines run decode steps), ``"eager"`` on steps
     launched from Python, where the cascade's extra launches cost far more."""
-    from workbench.kernels import common
-
     if mode not in ("graph", "eager"):
         raise ValueError(f"mode must be 'graph' or 'eager', got {mode!r}")
     name, entries = common.tuning_table("shared_prefix", gpu)
@@ -38,8 +39,6 @@ def cost_model(gpu: str | None = None, mode: str = "graph") -> CostModel:
 
 
 def rows_per_tile_default(gpu: str | None = None) -> int:
-    from workbench.kernels import common
-
     return int(common.tuning_table("shared_prefix", gpu)[1]["rows_per_tile"])
 
 
@@ -80,10 +79,6 @@ class SharedPrefixDecode:
                  k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype,
                  ref_counts=None, path: str = "auto", model: CostModel | None = None, rows_per_tile: int | None = None,
                  **kwargs) -> None:
-        from workbench.kernels import CascadePlan, DecodePlan
-        from workbench.kernels.decode import checks
-        from workbench.kernels.decode.plan import _values_head_dim
-
         if path not in ("auto", "shared", "plain"):
             raise ValueError(f"path must be 'auto', 'shared' or 'plain', got {path!r}")
         layout = Layout.parse(layout)

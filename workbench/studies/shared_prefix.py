@@ -6,7 +6,7 @@ here; ``forks`` runs the block-sharing model of ``workbench.sim.forks`` on the c
 
 from __future__ import annotations
 
-from workbench.shared_prefix import study
+from workbench.shared_prefix import scenarios
 from workbench.shared_prefix.cost import CostModel
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
@@ -22,12 +22,12 @@ ALL_PROGRAMS = 1 << 30  # program_reads lists every program (the panel draws the
 
 
 def scenario(prefix: int, sharers: int, suffix: int, gqa: str, rows_per_tile: int, groups: int, model: CostModel
-             ) -> study.Scenario:
-    """``shared_prefix.study.scenario`` of the controls: ``groups`` is cut to ``sharers`` (with more than one, each
+             ) -> scenarios.Scenario:
+    """``shared_prefix.scenarios.scenario`` of the controls: ``groups`` is cut to ``sharers`` (with more than one, each
     fork group shares 256 more tokens); ``model`` chooses the path and predicts the times."""
     hq, hkv = GQAS[gqa]
     groups = min(groups, sharers)
-    return study.scenario(prefix, sharers, suffix, num_q_heads=hq, num_kv_heads=hkv, rows_per_tile=rows_per_tile,
+    return scenarios.scenario(prefix, sharers, suffix, num_q_heads=hq, num_kv_heads=hkv, rows_per_tile=rows_per_tile,
                           groups=groups, fork=FORK_TOKENS if groups > 1 else 0, model=model)
 
 
@@ -35,11 +35,11 @@ def scenario_point(prefix: int, sharers: int, suffix: int, gqa: str, rows_per_ti
                    timing: str) -> dict:
     """:func:`scenario` under the H200's fitted cost model (``timing``: CUDA-graph or eager fit): the bytes a step
     reads and the predicted time of plain paged decode and the cascade, the path the selector takes, and the programs
-    and block reads of each path (``study.program_reads``, one kv head)."""
+    and block reads of each path (``scenarios.program_reads``, one kv head)."""
     model = cost_model("NVIDIA H200", timing)
     sc = scenario(prefix, sharers, suffix, gqa, rows_per_tile, groups, model)
     b = sc.choice.bytes
-    plain, cascade = (study.program_reads(sc, path, ALL_PROGRAMS) for path in ("plain", "shared"))
+    plain, cascade = (scenarios.program_reads(sc, path, ALL_PROGRAMS) for path in ("plain", "shared"))
     return {"path": sc.choice.path, "cascade_chosen": sc.choice.path == "shared", "predicted_speedup": sc.speedup,
             "plain_us": sc.choice.plain_us, "cascade_us": sc.choice.cascade_us, "plain_mb": b["plain"] / 1e6,
             "cascade_mb": b["cascade"] / 1e6, "shared_mb": b["shared"] / 1e6, "suffix_mb": b["suffix"] / 1e6,

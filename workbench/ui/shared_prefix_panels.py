@@ -3,8 +3,8 @@ by overlap, and sharing in the serving simulator.
 
 The scenario and forks panels are the controls, computation and figures of their studies
 (``workbench.studies.shared_prefix``), which the ``scenario`` and ``forks`` sweeps run too; the others read the
-committed H200 runs (``workbench.bench.shared_prefix_results``) or batch by overlap (``workbench.shared_prefix.study``).
-``shared_prefix_figures`` draws.
+committed H200 runs (``workbench.bench.shared_prefix_results``) or batch by overlap
+(``workbench.shared_prefix.scenarios``). ``shared_prefix_figures`` draws.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import ipywidgets as W
 from workbench.bench import shared_prefix_results as measured
 from workbench.figures import shared_prefix as spf
 from workbench.figures.titles import wrap
-from workbench.shared_prefix import study
+from workbench.shared_prefix import scenarios
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks
 from workbench.studies import shared_prefix as sp
@@ -32,8 +32,8 @@ def scenario_panel(prefix: int = 1024, sharers: int = 8, suffix: int = 128, max_
         sc = sp.scenario(prefix, sharers, suffix, gqa, rows_per_tile, groups, cost_model("NVIDIA H200", timing))
         groups = min(groups, sharers)
         nest = f", {groups} fork groups sharing 256 more" if groups > 1 else ""
-        return {"sc": sc, "plain": study.program_reads(sc, "plain", max_programs),
-                "shared": study.program_reads(sc, "shared", max_programs),
+        return {"sc": sc, "plain": scenarios.program_reads(sc, "plain", max_programs),
+                "shared": scenarios.program_reads(sc, "shared", max_programs),
                 "model": "CUDA-graph" if timing == "graph" else "eager",
                 "title": f"{sharers} sequences over a {prefix}-token prefix{nest}, {suffix} private tokens each, "
                          f"{gqa}"}
@@ -87,7 +87,7 @@ def batching_panel(runs: Sequence[dict] | None = None) -> Panel:
     }
 
     def compute(prompts, samples, prefix, max_batch):
-        res = study.batching_study(prompts, samples, prefix, 256, max_batch)
+        res = scenarios.batching_study(prompts, samples, prefix, 256, max_batch)
         ratio = res["arrival"] / res["grouped"] if res["grouped"] else 1.0
         return {"res": res, "rows": rows,
                 "title": f"{prompts} prompts x {samples} samples ({prefix} + 256 tokens), batches of {max_batch}: "

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from workbench.shared_prefix.batching import group_by_overlap, step_bytes_of_batches
 from workbench.shared_prefix.cost import Choice, CostModel, Geometry, choose
+from workbench.shared_prefix.decode import cost_model
 from workbench.shared_prefix.runs import SharedRun, find_shared_runs
 
 
@@ -68,8 +69,6 @@ def scenario(prefix: int, sharers: int, suffix: int, *, num_q_heads: int = 32, n
              head_dim: int = 128, block_size: int = 16, rows_per_tile: int = 64, elem_bytes: float = 2.0,
              groups: int = 1, fork: int = 0, model: CostModel | None = None) -> Scenario:
     """The batch of :func:`build_tables` and the selector's view of it (default model: the H200's, CUDA graphs)."""
-    from workbench.shared_prefix.decode import cost_model
-
     tables, lens, n = build_tables(prefix, sharers, suffix, block_size, groups, fork)
     geo = Geometry(num_q_heads, num_kv_heads, head_dim, block_size, elem_bytes, rows_per_tile)
     runs = find_shared_runs(tables, lens, block_size)
