@@ -13,12 +13,13 @@ from typing import Generic, TypeVar
 import torch
 import triton.language as tl
 
-from workbench import formats, quant
+from workbench import quant
+from workbench.core import kv_formats
 from workbench.quant import blocks as qblocks
 
 TUNING = Path(__file__).resolve().parent / "tuning"  # measured launch tables, one JSON file per kernel
 
-FP8_DTYPES = tuple(f.storage for f in formats.FORMATS.values() if f.codes == "fp8")
+FP8_DTYPES = tuple(f.storage for f in kv_formats.FORMATS.values() if f.codes == "fp8")
 Q_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the attention kernels take as queries
 
 SCALE_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16}  # the blocks' scale arrays, for the kernels

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from workbench.kernels import DecodePlan, paged_decode
 
-from workbench.argtypes import ensure_writable_dir
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, build_paged
+from workbench.core.argtypes import ensure_writable_dir
 
 
 def measure_case(old, key: str, layout: str, kv_dtype: torch.dtype, rounds: int) -> dict:

@@ -5,7 +5,7 @@ from workbench.kernels import DecodePlan
 
 import workbench  # noqa: F401
 from workbench.bench import shared_prefix as sp
-from workbench.layout import from_nhd
+from workbench.core.layout import from_nhd
 
 for prefix, n, suffix, hq, hkv in [(128, 4, 128, 32, 8), (1024, 16, 100, 32, 32), (128, 1, 77, 32, 8)]:
     p = sp.Point(prefix, n, suffix, hq, hkv)

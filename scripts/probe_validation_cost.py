@@ -17,9 +17,9 @@ import argparse
 import torch
 from workbench.kernels import paged_decode, paged_gather
 
-from workbench.argtypes import ensure_writable_dir
 from workbench.bench import harness
 from workbench.bench.workloads import WORKLOADS, build_paged
+from workbench.core.argtypes import ensure_writable_dir
 
 
 def main(argv=None) -> int:

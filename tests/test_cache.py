@@ -14,7 +14,7 @@ from workbench.kernels.gather.reference import paged_gather_ref
 import workbench
 from workbench.allocator import ByExpectedLength, OutOfBlocks
 from workbench.cache import ALIGN, PagedKVCache
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 
@@ -122,7 +122,7 @@ def flashinfer_read(cache_nhd: torch.Tensor, indptr, indices, last_page_len):
 
 @pytest.mark.parametrize("layout", list(Layout))
 def test_flashinfer_reader_reconstructs_kv(layout):
-    from workbench.layout import to_nhd
+    from workbench.core.layout import to_nhd
 
     cache = PagedKVCache(LAYERS, HEADS, DIM, num_pages=24, page_tokens=4, layout=layout)
     seqs = {"a": [1, 2, 3, 0, 1, 2, 3], "b": [0] * 8, "c": [2]}

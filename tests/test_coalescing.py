@@ -9,7 +9,7 @@ import torch
 
 from workbench.bench import results
 from workbench.coalescing import H200_L2_BYTES, LINE, SECTOR, CacheGeometry, analyze, read_stats, seed_block_size
-from workbench.layout import block_shape, to_nhd
+from workbench.core.layout import block_shape, to_nhd
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

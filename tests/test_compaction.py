@@ -14,7 +14,7 @@ from workbench import compaction
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength, FixedBlockSize, OutOfBlocks
 from workbench.cache import PagedKVCache
 from workbench.compaction import Plan, StalePlan
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

@@ -17,7 +17,7 @@ from workbench.compress import policies
 from workbench.compress.block_keep import block_keep
 from workbench.compress.evict import PARTIAL, evict
 from workbench.compress.evicting_kv import EvictingKV
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 from workbench.model import SMOLLM2_135M, ContiguousKV, Llama, PagedKV, Runner, random_weights
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

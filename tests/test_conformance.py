@@ -26,7 +26,7 @@ from workbench import conformance as C
 from workbench.conformance import builtin, ops, registry
 from workbench.conformance.formats import CAST, SUITE_FORMATS
 from workbench.conformance.starter import MISTAKES, starter_decode
-from workbench.layout import to_nhd
+from workbench.core.layout import to_nhd
 
 # small tensors on a busy 2-core CPU: one torch thread; runs Triton kernels (scripts/gpu_run.sh runs it compiled)
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]

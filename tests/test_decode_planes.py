@@ -15,7 +15,7 @@ from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.write.reference import dequantize_cache_ref, write_cache_ref
 
 from workbench import quant
-from workbench.backend import is_interpreted
+from workbench.core.backend import is_interpreted
 from workbench.quant import blocks as qblocks
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

@@ -6,7 +6,7 @@ from conftest import assert_close_report, dtype_id, poison_like
 from workbench.kernels import paged_gather
 from workbench.kernels.gather.reference import paged_gather_ref
 
-from workbench.layout import Layout, block_shape, from_nhd, to_nhd
+from workbench.core.layout import Layout, block_shape, from_nhd, to_nhd
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 
@@ -67,7 +67,7 @@ def test_gather_rejects_bad_input(device):
 
 
 def test_block_view_checks_the_plane():
-    from workbench.layout import block_view
+    from workbench.core.layout import block_view
 
     plane = torch.empty(4, 256, dtype=torch.float16)  # 4 blocks padded to 512 bytes
     v = block_view(plane, "vllm", "k", 2, 3, 40)  # 240 elements a block: [3, 5, 2, 8]

@@ -8,9 +8,10 @@ import torch
 from workbench.kernels import check_write_kv, write_kv
 
 import workbench
-from workbench import backend, quant
-from workbench.backend import check_kernel_devices, kernel_device_problem
+from workbench import quant
 from workbench.cache import PagedKVCache
+from workbench.core import backend
+from workbench.core.backend import check_kernel_devices, kernel_device_problem
 from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

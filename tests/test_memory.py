@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workbench import memory, spec
+from workbench import memory
+from workbench.core import kv_spec
 
 
 def test_paged_waste_is_last_block_tail():
@@ -64,10 +65,10 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="median"):
         memory.random_batch(4, 100, median=0)
     with pytest.raises(ValueError, match="kv_dtype"):
-        spec.dtype_size("fp7")
+        kv_spec.dtype_size("fp7")
     with pytest.raises(ValueError, match="num_q_heads"):
-        spec.ModelSpec("x", 1, 3, 64, 4)
+        kv_spec.ModelSpec("x", 1, 3, 64, 4)
 
 
 def test_llama13b_is_800kb_per_token():
-    assert spec.model("llama-13b").bytes_per_token("fp16") == 800 * 1024
+    assert kv_spec.model("llama-13b").bytes_per_token("fp16") == 800 * 1024

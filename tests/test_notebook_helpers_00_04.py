@@ -3,9 +3,10 @@
 import pytest
 from workbench.kernels.gather import check_against_reference
 
-from workbench import coalescing, memory, spec
+from workbench import coalescing, memory
 from workbench.allocator import BlockManager, BlockPool
 from workbench.bench import harness
+from workbench.core import kv_spec
 from workbench.sharing import adaptive_blocks, fork_checks, format_adaptive, format_fork_checks, shared_prompt
 from workbench.sim import sweeps
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs
 
 # ------------------------------------------------------------------------------------------------ 00: memory
 def test_max_len_rows_are_the_contiguous_breakdown_of_the_same_requests():
-    bpt = spec.model("llama-7b").bytes_per_token("fp16")
+    bpt = kv_spec.model("llama-7b").bytes_per_token("fp16")
     rows = memory.max_len_rows(64, [512, 2048, 8192], seed=0, bytes_per_token=bpt)
     assert [r["max_len"] for r in rows] == [512, 2048, 8192]
     for r in rows:
@@ -127,7 +128,7 @@ def test_analyze_configs_and_format_analyses():
 
 
 def test_seed_rule_rows():
-    m = spec.model("llama3-8b")
+    m = kv_spec.model("llama3-8b")
     rows = coalescing.seed_rule_rows(coalescing.H200_L2_BYTES, m, [("fp16", "fp16"), ("fp8", "fp8_e4m3")])
     assert [r["tokens"] for r in rows] == [102_400, 204_800]
     assert rows[0]["per_kv_head"] == 12_800 and rows[0]["per_layer"] == 400

@@ -6,7 +6,7 @@ from itertools import combinations, product
 import pytest
 import torch
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 from workbench.pairwise import cover, pairwise
 
 

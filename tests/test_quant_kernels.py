@@ -10,7 +10,7 @@ from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_distance, write_cache_ref, write_kv_ref
 
 from workbench import quant
-from workbench.layout import to_nhd
+from workbench.core.layout import to_nhd
 from workbench.quant import blocks as qblocks
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

@@ -16,7 +16,7 @@ from workbench.kernels.write.reference import quant_code_distance
 import workbench
 from workbench import quant
 from workbench.cache import PagedKVCache
-from workbench.layout import to_nhd
+from workbench.core.layout import to_nhd
 from workbench.quant import blocks as qblocks
 
 pytestmark = pytest.mark.kernels

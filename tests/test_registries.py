@@ -87,16 +87,17 @@ def test_manager_refuses_a_policy_that_is_not_a_config():
         BlockManager(BlockPool(4, 16), Duck())
 
 
-# ---- KV formats (workbench.formats): one table that every other module asks -----------------
+# ---- KV formats (workbench.core.kv_formats): one table that every other module asks -----------------
 def test_formats_agree_with_spec_cache_and_kernels():
     import torch
     from workbench.kernels.write import quant_mode
 
-    from workbench import formats, quant, spec
+    from workbench import quant
     from workbench.cache import PagedKVCache
+    from workbench.core import kv_formats, kv_spec
 
-    for name, fmt in formats.FORMATS.items():
-        assert spec.dtype_size(name) == fmt.bytes_per_value and spec.TORCH_DTYPES[name] == fmt.storage
+    for name, fmt in kv_formats.FORMATS.items():
+        assert kv_spec.dtype_size(name) == fmt.bytes_per_value and kv_spec.TORCH_DTYPES[name] == fmt.storage
         schemes = [s for s in quant.SCHEMES.values() if s.format_name == name]
         assert schemes and all(s.format is fmt for s in schemes), f"no quant scheme stores {name}"
         if name in ("uint8", "int4", "int2"):  # codes whose scales live in the blocks: named by scheme only
@@ -108,25 +109,25 @@ def test_formats_agree_with_spec_cache_and_kernels():
         assert (qmin, qmax) == (fmt.qmin, fmt.qmax) and (mode == 0) == (not fmt.quantized)
     with pytest.raises(ValueError, match="uint8 codes"):
         PagedKVCache(1, 2, 16, num_pages=2, kv_dtype=torch.uint8)
-    assert formats.get("fp8") is formats.FORMATS["fp8_e4m3"] and formats.get(torch.int8).name == "int8"
+    assert kv_formats.get("fp8") is kv_formats.FORMATS["fp8_e4m3"] and kv_formats.get(torch.int8).name == "int8"
     with pytest.raises(ValueError, match="kv_dtype"):
-        formats.get("fp7")
+        kv_formats.get("fp7")
 
 
 def test_scale_granularity_is_checked_per_kernel():
     import torch
 
-    from workbench import formats
+    from workbench.core import kv_formats
 
-    fp8 = formats.get("fp8_e4m3")
+    fp8 = kv_formats.get("fp8_e4m3")
     assert fp8.check_scale("k_scale", torch.ones(1), 4) == "tensor"
     assert fp8.check_scale("k_scale", torch.ones(4), 4) == "head"
     assert fp8.check_scale("k_scale", torch.ones(4), 4, kernel="decode") == "head"
-    assert formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode") == "tensor"
+    assert kv_formats.get("int8").check_scale("k_scale", torch.ones(1), 4, kernel="decode") == "tensor"
     with pytest.raises(ValueError, match="k_scale.*1 value or 4 values"):
         fp8.check_scale("k_scale", torch.ones(3), 4, kernel="decode")
     with pytest.raises(ValueError, match="only for quantized"):
-        formats.get("fp16").check_scale("k_scale", torch.ones(1), 4)
+        kv_formats.get("fp16").check_scale("k_scale", torch.ones(1), 4)
 
 
 def test_decode_refuses_a_format_it_cannot_read_naming_it():

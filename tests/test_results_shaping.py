@@ -3,7 +3,7 @@
 import pytest
 
 from workbench.bench import results
-from workbench.spec import dtype_size
+from workbench.core.kv_spec import dtype_size
 
 
 def row(**kw):

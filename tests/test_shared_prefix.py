@@ -16,7 +16,7 @@ from workbench.kernels import CascadePlan
 from workbench.kernels.decode.reference import cascade_decode_ref, paged_decode_ref
 
 import workbench
-from workbench.layout import from_nhd
+from workbench.core.layout import from_nhd
 from workbench.shared_prefix import (
     CostModel,
     Geometry,

@@ -14,7 +14,7 @@ from workbench.kernels.write.reference import quant_code_distance, write_kv_ref
 
 import workbench
 from workbench import quant
-from workbench.layout import to_nhd
+from workbench.core.layout import to_nhd
 from workbench.quant import blocks as qblocks
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from test_write_families import DEV, DYNAMIC, POISON, awkward, group_slots, scheme_for
 from workbench.kernels.write import dynamic as dyn
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 from workbench.quant import blocks as qblocks
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled

@@ -1,6 +1,6 @@
 """Paged KV-cache workbench: blocks, block tables, layouts, kernels and their analysis.
 
-Importing the package first fixes the execution backend (``workbench.backend``), so the
+Importing the package first fixes the execution backend (``workbench.core.backend``), so the
 Triton kernels in ``workbench.kernels`` run compiled on a GPU and interpreted on a CPU.
 """
 
@@ -8,10 +8,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from . import backend  # noqa: F401  (must run before any kernel module is imported)
-from .backend import device, is_interpreted
+from .core.backend import device, is_interpreted  # runs the backend's choice before any kernel module is imported
 
-__all__ = ["backend", "device", "is_interpreted"]
+__all__ = ["device", "is_interpreted"]
 __version__ = "0.1.0"
 
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 
 import workbench
-from workbench.argtypes import ensure_writable_dir, positive_int
-from workbench.backend import describe
 from workbench.bench import BENCHMARKS
+from workbench.core.argtypes import ensure_writable_dir, positive_int
+from workbench.core.backend import describe
 from workbench.model.cli import cpu_threads
 from workbench.sim import cli as sim_cli
 

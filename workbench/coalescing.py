@@ -1,7 +1,7 @@
 """Which 128-byte lines and 32-byte sectors a warp touches when it reads K or V, from the real strides.
 
 A model of the memory transactions of one read, computed from a layout's address formula
-(:class:`workbench.layout.Addressing`, read off a tensor with the exact block stride), so it
+(:class:`workbench.core.layout.Addressing`, read off a tensor with the exact block stride), so it
 runs anywhere. Two reads of one kv head (the unit a decode program works on):
 
 - a **token read**: one token's ``head_dim`` values (what the seed's "coalesced access" means);
@@ -33,7 +33,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from workbench.layout import Addressing, Layout, addressing, block_shape
+from workbench.core.layout import Addressing, Layout, addressing, block_shape
 
 LINE = 128  # bytes: an L2 line, one fully coalesced warp transaction
 SECTOR = 32  # bytes: what DRAM and L2 move
@@ -61,7 +61,7 @@ class CacheGeometry:
     Block ``b`` starts at byte ``base_offset + b * (block_bytes + pad_bytes)``.
 
     Attributes:
-        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"`` (``workbench.layout``).
+        layout: ``"nhd"``, ``"hnd"`` or ``"vllm"`` (``workbench.core.layout``).
         kind: ``"k"`` or ``"v"`` (differs only for ``vllm``).
         block_size: tokens per block.
         num_kv_heads: kv heads stored in a block.
@@ -392,13 +392,13 @@ def format_analyses(analyses: dict[str, Coalescing]) -> str:
 
 
 def seed_rule_rows(l2_bytes: float, model, kv_dtypes) -> list[dict]:
-    """The seed's block-size rule (:func:`seed_block_size`) for ``model`` (a ``workbench.spec`` model) in each
+    """The seed's block-size rule (:func:`seed_block_size`) for ``model`` (a ``workbench.core.kv_spec`` model) in each
     ``(name, kv_dtype)`` of ``kv_dtypes``: the tokens it gives, then per kv head and per layer as well."""
-    from workbench import spec
+    from workbench.core import kv_spec
 
     rows = []
     for name, dtype in kv_dtypes:
-        size = spec.dtype_size(dtype)
+        size = kv_spec.dtype_size(dtype)
         tokens = seed_block_size(l2_bytes, model.head_dim, size)
         rows.append({"name": name, "kv_dtype": dtype, "dtype_size": size, "head_dim": model.head_dim,
                      "tokens": tokens, "num_kv_heads": model.num_kv_heads, "per_kv_head": tokens / model.num_kv_heads,

@@ -45,7 +45,7 @@ from itertools import islice
 import torch
 
 from workbench.allocator import AllocatorError, BlockManager, BlockPool
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 PACK_MODES = ("dense", "low")
 CACHED_MODES = ("move", "evict")
@@ -370,7 +370,7 @@ def _was_clean(pool: BlockPool, dirty: dict[int, int], bs: int, bid: int) -> boo
 
 
 def _token_axis(layout: Layout, kind: str) -> int:
-    """Axis of the token within one block of ``layout`` (see ``workbench.layout.block_shape``)."""
+    """Axis of the token within one block of ``layout`` (see ``workbench.core.layout.block_shape``)."""
     return {Layout.NHD: 0, Layout.HND: 1}.get(layout, 2)  # vLLM: key [H, D/x, bs, x], value [H, D, bs]
 
 

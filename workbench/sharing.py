@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 if TYPE_CHECKING:
     from workbench.cache import PagedKVCache

@@ -6,7 +6,7 @@ from collections import OrderedDict
 
 import torch
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from .. import common
 from ..validate import capturing
@@ -41,7 +41,7 @@ def paged_decode(
 
     Args:
         q: ``[B, Hq, D]`` fp16/bf16/fp32 queries (one token per sequence).
-        k_cache: one layer's K cache in ``layout`` (``workbench.layout``), dtype q's or fp8
+        k_cache: one layer's K cache in ``layout`` (``workbench.core.layout``), dtype q's or fp8
             (e4m3fn / e5m2); any block stride (padded blocks are fine), unit stride inside a row.
         v_cache: the V cache, same layout and dtype.
         layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.

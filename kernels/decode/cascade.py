@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from .. import common
 from . import checks as _checks

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench import formats
-from workbench.layout import Layout, to_nhd
+from workbench.core import kv_formats
+from workbench.core.layout import Layout, to_nhd
 
 from ..validate import check_table_tensors
 
@@ -32,11 +32,11 @@ def _check_inputs(q, k_cache, v_cache, layout, block_table, seq_lens, out, schem
     return B, Hq, D, hkv, block_size
 
 
-def _format_of(dtype: torch.dtype) -> formats.KVFormat:
+def _format_of(dtype: torch.dtype) -> kv_formats.KVFormat:
     try:
-        return formats.get(dtype)
+        return kv_formats.get(dtype)
     except ValueError:
-        raise ValueError(f"k_cache dtype {dtype} is not a kv format (workbench.formats)") from None
+        raise ValueError(f"k_cache dtype {dtype} is not a kv format (workbench.core.kv_formats)") from None
 
 
 def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int, int]:
@@ -49,7 +49,7 @@ def _cache_geometry(k_cache, v_cache, layout, q_dtype, device) -> tuple[int, int
         raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
     fmt = _format_of(k_cache.dtype)
     if not fmt.decodable:
-        readable = sorted(n for n, f in formats.FORMATS.items() if f.decodable)
+        readable = sorted(n for n, f in kv_formats.FORMATS.items() if f.decodable)
         raise ValueError(f"k_cache stores kv format {fmt.name}, which paged decode cannot read (no decode kernel); "
                          f"it reads {readable}")
     if k_cache.dtype != q_dtype and not fmt.quantized:

@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 import torch
 
-from workbench import backend
-from workbench.layout import Layout, addressing
+from workbench.core import backend
+from workbench.core.layout import Layout, addressing
 
 from .. import common
 

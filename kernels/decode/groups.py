@@ -34,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from .kernel import _page_rows
 

@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from .. import common
 from .. import validate as _validate

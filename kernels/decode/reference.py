@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from ..gather.reference import paged_gather_ref
 from ..write.reference import dequantize_cache_ref

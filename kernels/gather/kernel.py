@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout, addressing, from_nhd, to_nhd
+from workbench.core.layout import Layout, addressing, from_nhd, to_nhd
 
 from ..validate import check_table_tensors, table_stats
 from .reference import paged_gather_ref
@@ -62,7 +62,7 @@ def paged_gather(
     """Copy every sequence's tokens out of the paged cache, packed in order.
 
     Args:
-        cache: one K or V cache tensor in ``layout`` (see ``workbench.layout``).
+        cache: one K or V cache tensor in ``layout`` (see ``workbench.core.layout``).
         layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
         kind: ``"k"`` or ``"v"`` (the vllm layout stores them differently).
         block_table: ``[B, max_blocks]`` int32, physical block of each logical block.

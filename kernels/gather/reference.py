@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.layout import Layout, to_nhd
+from workbench.core.layout import Layout, to_nhd
 
 
 def paged_gather_ref(

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from workbench import quant
-from workbench.backend import is_interpreted
-from workbench.layout import Layout, addressing
+from workbench.core.backend import is_interpreted
+from workbench.core.layout import Layout, addressing
 
 from .. import common
 
@@ -37,7 +37,7 @@ def _key_bounds_kernel(
     ks_ptr,  # fp32 static key scale, one or [Hkv] (SCALE_PTR)
     s_sc_h,  # head stride of ks_ptr (0: per tensor)
     num_heads,
-    s_blk, s_tok, s_head, s_dgrp, s_d,  # K cache element strides (workbench.layout.addressing)
+    s_blk, s_tok, s_head, s_dgrp, s_d,  # K cache element strides (workbench.core.layout.addressing)
     s_ob, s_oh,  # bounds strides of a block and a head (min at +0, max at +HEAD_DIM)
     sc_blk, sc_off, sc_tg, sc_h, z_off,  # per-token scales in the blocks (QMODE 2, 3), in scale elements
     HEAD_DIM: tl.constexpr,

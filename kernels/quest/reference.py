@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 from ..write.reference import dequantize_cache_ref
 

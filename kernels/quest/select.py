@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.backend import is_interpreted
+from workbench.core.backend import is_interpreted
 
 from .. import common
 

@@ -8,9 +8,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-from workbench import formats
-from workbench.backend import kernel_device_problem
-from workbench.layout import Layout, addressing
+from workbench.core import kv_formats
+from workbench.core.backend import kernel_device_problem
+from workbench.core.layout import Layout, addressing
 from workbench.quant import blocks as qblocks
 
 from .. import common
@@ -41,7 +41,7 @@ def _row_align(a, elem_size: int) -> int:
 
 
 def _cache_geometry(cache: torch.Tensor, layout: Layout, kind: str) -> tuple[int, int, int, int]:
-    """``(blocks, block_size, heads, head_dim)`` of one cache, read off its shape (workbench.layout)."""
+    """``(blocks, block_size, heads, head_dim)`` of one cache, read off its shape (workbench.core.layout)."""
     s = cache.shape
     if layout is Layout.NHD:
         return s[0], s[1], s[2], s[3]
@@ -71,7 +71,7 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim
             raise ValueError(f"{name} must be a tensor, got {type(cache).__name__}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
-    writable = [f.storage for f in formats.FORMATS.values() if f.writable]
+    writable = [f.storage for f in kv_formats.FORMATS.values() if f.writable]
     if k_cache.dtype not in writable:
         raise ValueError(f"k_cache dtype must be one of {writable} (formats with a write kernel), got {k_cache.dtype}")
     shapes = {}
@@ -241,7 +241,7 @@ def write_kv(
     Args:
         key: ``[T, H, D]`` fp32/fp16/bf16, any token/head strides, unit stride in ``D``.
         value: ``[T, H, D]``, like ``key``.
-        k_cache: one layer's K cache in ``layout`` (``workbench.layout``; padded block strides are fine).
+        k_cache: one layer's K cache in ``layout`` (``workbench.core.layout``; padded block strides are fine).
         v_cache: one layer's V cache, same dtype, blocks and block size as ``k_cache``.
         layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
         slot_mapping: ``[T]`` int32/int64, ``block * block_size + offset``; ``-1`` skips the token.

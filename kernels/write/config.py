@@ -9,17 +9,17 @@ import torch
 import triton
 
 import workbench
-from workbench import formats
-from workbench.layout import Layout
+from workbench.core import kv_formats
+from workbench.core.layout import Layout
 
 from .. import common
 from .kernel import QUANT_FP8, QUANT_INT8, QUANT_MATHS, QUANT_NONE, SCHEMES
 
 
 def quant_mode(dtype: torch.dtype) -> tuple[int, float, float]:
-    """``(QUANT, QMIN, QMAX)`` for a cache dtype, from its format (``workbench.formats``): cast, fp8
+    """``(QUANT, QMIN, QMAX)`` for a cache dtype, from its format (``workbench.core.kv_formats``): cast, fp8
     (saturating at +-max) or int (rounded, clamped to the code range)."""
-    fmt = formats.get(dtype)
+    fmt = kv_formats.get(dtype)
     return {"cast": QUANT_NONE, "fp8": QUANT_FP8, "int": QUANT_INT8}[fmt.codes], fmt.qmin, fmt.qmax
 
 

@@ -14,7 +14,7 @@ tiles sized by bytes. The generic kernel below (one kernel of modes; :data:`WRIT
 - ``MODE 4`` keys per channel over the program's ``BLOCK_T`` tokens, one group (``key_mode="channel"``): the
   tokens must be one whole group of consecutive slots (the wrapper checks).
 
-The codes go where the layout says (``workbench.layout``'s address formula, over ``code_dim`` elements a row);
+The codes go where the layout says (``workbench.core.layout``'s address formula, over ``code_dim`` elements a row);
 the scales go into the same block, after its codes (``workbench.quant.blocks``), so they travel with it.
 Non-finite inputs are counted into ``bad_ptr`` (one int32 per call), never silently spread: their rows
 get NaN scales, and the count says how many values were bad.
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.layout import Layout, addressing
+from workbench.core.layout import Layout, addressing
 from workbench.quant import Scheme
 from workbench.quant import blocks as qblocks
 

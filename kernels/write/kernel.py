@@ -53,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from workbench.backend import is_interpreted
+from workbench.core.backend import is_interpreted
 
 from .. import common
 from .qmath import _div_rcp, _div_rcp_signed
@@ -261,7 +261,7 @@ def _rows_store(
     S_D: tl.constexpr, X: tl.constexpr, SPLIT: tl.constexpr, RUN: tl.constexpr,
     A_ROW: tl.constexpr, A_RUN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Store codes ``b_q`` ``[BLOCK_H, BLOCK_T, BLOCK_D]`` into one cache (the address formula of workbench.layout)."""
+    """Store codes ``b_q`` ``[BLOCK_H, BLOCK_T, BLOCK_D]`` into one cache (the address formula of workbench.core.layout)."""
     o_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
     m_d = o_d < head_dim
     if SPLIT:  # vLLM split key: 16-byte groups of d, tokens between groups

@@ -18,7 +18,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from workbench.backend import is_interpreted
+from workbench.core.backend import is_interpreted
 
 __all__ = ["ROUND_MAGIC", "TINY_SCALE", "block_shift", "rcp32"]
 
@@ -143,7 +143,7 @@ def _slot_rows(slot_ptr, o_t, num_tokens, block_size, num_slots, SHIFT: tl.const
 
 @triton.jit
 def _columns(o_j, s_dgrp, S_D: tl.constexpr, X: tl.constexpr, DC: tl.constexpr):
-    """Offsets of bytes ``o_j`` of a row in the layout (``workbench.layout``); no division where a row is one
+    """Offsets of bytes ``o_j`` of a row in the layout (``workbench.core.layout``); no division where a row is one
     group (``X >= DC``), which keeps the stores' vectors (and the loads' layout) what the loads proved."""
     if X >= DC:
         o_col = o_j.to(tl.int64) * S_D

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from workbench import formats
-from workbench.layout import Layout, to_nhd
+from workbench.core import kv_formats
+from workbench.core.layout import Layout, to_nhd
 from workbench.quant import blocks as qblocks
 
 
@@ -23,7 +23,7 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     saturating). int8: ``clamp(round_half_even(x / scale), -128, 127)``. ``scale`` is fp32 with one
     element (per tensor) or ``[H]`` (per kv head).
     """
-    fmt = formats.get(dtype)
+    fmt = kv_formats.get(dtype)
     if not fmt.quantized:
         return x.to(dtype)
     s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
@@ -39,7 +39,7 @@ def quantize_rcp_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -
     ``x / scale``, so a code can differ from :func:`quantize_ref`'s by one near a midpoint."""
     s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
     q = x.float() * (1.0 / s.float())
-    fmt = formats.get(dtype)
+    fmt = kv_formats.get(dtype)
     if fmt.codes == "int":
         return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
     return q.clamp(fmt.qmin, fmt.qmax).to(dtype)

@@ -1,6 +1,6 @@
 """Block-size policies: which size class a new sequence's blocks come from.
 
-The pattern of every policy in the workbench (``workbench.registry``): a frozen config with a
+The pattern of every policy in the workbench (``workbench.core.policy_registry``): a frozen config with a
 ``label`` and ``build(ctx)``, which returns the state object that does the work. A block-size
 state has ``choose(prompt_len, expected_len) -> block_size``, ``observe(final_len, prompt_len)``
 (called when a sequence is freed, so a policy can learn output lengths) and ``copy()`` (a manager's
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from workbench.allocator.errors import positive
-from workbench.registry import lookup
+from workbench.core.policy_registry import lookup
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from workbench.allocator import BlockManager, BlockPool
-from workbench.argtypes import positive_float
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.core.argtypes import positive_float
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:

@@ -44,11 +44,11 @@ import torch
 import triton
 
 from workbench import quant
-from workbench.backend import is_interpreted
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.bench.quant_decode import PAGE, bench_scheme
 from workbench.bench.workloads import WORKLOADS
+from workbench.core.backend import is_interpreted
 from workbench.kernels import DecodePlan
 from workbench.kernels.write import write_launches as launches_of
 from workbench.quant import blocks as qblocks

@@ -34,7 +34,6 @@ import torch
 from tqdm import tqdm
 
 import workbench
-from workbench.argtypes import positive_float, writable_dir
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.decode_timing import (
@@ -53,7 +52,8 @@ from workbench.conformance.journal import Journal, digest
 from workbench.conformance.loading import load_module
 from workbench.conformance.problems import csr_export
 from workbench.conformance.registry import ABSENT, Impl, available, get
-from workbench.layout import Layout
+from workbench.core.argtypes import positive_float, writable_dir
+from workbench.core.layout import Layout
 
 TOL = 2e-2  # rel_err a row must reach against the float32 reference before it is timed
 

@@ -27,11 +27,11 @@ from tqdm import tqdm
 import workbench
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
+from workbench.core.layout import Layout, block_shape, block_view
 from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels.copy.reference import copy_blocks_ref
 from workbench.kernels.write import WriteConfig, launch_config
 from workbench.kernels.write.reference import quant_code_distance, write_kv_ref
-from workbench.layout import Layout, block_shape, block_view
 
 COLUMNS = [
     "workload", "impl", "variant", "layout", "block_size", "kv_dtype", "tokens", "time_us", "time_us_graph",

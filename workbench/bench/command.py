@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from workbench import backend
-from workbench.argtypes import writable_dir
 from workbench.bench import harness
+from workbench.core import backend
+from workbench.core.argtypes import writable_dir
 
 OUT_HELP = "result folder (default results/, git-ignored; data/results holds the committed ones)"
 SMOKE_HELP = "tiny shapes, correctness only (the Triton interpreter on a CPU)"  # the GPU benchmarks' --smoke

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 import zstandard
 
-from workbench.argtypes import positive_int
 from workbench.bench import harness, tier_results
 from workbench.bench.command import BenchParser
 from workbench.compress import delta_study as study
 from workbench.compress.delta_options import check_level
+from workbench.core.argtypes import positive_int
 from workbench.model import capture
 from workbench.tiers.link import latest_link_model
 

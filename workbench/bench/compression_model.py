@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.compress import model_study as study
+from workbench.core.argtypes import positive_int
 from workbench.model import gguf_weights, load_smollm2
 
 

@@ -18,13 +18,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from workbench import formats
 from workbench.bench import harness
 from workbench.bench.workloads import PagedKV
+from workbench.core import kv_formats
 from workbench.kernels import DecodePlan, decode_config
 
 PEERS = ("sdpa_contiguous", "gather_sdpa", "flex_paged")
-DTYPES = {name: formats.get(name).storage for name in ("fp16", "bf16", "fp8_e4m3")}  # the formats timed
+DTYPES = {name: kv_formats.get(name).storage for name in ("fp16", "bf16", "fp8_e4m3")}  # the formats timed
 
 
 def ref_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 8) -> torch.Tensor:

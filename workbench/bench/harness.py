@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from workbench.argtypes import ensure_writable_dir
+from workbench.core.argtypes import ensure_writable_dir
 from workbench.provenance import machine_meta  # noqa: F401  (re-exported: every benchmark stamps its rows)
 
 ROOT = Path(__file__).resolve().parents[2]

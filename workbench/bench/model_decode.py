@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.cache import PagedKVCache
+from workbench.core.argtypes import positive_int
 from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
 from workbench.model.gguf_weights import read_gguf
 from workbench.model.graph import GraphDecoder

@@ -23,9 +23,9 @@ import time
 import torch
 
 from workbench import quant
-from workbench.argtypes import positive_int
 from workbench.bench import harness
 from workbench.bench.command import BenchParser
+from workbench.core.argtypes import positive_int
 from workbench.model import gguf_weights, quality
 from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
 

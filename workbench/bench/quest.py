@@ -48,11 +48,11 @@ import sys
 import torch
 
 import workbench  # noqa: F401  (backend first)
-from workbench.argtypes import positive_float, positive_int, positive_int_list
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.workloads import PagedKV, Workload, build_paged
 from workbench.compress.page_selection import quest_recall, select_pages
+from workbench.core.argtypes import positive_float, positive_int, positive_int_list
 from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores

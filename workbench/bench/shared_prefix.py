@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 
 import workbench  # noqa: F401  (backend first)
-from workbench.argtypes import positive_float, positive_int_list
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
+from workbench.core.argtypes import positive_float, positive_int_list
 from workbench.kernels import CascadePlan, DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.shared_prefix import (

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from workbench.layout import Layout, block_shape, to_nhd
+from workbench.core.layout import Layout, block_shape, to_nhd
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def build_paged(
 
     Args:
         w: the workload.
-        layout: storage layout (``workbench.layout``).
+        layout: storage layout (``workbench.core.layout``).
         block_size: tokens per block.
         kv_dtype: storage dtype (fp8 allowed; its values are then normal draws rounded to fp8).
         q_dtype: query dtype, default ``kv_dtype`` (fp16 for 1-byte caches).

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from workbench import backend, kernels
+from workbench import kernels
 from workbench.cache.storage import Storage
+from workbench.core import backend
 from workbench.kernels.decode.reference import decode_cache_ref
 from workbench.kernels.quest.reference import key_bounds_ref
 from workbench.kernels.write.config import interpreter_launch

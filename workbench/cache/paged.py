@@ -21,7 +21,7 @@ from workbench.cache.residual import ResidualWindow
 from workbench.cache.step import DecodeStep
 from workbench.cache.storage import Storage
 from workbench.cache.write_checks import check_kv
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 
 class PagedKVCache:
@@ -77,7 +77,7 @@ class PagedKVCache:
         self._ops = OPS[ops]  # the backend every write, copy, key-bound refresh and decode goes through
         self.layout = Layout.parse(layout)
         self.scheme = quant.resolve(kv_dtype)  # workbench.quant: codes, scales, residual
-        self.format = self.scheme.format  # workbench.formats: what the kernels and references ask
+        self.format = self.scheme.format  # workbench.core.kv_formats: what the kernels and references ask
         self.dtype = self.format.storage
         self.device = torch.device(device) if device is not None else workbench.device()
         self._ops.check_device(self.device)

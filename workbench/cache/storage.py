@@ -3,7 +3,7 @@
 The buffer is viewed as ``pool`` ``[num_layers, 2, num_pages, page_elems]`` (dim 1: 0 = K, 1 = V). A page of
 ``page_tokens`` token slots is carved into blocks of one size class (``workbench.allocator``); block ``b`` of size
 class ``bs`` starts at element ``b * block_stride(bs)`` of a layer's K (or V) *plane*, and :meth:`Storage.k_cache`
-views that plane in the chosen layout (``workbench.layout``) for the kernels.
+views that plane in the chosen layout (``workbench.core.layout``) for the kernels.
 
 Alignment: the pool starts on a 128-byte boundary and every block's stride is a multiple of 128 bytes, so each
 block begins on its own L2 line / 128-byte transaction boundary. ``page_bytes`` is ``page_tokens * heads *
@@ -18,8 +18,8 @@ import math
 import torch
 
 from workbench.allocator import BlockPool
+from workbench.core.layout import Layout, block_shape, block_view
 from workbench.kernels.common import check_kernel_shape
-from workbench.layout import Layout, block_shape, block_view
 from workbench.quant import blocks as qblocks
 
 ALIGN = 128  # bytes: one L2 line, one full coalesced warp transaction

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench import formats
+from workbench.core import kv_formats
 
 
 @dataclass(frozen=True)
@@ -132,5 +132,5 @@ class CSRStore:
 def csr_nbytes(nnz: int, rows: int, head_dim: int, kv_dtype: str = "fp16", index_bytes: int = 4) -> int:
     """Bytes of a CSR store of ``nnz`` entries in ``rows`` rows: K and V values (``2 * nnz * head_dim`` in
     ``kv_dtype``), one index per entry and ``rows + 1`` row pointers (``index_bytes`` each)."""
-    value = formats.get(kv_dtype).bytes_per_value
+    value = kv_formats.get(kv_dtype).bytes_per_value
     return int(2 * nnz * head_dim * value) + index_bytes * (nnz + rows + 1)

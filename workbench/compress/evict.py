@@ -50,7 +50,7 @@ from workbench.allocator import OutOfBlocks
 from workbench.cache import PagedKVCache
 from workbench.compress.block_keep import PARTIAL, block_keep
 from workbench.compress.observation import Observation, attention_error, attention_output
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
 from workbench.quant import blocks as qblocks
 

@@ -1,6 +1,6 @@
 """KV sparsification policies behind one registry: which prompt tokens a sequence keeps in its paged cache.
 
-The registry pattern of ``workbench.registry`` (as ``workbench.sim.strategies``): a frozen, validated config kept
+The registry pattern of ``workbench.core.policy_registry`` (as ``workbench.sim.strategies``): a frozen, validated config kept
 by name in :data:`POLICIES`, :func:`get` ``(name, **overrides)``, a ``label``. A policy sees one sequence through
 an :class:`~workbench.compress.observation.Observation` and answers
 
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from workbench.compress.csr import CSRStore
 from workbench.compress.observation import Observation, attention_probs
 from workbench.compress.page_selection import page_key_bounds, page_upper_bounds
-from workbench.registry import lookup
+from workbench.core.policy_registry import lookup
 
 NAMES = ("full", "streaming", "h2o", "snapkv", "threshold", "quest")
 

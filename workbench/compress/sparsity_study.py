@@ -36,11 +36,11 @@ from dataclasses import replace
 
 import torch
 
-from workbench import formats
 from workbench.compress import policies
 from workbench.compress.block_keep import PARTIAL, BlockKeep, block_keep
 from workbench.compress.csr import CSRStore, csr_nbytes
 from workbench.compress.observation import Observation, attention_output, observations, relative_error
+from workbench.core import kv_formats
 
 THRESHOLDS = (0.001, 0.003, 0.01, 0.03)  # the threshold policy's "budgets": attention probabilities
 # options of each policy in the study (a share of the budget for the recent window: a fixed 32-token window would
@@ -128,7 +128,7 @@ def score_policies(captures: Sequence, names: Iterable[str] = policies.NAMES,
     if not partials or any(p not in RULES for p in partials):
         raise ValueError(f"partial must be among {RULES}, got {partial!r}")
     opts = STUDY_OPTIONS if options is None else options
-    value = formats.get(kv_dtype).bytes_per_value
+    value = kv_formats.get(kv_dtype).bytes_per_value
     rows = []
     for prompt, layers, obs in observations(captures):
         L, T, H, D = obs.k.shape

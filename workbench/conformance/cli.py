@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from workbench.argtypes import ensure_writable_dir, positive_float, positive_int
 from workbench.conformance import exchange
 from workbench.conformance.cases import LEVELS, cases_for
 from workbench.conformance.loading import load_module
@@ -32,6 +31,7 @@ from workbench.conformance.ops import OPS
 from workbench.conformance.problems import Case
 from workbench.conformance.registry import ABSENT, available, get
 from workbench.conformance.suite import check
+from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
 from workbench.provenance import machine_meta
 
 

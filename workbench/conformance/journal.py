@@ -15,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from workbench.argtypes import ensure_writable_dir
+from workbench.core.argtypes import ensure_writable_dir
 
 
 def digest(keys) -> str:

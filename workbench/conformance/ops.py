@@ -23,7 +23,7 @@ _DECODE_ARGS = {
     "q": "[B, Hq, D] queries, one token per sequence (fp16 / bf16 / fp32)",
     "k_cache": "one layer's K cache in `layout`: [blocks, ...] (padded block strides possible)",
     "v_cache": "one layer's V cache, same layout and blocks",
-    "layout": "'nhd', 'hnd' or 'vllm' (workbench.layout)",
+    "layout": "'nhd', 'hnd' or 'vllm' (workbench.core.layout)",
     "block_size": "tokens per block",
     "block_table": "[B, max_blocks] int32 physical block ids; entries past a sequence's blocks are padding",
     "seq_lens": "[B] int32 context lengths (0 allowed)",

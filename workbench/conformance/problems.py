@@ -26,7 +26,7 @@ import torch
 from workbench import quant
 from workbench.conformance.formats import SUITE_FORMATS
 from workbench.conformance.ops import OPS
-from workbench.layout import Layout, block_view
+from workbench.core.layout import Layout, block_view
 from workbench.quant import blocks as qblocks
 
 # The references (workbench.kernels.<op>.reference) are imported by the builders that use them: workbench.kernels

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from workbench.conformance.formats import SUITE_FORMATS
 from workbench.conformance.ops import OPS, Op
 from workbench.conformance.problems import row_alignment
-from workbench.layout import Layout
+from workbench.core.layout import Layout
 
 ORIGINS = ("ours", "reference", "peer", "example", "user")
 

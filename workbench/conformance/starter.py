@@ -21,9 +21,9 @@ import functools
 import triton
 import triton.language as tl
 
-from workbench.backend import is_interpreted
 from workbench.conformance import registry, suite
-from workbench.layout import Layout, addressing, to_nhd
+from workbench.core.backend import is_interpreted
+from workbench.core.layout import Layout, addressing, to_nhd
 
 MISTAKES = {"none": 0, "mask": 1, "gqa": 2, "block": 3}
 

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     n = SMOLLM2_135M.num_hidden_layers
     if layers is not None and not (layers and all(0 <= x < n for x in layers)):
         parser.error(f"argument --layers: layers must be in [0, {n}), got {args.layers!r}")
-    from workbench.argtypes import writable_dir
+    from workbench.core.argtypes import writable_dir
 
     writable_dir(parser, args.out)  # before the model runs (23 s), not after: a file there is a one-line error
     from workbench.model.gguf_weights import model_available

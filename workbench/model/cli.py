@@ -26,7 +26,7 @@ def cpu_threads(device_type: str, requested: int | None = None) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     from workbench import quant
-    from workbench.argtypes import positive_int
+    from workbench.core.argtypes import positive_int
 
     p = argparse.ArgumentParser(prog="python -m workbench generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

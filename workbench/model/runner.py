@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbench.backend import kernel_device_problem
+from workbench.core.backend import kernel_device_problem
 from workbench.model.llama import Llama, causal_attention
 
 

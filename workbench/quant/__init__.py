@@ -10,7 +10,7 @@ The kernels (``workbench.kernels``) quantize on write and dequantize inside page
 
 from __future__ import annotations
 
-from workbench import formats
+from workbench.core import kv_formats
 
 from . import names
 from .calibration import Calibrator
@@ -65,7 +65,7 @@ def get(name: str | Scheme, **params) -> Scheme:
 
 
 def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
-    """The scheme a storage argument names: a :class:`Scheme`, a scheme name or alias, a ``workbench.formats``
+    """The scheme a storage argument names: a :class:`Scheme`, a scheme name or alias, a ``workbench.core.kv_formats``
     format name or a torch dtype (its plain reading: a cast, or fp8 / int8 with static scales). ``uint8``
     codes are refused: int8_asym, int4 and int2 all store them, so only the scheme says which."""
     if isinstance(kv_dtype, Scheme):
@@ -73,10 +73,10 @@ def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
     if isinstance(kv_dtype, str) and (kv_dtype in SCHEMES or kv_dtype in ALIASES):
         return get(kv_dtype)
     try:
-        fmt = formats.get(kv_dtype)
+        fmt = kv_formats.get(kv_dtype)
     except ValueError:
         raise ValueError(f"{name} must be a quantization scheme (workbench.quant.SCHEMES: {sorted(SCHEMES)}), "
-                         f"a storage format {sorted(formats.FORMATS)} or a torch dtype, got {kv_dtype!r}") from None
+                         f"a storage format {sorted(kv_formats.FORMATS)} or a torch dtype, got {kv_dtype!r}") from None
     if fmt.name == "uint8":
         raise ValueError(f"{name} holds uint8 codes, which int8_asym, int4 and int2 all store: name the scheme "
                          f"(quant=, or kv_dtype='int8_asym/token', 'int4/kivi', ...)")

@@ -1,7 +1,7 @@
 """Where a quantized block keeps its scales: inside the block, after its codes.
 
 A block of a scheme whose scales are computed on write (the ``token`` and ``groups`` families) is
-``[codes][pad to 16 bytes][scales][zero points]``: the codes in the cache's layout (``workbench.layout``,
+``[codes][pad to 16 bytes][scales][zero points]``: the codes in the cache's layout (``workbench.core.layout``,
 ``head_dim`` replaced by :func:`code_dim` bytes for packed codes), then the scale array, indexed ``[groups of
 tokens, kv heads, groups of channels]`` and stored head-major (``[heads, token groups, channel groups]`` in memory,
 :attr:`BlockScales.strides`), and, for asymmetric schemes, the zero points in the same shape. The family says
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from workbench.layout import block_view
+from workbench.core.layout import block_view
 
 from .families import SCALE_ALIGN, BlockScales, Scheme
 

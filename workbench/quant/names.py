@@ -15,7 +15,7 @@ STORAGE_FAMILIES = ("cast", "static", "token", "groups")
 
 
 class Entry(NamedTuple):
-    """One registered scheme: its name, family, storage format (``workbench.formats``), where its scales live
+    """One registered scheme: its name, family, storage format (``workbench.core.kv_formats``), where its scales live
     and the family's parameters (``(field, value)`` pairs of ``workbench.quant.Scheme``)."""
 
     name: str

@@ -17,10 +17,10 @@ import functools
 
 import torch
 
+from workbench.core.layout import Layout
 from workbench.kernels import CascadePlan, DecodePlan, common
 from workbench.kernels.decode import checks
 from workbench.kernels.decode.plan import _values_head_dim
-from workbench.layout import Layout
 from workbench.shared_prefix.cost import CostModel, Geometry, choose
 from workbench.shared_prefix.runs import find_shared_runs
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.spec import model as model_spec
+from workbench.core.kv_spec import model as model_spec
 
 GIB = 2**30
 
@@ -19,7 +19,7 @@ class Budget:
     Attributes:
         kv_bytes: bytes given to the KV cache.
         bytes_per_token: K and V of one token across all layers.
-        model: model name (``workbench.spec.MODELS``).
+        model: model name (``workbench.core.kv_spec.MODELS``).
         note: how the figure was obtained.
     """
 

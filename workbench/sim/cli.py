@@ -22,7 +22,7 @@ import platform
 import sys
 import time
 
-from workbench.argtypes import ensure_writable_dir, positive_float, positive_int
+from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
 from workbench.sim import strategies as st
 
 # The subcommands, each with the line `python -m workbench sim --help` shows for it.

@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from workbench.core.kv_spec import model as model_spec
 from workbench.sim import engine
 from workbench.sim import strategies as st
 from workbench.sim.budget import PARAMS_B, Budget
 from workbench.sim.traces import Trace
-from workbench.spec import model as model_spec
 from workbench.tiers.link import DIRECTIONS, PATHS, LinkModel, latest_link_model
 
 # LLaMA-7B (6.74e9 parameters) on an H100/H200-class GPU: an assumption in the 10k-20k tokens/s range usually
@@ -105,7 +105,7 @@ class PrefillModel:
 
 
 def model_bytes_per_token(model: str = "llama-7b", kv_dtype: str = "fp16") -> int:
-    """K and V of one token across all layers of a known model (``workbench.spec.MODELS``): LLaMA-7B fp16 is
+    """K and V of one token across all layers of a known model (``workbench.core.kv_spec.MODELS``): LLaMA-7B fp16 is
     ``2 * 32 layers * 4096 * 2 bytes`` = 512 KiB."""
     return int(model_spec(model).bytes_per_token(kv_dtype))
 

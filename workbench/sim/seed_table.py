@@ -32,7 +32,7 @@ def table(batch: int = 16, *, model: str = "llama-7b", gpu_gib: float = 80.0, bl
 
     Args:
         batch: sequences in the cache at once.
-        model: model name (``workbench.spec.MODELS``).
+        model: model name (``workbench.core.kv_spec.MODELS``).
         gpu_gib: GPU memory in GiB (the KV budget subtracts weights and 10% headroom).
         block_size: tokens per paged block.
         max_len: what a contiguous reserve-max cache reserves per sequence.

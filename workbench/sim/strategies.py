@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.registry import lookup
+from workbench.core.policy_registry import lookup
 from workbench.sim.managers import AdaptiveManager, ContiguousManager, Manager, PagedManager, Seq  # noqa: F401
 
 ALLOCATORS = ("buddy", "buddy-lifo", "first-fit")

@@ -5,8 +5,8 @@ Each is both its panel's controls (``workbench.ui.panels``) and its sweep; the f
 from __future__ import annotations
 
 from workbench import memory
-from workbench import spec as model_spec
 from workbench.coalescing import Coalescing, analyze
+from workbench.core import kv_spec as model_spec
 from workbench.sharing import SharingResult, shared_prompt
 from workbench.sim import sweeps as sim_sweeps
 from workbench.studies.base import BLOCK_SIZES, Param, Study

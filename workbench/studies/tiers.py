@@ -11,7 +11,7 @@ import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from workbench import spec as model_spec
+from workbench.core import kv_spec as model_spec
 from workbench.model.capture import PROMPTS, SAVED_LAYERS
 from workbench.sim import preemption_cost as pc
 from workbench.studies.base import BLOCK_SIZES, Param, Study

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.argtypes import ensure_writable_dir
+from workbench.core.argtypes import ensure_writable_dir
 from workbench.provenance import ROOT
 from workbench.studies.base import META_KEYS
 from workbench.sweeps.catalog import get

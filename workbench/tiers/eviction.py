@@ -1,6 +1,6 @@
 """Which block leaves a lower tier first (host -> disk, disk -> dropped): LRU, LFU or priority.
 
-One pattern for every policy (``workbench.registry``): a frozen config with a ``label`` and one method, here
+One pattern for every policy (``workbench.core.policy_registry``): a frozen config with a ``label`` and one method, here
 ``rank(entry)``, the sort key of a victim (smallest leaves first), as kvpress's scorer presses implement one
 ``score``. The device tier's own order is the allocator's free queue (least recently freed first,
 ``workbench.allocator.free_queue``); these policies order what is below it.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workbench.registry import lookup
+from workbench.core.policy_registry import lookup
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Prefetch strategies for tiered KV storage: which blocks to bring to the device before the next decode step
 reads them, and which resident blocks to give up for them.
 
-The registry pattern of ``workbench.registry``: a frozen, validated config (kept by name in :data:`PREFETCH`,
+The registry pattern of ``workbench.core.policy_registry``: a frozen, validated config (kept by name in :data:`PREFETCH`,
 :func:`get`) whose ``build(ctx)`` returns the state object the replay drives. A state has
 
 - ``observe(step, reads)``: step ``step`` has read ``reads`` (called once per step, after its reads);
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from workbench.registry import lookup
+from workbench.core.policy_registry import lookup
 from workbench.tiers.access import AccessTrace, window_blocks
 
 

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from workbench import formats
+from workbench.core import kv_formats
 
 from .common import FP32_MAX, BlockScales, Quantized, check_finite, first_bad
 
@@ -40,7 +40,7 @@ class Scheme:
 
     Attributes (data: rows, labels and the registry print them; behaviour is the family's):
         name: the registry name (``workbench.quant.get``), e.g. ``"fp8_e4m3/token"``, ``"int4/kivi"``.
-        format_name: the storage format in ``workbench.formats``.
+        format_name: the storage format in ``workbench.core.kv_formats``.
         granularity: ``"none"``, ``"tensor"``, ``"head"``, ``"token"`` or ``"group"``: where the scales live.
         symmetric: codes centred on zero (no zero point).
         group: groups family with ``key_mode="channel"``: tokens per key group.
@@ -88,8 +88,8 @@ class Scheme:
 
     # ---- what it is ----------------------------------------------------------------------------------------
     @property
-    def format(self) -> formats.KVFormat:
-        return formats.get(self.format_name)
+    def format(self) -> kv_formats.KVFormat:
+        return kv_formats.get(self.format_name)
 
     @property
     def bits(self) -> int:

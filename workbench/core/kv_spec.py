@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench.formats import FORMATS
-from workbench.formats import get as get_format
+from workbench.core.kv_formats import FORMATS
+from workbench.core.kv_formats import get as get_format
 
-# Storage dtypes by name and their size in bytes (int4 packs two values a byte): views of workbench.formats.
+# Storage dtypes by name and their size in bytes (int4 packs two values a byte): views of workbench.core.kv_formats.
 KV_DTYPES: dict[str, float] = {name: f.bytes_per_value for name, f in FORMATS.items()}
 TORCH_DTYPES: dict[str, torch.dtype] = {name: f.storage for name, f in FORMATS.items()}
 
