@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workbench.tiers import disk
+from workbench.tiers import disk_format
 from workbench.tiers.disk import DiskPool
 from workbench.tiers.errors import CorruptBlock, DiskFull, NotInTier, TierError, TierFull
 
@@ -244,7 +244,7 @@ def test_corrupt_data_is_caught(tmp_path, rng):
     with DiskPool(tmp_path, GiB, fsync=False) as pool:
         pool.put(keys, blocks)
         (seg,) = tmp_path.glob("seg-*.kv")
-        offset = disk.ALIGN + 1000  # the format: data on the first page boundary, blocks in put order
+        offset = disk_format.ALIGN + 1000  # the format: data on the first page boundary, blocks in put order
         flip(seg, offset + 1234)
         with pytest.raises(CorruptBlock, match=rf"{keys[1].hex()} in .*{seg.name} at offset {offset}\b"):
             pool.get([keys[0], keys[1]])
@@ -252,7 +252,7 @@ def test_corrupt_data_is_caught(tmp_path, rng):
             pool.get_into([keys[1]], torch.empty(1, 2000, dtype=torch.uint8))
         assert same(pool.get([keys[2]])[0], blocks[2]) and same(pool.get([keys[0]])[0], blocks[0])
         with seg.open("r+b") as f:  # cut short: also a corrupt block, not a short tensor
-            f.truncate(disk.ALIGN + 4000)
+            f.truncate(disk_format.ALIGN + 4000)
         with pytest.raises(CorruptBlock, match=keys[2].hex()):
             pool.get([keys[2]])
 
@@ -426,7 +426,7 @@ def test_checksum_speed_against_crc32():
         best = min(_timed(f, buf) for _ in range(3))
         return buf.nbytes / best / 1e9
 
-    xxh, crc = gbps(disk.checksum), gbps(zlib.crc32)
+    xxh, crc = gbps(disk_format.checksum), gbps(zlib.crc32)
     print(f"\nxxh3_64 {xxh:.1f} GB/s, zlib.crc32 {crc:.2f} GB/s (32 MiB)")
     assert xxh > crc
 

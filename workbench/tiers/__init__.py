@@ -5,11 +5,12 @@
 - :mod:`~workbench.tiers.promote`: a prompt's prefix found below the device brought back before it is added.
 - :mod:`~workbench.tiers.swap`: preemption by swap, a batch down and back with its sharing kept (a shared block
   travels once and comes back shared), all or nothing.
-- :mod:`~workbench.tiers.lower`: the host and disk pools as one store of blocks keyed by digest (what moves down,
-  in which order, and back; a corrupt disk block dropped and counted).
+- :mod:`~workbench.tiers.host_disk_store`: the host and disk pools as one store of blocks keyed by digest (what moves
+  down, in which order, and back; a corrupt disk block dropped and counted).
 - :mod:`~workbench.tiers.transfer`: batched device <-> host moves, the copy-engine (staging + one DMA) and the
   SM-copy paths, with accounting; :mod:`~workbench.tiers.host` the pinned pool; :mod:`~workbench.tiers.disk`
-  the crash-safe disk pool; :mod:`~workbench.tiers.eviction` LRU / LFU / priority; :mod:`~workbench.tiers.errors`.
+  the crash-safe disk pool, :mod:`~workbench.tiers.disk_format` its files; :mod:`~workbench.tiers.eviction` LRU /
+  LFU / priority; :mod:`~workbench.tiers.errors`.
 - :mod:`~workbench.tiers.link`: how long a transfer takes (measured H200 curves, or DESIGN.md's figures).
 - :mod:`~workbench.tiers.access`, :mod:`~workbench.tiers.prefetch`, :mod:`~workbench.tiers.replay`: access
   traces (full, sliding window, top-k sparse, real SmolLM2 attention), prefetch strategies behind one interface,

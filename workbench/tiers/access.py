@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from workbench.model import capture as cap_mod
+
 PATTERNS = ("custom", "full", "sliding_window", "topk", "capture")
 
 
@@ -323,8 +325,6 @@ def _top(values: np.ndarray, k: int, exclude: set[int] | frozenset[int] = frozen
 def _resolve_capture(capture, path):
     if hasattr(capture, "q_last") and hasattr(capture, "k"):
         return capture
-    from workbench.model import capture as cap_mod  # imports torch: only when a capture is really needed
-
     folder = Path(path) if path is not None else cap_mod.DEFAULT_PATH
     if not sorted(folder.glob("*.npz")):
         raise FileNotFoundError(f"no SmolLM2 captures (*.npz) in {folder}: the committed copy is data/activations; "

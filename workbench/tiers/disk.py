@@ -4,9 +4,8 @@ A block is an opaque byte string (one KV block across all layers: codes plus sca
 a key of 1..64 bytes (the tier manager uses 16-byte digests). The store is log-structured:
 
 - **One segment file per** :meth:`DiskPool.put` (a batch of blocks is one large sequential write), named
-  ``seg-<sequence number>.kv`` with a monotonically increasing sequence number. A file is a header (magic,
-  format version, count, the sequence number, per block: key, offset, nbytes, checksum; then the checksum of
-  the header) padded to 4 KiB, then the blocks back to back.
+  ``seg-<sequence number>.kv`` with a monotonically increasing sequence number: a header padded to 4 KiB, then
+  the blocks back to back (the format: :mod:`workbench.tiers.disk_format`).
 - **Atomic commit.** The file is written as ``<name>.tmp``, flushed, ``fsync``-ed, ``os.replace``-d to its
   name, and the directory is ``fsync``-ed. A writer killed mid-write leaves only a ``.tmp`` (deleted on the next
   open): the previous copy of every key stays readable and the new one is absent. A put of a stored key
@@ -21,11 +20,8 @@ a key of 1..64 bytes (the tier manager uses 16-byte digests). The store is log-s
   it) back on the next open, so :meth:`DiskPool.drop` first commits a *tombstone* segment naming those keys
   (no data; skipped when the only file holding a key is deleted outright). A tombstone file is deleted once no
   older file holds any key it names.
-- **Checksums: xxh3_64** (``xxhash``) per block and for the header, verified on every read. It is a
-  non-cryptographic 64-bit hash running at memory speed, so verifying costs little beside an NVMe read
-  (~3 GB/s); CRC32 is slower than the disk it checks. Measured on this machine (2-core AMD EPYC VM, best of 10
-  on a 32 MiB buffer): ``xxhash.xxh3_64`` 10.2 GB/s, ``zlib.crc32`` 2.0 GB/s. 64 bits also make an
-  accidental match of a garbled block negligible (2**-64), where 32 bits would not be over billions of reads.
+- **Checksums** (xxh3_64, :mod:`workbench.tiers.disk_format`) per block and for the header, verified on every
+  read.
 
 ``fsync=False`` skips the ``fsync`` calls: a killed process still loses nothing committed (the page cache
 outlives it), a power loss may. One :class:`DiskPool` per directory at a time (an ``flock`` on ``LOCK``).
@@ -38,9 +34,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import re
-import struct
-import sys
 import time
 import warnings
 import weakref
@@ -49,29 +42,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import xxhash
-
+from workbench.tiers.disk_format import (
+    DATA,
+    MAX_KEY_BYTES,
+    SEGMENT_NAME,
+    TOMB,
+    BadSegment,
+    block_views,
+    check_cpu_uint8,
+    check_keys,
+    checksum,
+    data_start,
+    encode_header,
+    is_tensor,
+    read_header,
+)
 from workbench.tiers.errors import CorruptBlock, DiskFull, NotInTier, TierError
 
 if TYPE_CHECKING:
     import torch
 
-MAGIC = b"WBKVSEG\x00"
-VERSION = 1
-MAX_KEY_BYTES = 64
-ALIGN = 4096  # data starts on a page boundary (room for O_DIRECT reads later)
-
-_HEAD = struct.Struct("<8sHHIQ")  # magic, version, flags (0), count, sequence number
-_ENTRY = struct.Struct("<BB6x64sQQQ")  # key length, kind, key (zero padded), offset, nbytes, checksum
-_SUM = struct.Struct("<Q")
-_DATA, _TOMB = 0, 1
-_NAME = re.compile(r"seg-(\d{16})\.kv")
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-def checksum(buf: Any) -> int:
-    """The 64-bit checksum of a block (or a header): ``xxh3_64`` of its bytes."""
-    return xxhash.xxh3_64_intdigest(buf)
 
 
 @dataclass(frozen=True)
@@ -94,119 +85,6 @@ class _Segment:
     data_keys: frozenset[bytes]  # every block the file holds, live or superseded
     tomb_keys: frozenset[bytes]  # the keys it records as dropped
     live: set[bytes] = field(default_factory=set)
-
-
-class _BadSegment(Exception):
-    pass
-
-
-def _data_start(count: int) -> int:
-    return -(-(_HEAD.size + count * _ENTRY.size + _SUM.size) // ALIGN) * ALIGN
-
-
-def _encode_header(seq: int, entries: list[tuple]) -> bytes:
-    """The header of a segment with ``entries`` ``(key, kind, offset, nbytes, checksum)``, padded to the data."""
-    body = _HEAD.pack(MAGIC, VERSION, 0, len(entries), seq)
-    body += b"".join(_ENTRY.pack(len(k), kind, k, off, n, c) for k, kind, off, n, c in entries)
-    head = body + _SUM.pack(checksum(body))
-    return head + bytes(_data_start(len(entries)) - len(head))
-
-
-def _read_header(path: Path, seq: int) -> tuple[list[tuple], int]:
-    """A committed segment's entries and file size; :class:`_BadSegment` says why it cannot be trusted."""
-    try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(_HEAD.size)
-            if len(head) < _HEAD.size:
-                raise _BadSegment(f"{size} bytes, shorter than a header")
-            magic, version, _, count, head_seq = _HEAD.unpack(head)
-            if magic != MAGIC:
-                raise _BadSegment(f"magic {magic!r} is not {MAGIC!r}")
-            if version != VERSION:
-                raise _BadSegment(f"format version {version}, this reader knows {VERSION}")
-            if _data_start(count) > size:
-                raise _BadSegment(f"header of {count} entries runs past the end of the {size}-byte file")
-            rest = f.read(count * _ENTRY.size + _SUM.size)
-    except OSError as e:
-        raise _BadSegment(f"cannot read it: {e}") from e
-    body = head + rest[: -_SUM.size]
-    if checksum(body) != _SUM.unpack(rest[-_SUM.size :])[0]:
-        raise _BadSegment("header checksum mismatch (torn or garbled)")
-    if head_seq != seq:
-        raise _BadSegment(f"header says sequence number {head_seq}, the name says {seq}")
-    entries = []
-    for i in range(count):
-        klen, kind, key, off, n, c = _ENTRY.unpack_from(body, _HEAD.size + i * _ENTRY.size)
-        if not 1 <= klen <= MAX_KEY_BYTES or kind not in (_DATA, _TOMB) or (kind == _DATA and off + n > size):
-            raise _BadSegment(f"entry {i} is out of range (key length {klen}, kind {kind}, bytes {off}..{off + n})")
-        entries.append((key[:klen], kind, off, n, c))
-    return entries, size
-
-
-def _is_tensor(x: Any) -> bool:
-    # A tensor exists only if torch is loaded; not importing it here keeps a writer process (the crash test's
-    # child, a standalone tool) free of torch's seconds-long import.
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _check_keys(keys: Any) -> list[bytes]:
-    if isinstance(keys, (bytes, bytearray, memoryview, str)) or not isinstance(keys, Sequence):
-        raise ValueError(f"keys must be a list or tuple of bytes keys, got {type(keys).__name__}")
-    seen: set[bytes] = set()
-    for i, k in enumerate(keys):
-        if not isinstance(k, bytes):
-            raise ValueError(f"keys[{i}] must be bytes (1..{MAX_KEY_BYTES} long), got {type(k).__name__}")
-        if not 1 <= len(k) <= MAX_KEY_BYTES:
-            raise ValueError(f"keys[{i}] must be 1..{MAX_KEY_BYTES} bytes long, got {len(k)} bytes")
-        if k in seen:
-            raise ValueError(f"keys must be distinct within a call, but keys[{i}] = {k.hex()} comes twice")
-        seen.add(k)
-    return list(keys)
-
-
-def _check_cpu_uint8(t: Any, name: str, dim: int) -> None:
-    import torch
-
-    if t.dtype != torch.uint8 or t.device.type != "cpu" or t.dim() != dim or not t.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous {dim}-D uint8 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}"
-            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
-        )
-
-
-def _block_views(blocks: Any, n: int) -> list[memoryview]:
-    """``blocks`` (1-D uint8 CPU tensors or bytes-like, one per key; or one 2-D uint8 tensor) as byte views."""
-    if _is_tensor(blocks):
-        _check_cpu_uint8(blocks, "blocks", 2)
-        rows = blocks.numpy()
-        if rows.shape[0] != n or rows.shape[1] == 0:
-            raise ValueError(f"blocks must be [{n} keys, nbytes > 0], got {tuple(blocks.shape)}")
-        return [memoryview(r) for r in rows]
-    if isinstance(blocks, (bytes, bytearray, memoryview, str)) or not isinstance(blocks, Sequence):
-        raise ValueError(f"blocks must be a list of blocks or one 2-D uint8 tensor, got {type(blocks).__name__}")
-    if len(blocks) != n:
-        raise ValueError(f"blocks must have one block per key: {n} keys, {len(blocks)} blocks")
-    views = []
-    for i, b in enumerate(blocks):
-        if _is_tensor(b):
-            _check_cpu_uint8(b, f"blocks[{i}]", 1)
-            mv = memoryview(b.numpy())
-        else:
-            try:
-                mv = memoryview(b)
-            except TypeError:
-                raise ValueError(
-                    f"blocks[{i}] must be a 1-D uint8 CPU tensor or bytes-like, got {type(b).__name__}"
-                ) from None
-            if mv.ndim != 1 or mv.itemsize != 1 or not mv.contiguous:
-                raise ValueError(f"blocks[{i}] must be 1-D contiguous bytes, got shape {mv.shape} format {mv.format!r}")
-            mv = mv.cast("B")
-        if mv.nbytes == 0:
-            raise ValueError(f"blocks[{i}] must not be empty")
-        views.append(mv)
-    return views
 
 
 class DiskPool:
@@ -281,7 +159,7 @@ class DiskPool:
             "tombstones": sum(1 for s in files if s.tomb_keys),
             "files": len(files),
             "file_bytes": sum(s.size for s in files),
-            "dead_bytes": sum(s.size - _data_start(len(s.data_keys) + len(s.tomb_keys)) for s in files) - self._used,
+            "dead_bytes": sum(s.size - data_start(len(s.data_keys) + len(s.tomb_keys)) for s in files) - self._used,
             "skipped_files": [str(p) for p in self._skipped],
         }
 
@@ -296,8 +174,8 @@ class DiskPool:
             TierError: another I/O error while writing; nothing was stored, the pool stays usable.
         """
         self._check_open()
-        keys = _check_keys(keys)
-        views = _block_views(blocks, len(keys))
+        keys = check_keys(keys)
+        views = block_views(blocks, len(keys))
         if not keys:
             return
         need = sum(v.nbytes for v in views) - sum(self._index[k].nbytes for k in keys if k in self._index)
@@ -306,9 +184,9 @@ class DiskPool:
                 f"put of {len(keys)} blocks needs {need} more bytes but {self._capacity - self._used} of "
                 f"capacity_bytes={self._capacity} are free in {self.path}"
             )
-        entries, off = [], _data_start(len(keys))
+        entries, off = [], data_start(len(keys))
         for k, v in zip(keys, views, strict=True):
-            entries.append((k, _DATA, off, v.nbytes, checksum(v)))
+            entries.append((k, DATA, off, v.nbytes, checksum(v)))
             off += v.nbytes
         self._install(self._commit(entries, views), entries)
         self._collect()
@@ -316,14 +194,14 @@ class DiskPool:
     def drop(self, keys: Sequence[bytes]) -> None:
         """Forget ``keys`` (all must be stored: checked first, all or nothing); emptied files are deleted."""
         self._check_open()
-        keys = self._stored(_check_keys(keys))
+        keys = self._stored(check_keys(keys))
         gone = set(keys)
         emptied = {s.seq for s in self._segments.values() if s.live and s.live <= gone}
         # A key needs a tombstone if a file holding it survives this drop, or if several do (deleting them in
         # some order, a crash could leave an older value behind).
         hold = [k for k in keys if len(self._copies[k]) > 1 or self._copies[k] - emptied]
         if hold:
-            tombs = [(k, _TOMB, 0, 0, 0) for k in hold]
+            tombs = [(k, TOMB, 0, 0, 0) for k in hold]
             self._install(self._commit(tombs, []), tombs)
         for k in keys:
             self._forget(k)
@@ -337,7 +215,7 @@ class DiskPool:
         t0, fd, renamed = time.perf_counter(), None, False
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            self._write_all(fd, _encode_header(seq, entries))
+            self._write_all(fd, encode_header(seq, entries))
             for v in views:
                 self._write_all(fd, v)
             if self._fsync:
@@ -360,8 +238,8 @@ class DiskPool:
             raise
         finally:
             self._io["write_seconds"] += time.perf_counter() - t0
-        keys = frozenset(k for k, kind, *_ in entries if kind == _DATA)
-        return _Segment(seq, final, _data_start(len(entries)) + sum(v.nbytes for v in views), keys,
+        keys = frozenset(k for k, kind, *_ in entries if kind == DATA)
+        return _Segment(seq, final, data_start(len(entries)) + sum(v.nbytes for v in views), keys,
                         frozenset(k for k, *_ in entries) - keys)
 
     def _write_all(self, fd: int, data: Any) -> None:
@@ -386,10 +264,10 @@ class DiskPool:
     # ---- reads ---------------------------------------------------------------------------------------------
     def get(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
         """The blocks ``keys`` as new 1-D uint8 tensors (each checksum verified: :class:`CorruptBlock`)."""
-        import torch
+        import torch  # here: a process that only puts bytes (the crash test's writer) never imports torch
 
         self._check_open()
-        keys = self._stored(_check_keys(keys))
+        keys = self._stored(check_keys(keys))
         out = [torch.empty(self._index[k].nbytes, dtype=torch.uint8) for k in keys]
         self._read(keys, [memoryview(t.numpy()) for t in out])
         return out
@@ -399,10 +277,10 @@ class DiskPool:
         ``[len(keys), nbytes]``, pinned or not; no intermediate copy) and return it. On :class:`CorruptBlock`
         the rows read so far are filled, the rest untouched or partly written."""
         self._check_open()
-        keys = _check_keys(keys)
-        if not _is_tensor(out):
+        keys = check_keys(keys)
+        if not is_tensor(out):
             raise ValueError(f"out must be a uint8 CPU tensor [{len(keys)}, nbytes], got {type(out).__name__}")
-        _check_cpu_uint8(out, "out", 2)
+        check_cpu_uint8(out, "out", 2)
         keys = self._stored(keys)
         sizes = {self._index[k].nbytes for k in keys}
         if out.shape[0] != len(keys) or (keys and sizes != {out.shape[1]}):
@@ -459,7 +337,7 @@ class DiskPool:
         self._segments[seg.seq] = seg
         for key, kind, off, n, c in entries:
             self._forget(key)
-            if kind == _DATA:
+            if kind == DATA:
                 self._index[key] = Entry(seg.seq, off, n, c)
                 self._used += n
                 seg.live.add(key)
@@ -502,17 +380,17 @@ class DiskPool:
         for p in self.path.iterdir():
             if p.name.startswith("seg-") and p.name.endswith(".tmp"):
                 p.unlink()  # a writer died before its commit: this file never happened
-            elif m := _NAME.fullmatch(p.name):
+            elif m := SEGMENT_NAME.fullmatch(p.name):
                 found.append((int(m.group(1)), p))
         for seq, p in sorted(found):
             last = max(last, seq)
             try:
-                entries, size = _read_header(p, seq)
-            except _BadSegment as e:
+                entries, size = read_header(p, seq)
+            except BadSegment as e:
                 warnings.warn(f"DiskPool: skipping segment {p}: {e}; the file is left in place", stacklevel=3)
                 self._skipped.append(p)
                 continue
-            data = frozenset(k for k, kind, *_ in entries if kind == _DATA)
+            data = frozenset(k for k, kind, *_ in entries if kind == DATA)
             self._install(_Segment(seq, p, size, data, frozenset(k for k, *_ in entries) - data), entries)
         self._collect()  # finish the deletions a crash interrupted
         return last

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from workbench.tiers.errors import HostFull
@@ -145,8 +146,6 @@ def contiguous_runs(starts: Sequence[int], sizes: Sequence[int]) -> list[tuple[i
     """Group blocks (in batch order) into runs of adjacent units: ``(first block index, start unit, units)``.
     A batch the allocator placed in one run gives one run: one copy. (numpy: a prefetch of a thousand blocks
     is issued while the decode runs, and its host-side cost is what delays the copy.)"""
-    import numpy as np
-
     st = np.asarray(starts, dtype=np.int64)
     sz = np.asarray(sizes, dtype=np.int64)
     if sz.ndim and sz.shape != st.shape:

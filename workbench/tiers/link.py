@@ -21,6 +21,7 @@ each way; one 8 KB copy 0.5 GB/s, 512 KB ~36 GB/s, 2 MB ~50 GB/s) and an assumed
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,8 +76,6 @@ class LinkModel:
         A point is the best bandwidth a row reached for one transfer of that many bytes: a gathered batch
         (``dma``), a single block's own copy (``copy``, from the ``dma_per_block`` rows of one block) and the SM
         copy of a batch (``sm``). Curves the file lacks (the disk) come from :meth:`default`."""
-        import json
-
         doc = json.loads(Path(path).read_text())
         base = cls.default()
         best: dict[tuple[str, str], dict[int, float]] = {}

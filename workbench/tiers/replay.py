@@ -38,7 +38,7 @@ import numpy as np
 
 from workbench.tiers.access import AccessTrace, _non_negative, _positive
 from workbench.tiers.link import LinkModel, latest_link_model
-from workbench.tiers.prefetch import PREFETCH, PrefetchContext, PrefetchState, TraceView
+from workbench.tiers.prefetch import PREFETCH, PrefetchContext, PrefetchState, TraceView, needs_scores
 from workbench.tiers.prefetch import get as get_prefetch
 
 #: bytes_moved keys: host -> device, device -> host (write-back), disk -> host (read), host -> disk (write)
@@ -244,8 +244,6 @@ def compare_traces(traces: Mapping[str, AccessTrace], strategies: Mapping[str, o
     ``traces``) and ``strategy`` (the key of ``strategies``), plus ``stall_ms``. A block is ``token_bytes`` times
     the trace's block size; a strategy that needs scores (``score``) is left out on a trace without them;
     ``config``: the other keyword arguments of :func:`replay` (``device_blocks``, ``compute_s``, ``link``...)."""
-    from workbench.tiers.prefetch import needs_scores
-
     for name, v in (("traces", traces), ("strategies", strategies)):
         if not isinstance(v, Mapping):
             raise ValueError(f"{name} must be a mapping (label -> value), got {type(v).__name__}")

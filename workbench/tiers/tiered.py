@@ -11,13 +11,13 @@ What lives where:
   (free, ref count 0) when it needs memory; the cache hands them to :meth:`TieredCache._on_evict` before their
   bytes are overwritten (``PagedKVCache.flush_evictions``), and they are *demoted* in one batch instead of
   dropped: to the host, and what the host cannot hold straight to disk.
-- *host* and *disk* (``workbench.tiers.lower``): a :class:`~workbench.tiers.lower.LowerEntry` per block, keyed
-  by its *digest*, a chained BLAKE2b hash of the tokens of every block up to it (and the sequence's
-  ``extra_key``, salted with the cache's geometry), so a block's identity does not depend on the device
-  allocator's entry ids, which die with the device copy. A host tier that is full pushes entries to disk by the
-  eviction policy (``workbench.tiers.eviction``: LRU, LFU, priority); a full disk drops them. Entries are
-  *inclusive*: a promoted block keeps its lower copy, so evicting it again costs no copy. A disk block that fails
-  its checksum is dropped and counted (``stats()["corrupt"]``): the prompt is computed again.
+- *host* and *disk* (``workbench.tiers.host_disk_store``): a :class:`~workbench.tiers.host_disk_store.LowerEntry` per
+  block, keyed by its *digest*, a chained BLAKE2b hash of the tokens of every block up to it (and the sequence's
+  ``extra_key``, salted with the cache's geometry), so a block's identity does not depend on the device allocator's
+  entry ids, which die with the device copy. A host tier that is full pushes entries to disk by the eviction policy
+  (``workbench.tiers.eviction``: LRU, LFU, priority); a full disk drops them. Entries are *inclusive*: a promoted block
+  keeps its lower copy, so evicting it again costs no copy. A disk block that fails its checksum is dropped and counted
+  (``stats()["corrupt"]``): the prompt is computed again.
 - A *swapped-out* sequence (:meth:`TieredCache.swap_out`, ``workbench.tiers.swap``) keeps its tokens and, per
   block, a key; a block shared by sequences swapped together travels once and comes back shared. Its entries
   are *pinned* (moved to disk if need be, never dropped). :meth:`TieredCache.block_table` gives every block's
@@ -30,7 +30,7 @@ nothing for them.
 
 Every method checks its arguments and the room it needs before it changes anything; a move that fails (a tier
 full, a corrupt disk block) raises and leaves every sequence where it was. Not supported with tiers: compaction
-(it renames device blocks under the digests; ``workbench.compaction`` refuses a cache with a tier below).
+(it renames device blocks under the digests; ``workbench.cache.compaction`` refuses a cache with a tier below).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch
 from workbench.allocator.errors import SequenceExists, hashable, positive, token_ids
 from workbench.tiers import promote, swap
 from workbench.tiers.errors import NotResident
-from workbench.tiers.lower import LowerEntry, LowerTiers
+from workbench.tiers.host_disk_store import LowerEntry, LowerTiers
 from workbench.tiers.transfer import Transfer
 
 ON_MISS = ("fetch", "raise")

@@ -25,9 +25,10 @@ import torch
 
 from workbench.allocator.errors import positive
 from workbench.tiers import eviction as eviction_policies
+from workbench.tiers.disk import DiskPool
 from workbench.tiers.errors import CorruptBlock, DiskFull, HostFull, NotInTier, TierError
 from workbench.tiers.host import HostPool
-from workbench.tiers.transfer import BlockMover, Transfer, block_bytes
+from workbench.tiers.transfer import BlockMover, Transfer, TransferStats, block_bytes
 
 
 @dataclass
@@ -76,8 +77,6 @@ class LowerTiers:
         self.mover = BlockMover(cache, self.host, path=path, sm_programs=sm_programs)
         self.disk = None
         if disk_path is not None:
-            from workbench.tiers.disk import DiskPool
-
             self.disk = DiskPool(disk_path, disk_bytes, fsync=fsync)
         self.entries: dict[bytes, LowerEntry] = {}
         self.clock = itertools.count(1)  # last_access stamps
@@ -355,8 +354,6 @@ class LowerTiers:
 
     def moves(self) -> dict:
         """Bytes, blocks, batches, copy calls and seconds per direction, the disk's included."""
-        from workbench.tiers.transfer import TransferStats
-
         moves = TransferStats()
         moves.merge(self.mover.stats.as_dict())
         if self.disk is not None:
