@@ -16,9 +16,8 @@ from test_allocator import snapshot
 from test_cache import bits, kv_for
 
 import workbench
-from workbench import compaction
 from workbench.allocator import AllocatorError, BlockManager, BlockPool, SequenceExists, UnknownSequence
-from workbench.cache import PagedKVCache
+from workbench.cache import PagedKVCache, compaction
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

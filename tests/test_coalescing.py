@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 import torch
 
+from workbench.analysis.coalescing import (
+    H200_L2_BYTES,
+    LINE,
+    SECTOR,
+    CacheGeometry,
+    analyze,
+    read_stats,
+    seed_block_size,
+)
 from workbench.bench import results
-from workbench.coalescing import H200_L2_BYTES, LINE, SECTOR, CacheGeometry, analyze, read_stats, seed_block_size
 from workbench.core.layout import block_shape, to_nhd
 
 FIXTURES = Path(__file__).parent / "fixtures"

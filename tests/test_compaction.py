@@ -10,10 +10,9 @@ from hypothesis import strategies as st
 from test_allocator import snapshot
 
 import workbench
-from workbench import compaction
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength, FixedBlockSize, OutOfBlocks
-from workbench.cache import PagedKVCache
-from workbench.compaction import Plan, StalePlan
+from workbench.cache import PagedKVCache, compaction
+from workbench.cache.compaction import Plan, StalePlan
 from workbench.core.layout import Layout
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

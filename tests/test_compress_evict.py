@@ -10,9 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import workbench
-from workbench import compaction, fragmentation, quant
+from workbench import quant
 from workbench.allocator import OutOfBlocks, UnknownSequence
-from workbench.cache import PagedKVCache
+from workbench.analysis import fragmentation
+from workbench.cache import PagedKVCache, compaction
 from workbench.compress import policies
 from workbench.compress.block_keep import block_keep
 from workbench.compress.evict import PARTIAL, evict

@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_compaction import CONFIGS, WORKLOAD, _policy, run_ops
 
-from workbench import compaction, fragmentation
 from workbench.allocator import BlockManager, BlockPool, ByExpectedLength
-from workbench.cache import PagedKVCache
-from workbench.fragmentation import CACHED, FREE, SHARED, TOKEN, UNCARVED, UNUSED
+from workbench.analysis import fragmentation
+from workbench.analysis.fragmentation import CACHED, FREE, SHARED, TOKEN, UNCARVED, UNUSED
+from workbench.cache import PagedKVCache, compaction
 from workbench.sim import sweeps
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)

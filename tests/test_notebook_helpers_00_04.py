@@ -3,11 +3,17 @@
 import pytest
 from workbench.kernels.gather import check_against_reference
 
-from workbench import coalescing, memory
 from workbench.allocator import BlockManager, BlockPool
+from workbench.analysis import allocation_waste, coalescing
+from workbench.analysis.allocator_scenarios import (
+    adaptive_blocks,
+    fork_checks,
+    format_adaptive,
+    format_fork_checks,
+    shared_prompt,
+)
 from workbench.bench import harness
 from workbench.core import kv_spec
-from workbench.sharing import adaptive_blocks, fork_checks, format_adaptive, format_fork_checks, shared_prompt
 from workbench.sim import sweeps
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
@@ -16,11 +22,12 @@ pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs
 # ------------------------------------------------------------------------------------------------ 00: memory
 def test_max_len_rows_are_the_contiguous_breakdown_of_the_same_requests():
     bpt = kv_spec.model("llama-7b").bytes_per_token("fp16")
-    rows = memory.max_len_rows(64, [512, 2048, 8192], seed=0, bytes_per_token=bpt)
+    rows = allocation_waste.max_len_rows(64, [512, 2048, 8192], seed=0, bytes_per_token=bpt)
     assert [r["max_len"] for r in rows] == [512, 2048, 8192]
     for r in rows:
-        current, final = memory.random_batch(64, r["max_len"], 0)
-        assert r["token_share"] == memory.contiguous_breakdown(current, final, r["max_len"], bpt)["token_share"]
+        current, final = allocation_waste.random_batch(64, r["max_len"], 0)
+        contiguous = allocation_waste.contiguous_breakdown(current, final, r["max_len"], bpt)
+        assert r["token_share"] == contiguous["token_share"]
         assert r["cut_off"] == sum(f == r["max_len"] for f in final) and r["num_requests"] == 64
     assert [r["cut_off"] for r in rows] == [20, 1, 0]  # what the tour quotes
     shares = [r["token_share"] for r in rows]
@@ -28,15 +35,15 @@ def test_max_len_rows_are_the_contiguous_breakdown_of_the_same_requests():
 
 
 def test_format_comparison_and_max_len_rows():
-    current, final = memory.random_batch(64, 2048, 0)
-    compared = memory.compare_allocation(current, final, 2048, 16, 2**19)
-    assert memory.format_comparison(compared).splitlines() == [
+    current, final = allocation_waste.random_batch(64, 2048, 0)
+    compared = allocation_waste.compare_allocation(current, final, 2048, 16, 2**19)
+    assert allocation_waste.format_comparison(compared).splitlines() == [
         "contiguous (reserve max_len)    64.00 GiB, token states  10.0%",
         "paged (16-token blocks)          6.63 GiB, token states  96.5%"]
     rows = [{"max_len": 512, "token_share": 0.299, "cut_off": 20, "num_requests": 64}]
-    assert memory.format_max_len_rows(rows) == ("max_len  512: contiguous token states 29.9%, 20 of 64 requests cut "
-                                                "off at max_len")
-    assert memory.format_max_len_rows([]) == ""
+    assert allocation_waste.format_max_len_rows(rows) == ("max_len  512: contiguous token states 29.9%, 20 of 64 "
+                                                          "requests cut off at max_len")
+    assert allocation_waste.format_max_len_rows([]) == ""
 
 
 # ------------------------------------------------------------------------------------------------ 00: gather

@@ -11,9 +11,9 @@ from test_allocator import snapshot
 from workbench.kernels.decode.reference import paged_decode_ref
 
 import workbench
-from workbench import compaction, quant
+from workbench import quant
 from workbench.allocator import ByExpectedLength
-from workbench.cache import PagedKVCache
+from workbench.cache import PagedKVCache, compaction
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

@@ -11,8 +11,8 @@ from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores, qu
 from workbench.kernels.quest.reference import key_bounds_ref, quest_page_scores_ref
 
 import workbench
-from workbench import compaction, quant
-from workbench.cache import PagedKVCache
+from workbench import quant
+from workbench.cache import PagedKVCache, compaction
 from workbench.compress.page_selection import page_key_bounds, page_upper_bounds, quest_recall, select_pages
 from workbench.compress.quest_decode import QuestDecode, quest_decode
 

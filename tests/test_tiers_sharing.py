@@ -16,9 +16,8 @@ from test_allocator import snapshot
 from test_tiers_cache import _kv_of  # K/V that depend only on (token, position): equal prefixes share
 
 import workbench
-from workbench import compaction
 from workbench.allocator import AllocatorError, OutOfBlocks, SequenceExists, UnknownSequence
-from workbench.cache import PagedKVCache
+from workbench.cache import PagedKVCache, compaction
 from workbench.tiers.errors import CorruptBlock, DiskFull, HostFull, TierFull
 from workbench.tiers.tiered import TieredCache
 from workbench.tiers.transfer import block_bytes

@@ -60,9 +60,9 @@ def smoke_size(full: T, smoke: T, on: bool | None = None) -> T:
 
 
 def format_breakdown(b) -> str:
-    """Two indented lines for a :class:`workbench.fragmentation.LiveBreakdown`: its slots by part with the cached,
-    stranded and utilization figures, then the vLLM paper's bars (percent of the pool)."""
-    from workbench.fragmentation import PARTS
+    """Two indented lines for a :class:`workbench.analysis.fragmentation.LiveBreakdown`: its slots by part with the
+    cached, stranded and utilization figures, then the vLLM paper's bars (percent of the pool)."""
+    from workbench.analysis.fragmentation import PARTS
 
     parts = ", ".join(f"{k} {getattr(b, k)}" for k in PARTS)
     return (f"  {parts} slots | cached {b.cached}, stranded {b.stranded} | utilization {b.block_utilization:.2f}\n"

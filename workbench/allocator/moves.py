@@ -1,7 +1,7 @@
 """What compaction needs from the pool: snapshots (and adopting one), taking chosen blocks, moving blocks,
 releasing pages.
 
-:class:`PoolMoves` is mixed into :class:`~workbench.allocator.pool.BlockPool`; ``workbench.compaction``
+:class:`PoolMoves` is mixed into :class:`~workbench.allocator.pool.BlockPool`; ``workbench.cache.compaction``
 plans on a clone and applies with these. Every method validates the whole request before it
 changes anything.
 """

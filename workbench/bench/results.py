@@ -19,10 +19,10 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from workbench.analysis.coalescing import analyze
 from workbench.bench.command import BenchParser
 from workbench.bench.harness import load_results, print_table
 from workbench.bench.workloads import WORKLOADS
-from workbench.coalescing import analyze
 from workbench.core.kv_spec import dtype_size
 
 # H200 SXM dense FP16/BF16 tensor-core peak: NVIDIA's datasheet gives 1,979 TFLOPS "with sparsity", half dense.

@@ -10,6 +10,8 @@
 - ``bounds.py``: per-block key bounds for Quest page selection (``key_bounds=True``).
 - ``exports.py``: vLLM's and FlashInfer's page tables for a batch, K/V read back out.
 - ``step.py``: :class:`DecodeStep`, one decode step of a batch layer by layer (``PagedKVCache.begin_step``).
+- ``compaction.py``: compaction of a live cache (block moves planned on a clone of the allocator, K/V copied, the
+  tables swapped in atomically): it takes a cache and is imported by no part of it.
 """
 
 from workbench.cache.exports import FlashInferMetadata, VllmMetadata

@@ -45,8 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workbench import fragmentation
 from workbench.allocator import OutOfBlocks
+from workbench.analysis import fragmentation
 from workbench.cache import PagedKVCache
 from workbench.compress.block_keep import PARTIAL, block_keep
 from workbench.compress.observation import Observation, attention_error, attention_output

@@ -1,8 +1,8 @@
 """KV sparsification policies behind one registry: which prompt tokens a sequence keeps in its paged cache.
 
-The registry pattern of ``workbench.core.policy_registry`` (as ``workbench.sim.strategies``): a frozen, validated config kept
-by name in :data:`POLICIES`, :func:`get` ``(name, **overrides)``, a ``label``. A policy sees one sequence through
-an :class:`~workbench.compress.observation.Observation` and answers
+The registry pattern of ``workbench.core.policy_registry`` (as ``workbench.sim.strategies``): a frozen, validated
+config kept by name in :data:`POLICIES`, :func:`get` ``(name, **overrides)``, a ``label``. A policy sees one sequence
+through an :class:`~workbench.compress.observation.Observation` and answers
 
 - ``keep(obs) -> bool [T]``: ONE token set for every layer and head. A paged cache shares a block id across
   layers and heads (vLLM's block table), so only a token dropped everywhere can free its slot: this is the set

@@ -9,7 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.fragmentation import SHARED, STATES, TOKEN
+from workbench.analysis.fragmentation import SHARED, STATES, TOKEN
 
 BREAKDOWN_PARTS = ("token_states", "reservation", "internal_fragmentation")
 COLORS = {"token_states": "#2a9d8f", "reservation": "#e9c46a", "internal_fragmentation": "#e76f51"}
@@ -76,8 +76,9 @@ IMPL_COLORS = {"ours": "#2a9d8f", "sdpa_contiguous": "#264653", "gather_sdpa": "
 
 
 def coalescing_map(c):
-    """Left: bytes of each token of a tile in each 128-byte line it touches (``workbench.coalescing.Coalescing``);
-    right: line and sector efficiency of a token read and of the tile read."""
+    """Left: bytes of each token of a tile in each 128-byte line it touches
+    (``workbench.analysis.coalescing.Coalescing``); right: line and sector efficiency of a token read and of the tile
+    read."""
     m, g = c.line_map, c.geometry
     # short subplot titles (the long story is in the title): they must not run into each other at 700 px
     fig = make_subplots(rows=1, cols=2, column_widths=[0.66, 0.34], horizontal_spacing=0.16, subplot_titles=(

@@ -4,10 +4,10 @@ Each is both its panel's controls (``workbench.ui.panels``) and its sweep; the f
 
 from __future__ import annotations
 
-from workbench import memory
-from workbench.coalescing import Coalescing, analyze
+from workbench.analysis import allocation_waste
+from workbench.analysis.allocator_scenarios import SharingResult, shared_prompt
+from workbench.analysis.coalescing import Coalescing, analyze
 from workbench.core import kv_spec as model_spec
-from workbench.sharing import SharingResult, shared_prompt
 from workbench.sim import sweeps as sim_sweeps
 from workbench.studies.base import BLOCK_SIZES, Param, Study
 
@@ -17,10 +17,11 @@ DTYPE_WORDS = {"fp32": "fp32", "fp16": "fp16 / bf16", "fp8_e4m3": "fp8 / int8", 
 
 def allocation(model: str, kv_dtype: str, block_size: int, max_len: int, num_requests: int, seed: int
                ) -> dict[str, dict[str, float]]:
-    """``memory.compare_allocation`` of a random batch (``memory.random_batch``): where each scheme's bytes go."""
-    current, final = memory.random_batch(num_requests, max_len, seed)
+    """``allocation_waste.compare_allocation`` of a random batch (``allocation_waste.random_batch``): where each
+    scheme's bytes go."""
+    current, final = allocation_waste.random_batch(num_requests, max_len, seed)
     bpt = model_spec.model(model).bytes_per_token(kv_dtype)
-    return memory.compare_allocation(current, final, max_len, block_size, bpt)
+    return allocation_waste.compare_allocation(current, final, max_len, block_size, bpt)
 
 
 def memory_point(model: str, kv_dtype: str, block_size: int, max_len: int, num_requests: int, seed: int) -> dict:

@@ -1,8 +1,8 @@
 """Prefetch strategies for tiered KV storage: which blocks to bring to the device before the next decode step
 reads them, and which resident blocks to give up for them.
 
-The registry pattern of ``workbench.core.policy_registry``: a frozen, validated config (kept by name in :data:`PREFETCH`,
-:func:`get`) whose ``build(ctx)`` returns the state object the replay drives. A state has
+The registry pattern of ``workbench.core.policy_registry``: a frozen, validated config (kept by name in
+:data:`PREFETCH`, :func:`get`) whose ``build(ctx)`` returns the state object the replay drives. A state has
 
 - ``observe(step, reads)``: step ``step`` has read ``reads`` (called once per step, after its reads);
 - ``plan(step, view) -> list[int]``: after step ``step``, the blocks to prefetch for step ``step + 1``, most

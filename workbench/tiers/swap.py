@@ -11,7 +11,7 @@ share (an undiverged fork, beams, a common prompt prefix) travels once and each 
 A swapped sequence keeps its key per logical block; each entry is pinned once per sequence that lists it, and a
 private one is dropped when its last holder comes back or is freed.
 
-Swap-in rebuilds the tables on a clone of the allocator (as ``workbench.compaction`` and
+Swap-in rebuilds the tables on a clone of the allocator (as ``workbench.cache.compaction`` and
 ``workbench.compress.evict`` do) and swaps it in once every byte has landed: a key the batch shares gets one
 device block, held by each sharer (reference counts as they were); a chain key whose block the device still
 caches is taken as it is (shared with whoever holds it, as before the swap); the rest is filled from host and
