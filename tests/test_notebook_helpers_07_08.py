@@ -12,7 +12,7 @@ from workbench.bench import shared_prefix_results as spm
 from workbench.compress import evict, observation, recall_study, sparsity_study
 from workbench.shared_prefix import cut, find_shared_runs
 from workbench.shared_prefix.decode import random_batch
-from workbench.sim import forks
+from workbench.sim import forks_report
 
 
 # ---- notebook 07 ---------------------------------------------------------------------------------------------------
@@ -151,6 +151,6 @@ def test_selector_picks_and_the_formatters(prefix_run):
 def test_format_against_paper():
     rows = [{"trace": "alpaca_synth", "mode": "beam", "n": 2, "saving_pct": 39.04, "paper_pct": 37.6, "gap_pp": 1.44},
             {"trace": "alpaca_synth", "mode": "beam", "n": 4, "saving_pct": 58.6, "paper_pct": None, "gap_pp": None}]
-    assert forks.format_against_paper(rows).splitlines() == [
+    assert forks_report.format_against_paper(rows).splitlines() == [
         "  alpaca_synth     beam n=2: saves  39.0%  paper 37.6% (gap +1.4)",
         "  alpaca_synth     beam n=4: saves  58.6%  paper: not given"]

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from workbench.allocator import BlockManager, BlockPool
-from workbench.sim import cli, forks
+from workbench.sim import cli, forks, forks_report, forks_serving
 from workbench.sim import traces as tr
 from workbench.sim.budget import slots_budget
 
@@ -50,7 +50,7 @@ def test_beam_that_never_switches_is_parallel_sampling():
 
 @pytest.mark.parametrize("mode", forks.MODES)
 def test_one_sequence_saves_nothing(mode):
-    res = forks.serve(trace_of([(5, 9), (40, 30), (16, 17)]), mode, 1, check=True)
+    res = forks_serving.serve(trace_of([(5, 9), (40, 30), (16, 17)]), mode, 1, check=True)
     assert res.saving() == 0.0 and res.cow == 0 and res.completed == 3
     assert np.array_equal(res.rows["shared"], res.rows["unshared"])
 
@@ -122,7 +122,7 @@ def test_reference_counts_agree_with_the_block_allocator(p, o, mode, n, p_top, b
 )
 def test_server_invariants_on_random_small_traces(pairs, mode, n, p_top, bs, slots):
     t = trace_of(pairs)
-    res = forks.serve(t, mode, n, block_size=bs, p_top=p_top, budget=slots_budget(slots), check=True)
+    res = forks_serving.serve(t, mode, n, block_size=bs, p_top=p_top, budget=slots_budget(slots), check=True)
     sh, un = res.rows["shared"], res.rows["unshared"]
     assert res.leaked == 0 and (sh >= 0).all()
     assert (sh <= un).all() and (sh <= res.budget_blocks).all()
@@ -141,17 +141,17 @@ def test_server_invariants_on_random_small_traces(pairs, mode, n, p_top, bs, slo
 
 def test_saving_grows_with_n_and_beam_saves_more_than_parallel():
     t = tr.load("alpaca").head(300)
-    par = [forks.serve(t, "parallel", n).saving() for n in (1, 2, 4, 6)]
-    beam = [forks.serve(t, "beam", n).saving() for n in (1, 2, 4, 6)]
+    par = [forks_serving.serve(t, "parallel", n).saving() for n in (1, 2, 4, 6)]
+    beam = [forks_serving.serve(t, "beam", n).saving() for n in (1, 2, 4, 6)]
     assert par[0] == beam[0] == 0 and par == sorted(par) and beam == sorted(beam)
     assert all(b > p for b, p in zip(beam[1:], par[1:], strict=True))
 
 
 def test_a_tight_budget_swaps_groups_out_and_the_saving_does_not_change():
     t = tr.load("alpaca").head(200)
-    loose = forks.serve(t, "beam", 4)
-    tight = forks.serve(t, "beam", 4, budget=slots_budget(16 * 120))
-    timed = forks.serve(t, "beam", 4, step_s=0.04)
+    loose = forks_serving.serve(t, "beam", 4)
+    tight = forks_serving.serve(t, "beam", 4, budget=slots_budget(16 * 120))
+    timed = forks_serving.serve(t, "beam", 4, step_s=0.04)
     assert tight.preemptions > 0 and tight.completed == loose.completed == 200
     assert tight.saving() == pytest.approx(loose.saving()) == pytest.approx(timed.saving())
 
@@ -215,7 +215,7 @@ BAD = [
 def test_serve_names_the_bad_argument(kw, name):
     kw = {"trace": trace_of([(3, 4)]), **kw}
     with pytest.raises(ValueError, match=rf"\b{name}\b"):
-        forks.serve(**kw)
+        forks_serving.serve(**kw)
 
 
 @pytest.mark.parametrize(
@@ -241,34 +241,34 @@ def test_simulate_group_checks_before_drawing(kw, name):
 
 def test_table_checks_every_argument_before_the_first_run():
     with pytest.raises(ValueError, match="mode"):
-        forks.table((trace_of([(3, 4)]),), ("parallel", "sample"))
+        forks_report.table((trace_of([(3, 4)]),), ("parallel", "sample"))
     with pytest.raises(ValueError, match="trace"):
-        forks.table((trace_of([(3, 4)]), 7))
+        forks_report.table((trace_of([(3, 4)]), 7))
     with pytest.raises(ValueError, match="p_tops"):
-        forks.sensitivity((trace_of([(3, 4)]),), p_tops=(0.1, 2.0))
+        forks_report.sensitivity((trace_of([(3, 4)]),), p_tops=(0.1, 2.0))
 
 
 # -------------------------------------------------------------------------------------------------- table and CLI
 def test_table_rows_compare_with_the_paper():
-    rows = forks.table(("alpaca",), ns=(2, 4, 6), requests=100)
+    rows = forks_report.table(("alpaca",), ns=(2, 4, 6), requests=100)
     assert [(r["mode"], r["n"]) for r in rows] == [(m, n) for m in forks.MODES for n in (2, 4, 6)]
     by = {(r["mode"], r["n"]): r for r in rows}
     assert by["parallel", 2]["paper_pct"] == 6.1 and by["beam", 6]["paper_pct"] == 55.2
     assert by["beam", 4]["paper_pct"] is None and by["beam", 4]["paper_range_pct"] == [37.6, 55.2]
     assert by["beam", 2]["gap_pp"] == pytest.approx(by["beam", 2]["saving_pct"] - 37.6, abs=0.011)
     assert by["parallel", 2]["p_top"] is None and by["beam", 2]["p_top"] == forks.DEFAULT_P_TOP
-    text = forks.format_table(rows)
+    text = forks_report.format_table(rows)
     assert "paper %" in text and "6.1" in text and "55.2" in text
-    mine = forks.table((trace_of([(3, 4)], "mine"),), ("beam",), (2,))
+    mine = forks_report.table((trace_of([(3, 4)], "mine"),), ("beam",), (2,))
     assert mine[0]["paper_pct"] is None and mine[0]["gap_pp"] is None
 
 
 def test_sensitivity_implies_a_p_top_on_its_grid():
-    rows = forks.sensitivity(("alpaca",), (2,), p_tops=(0.0, 0.1, 1.0), requests=100)
+    rows = forks_report.sensitivity(("alpaca",), (2,), p_tops=(0.0, 0.1, 1.0), requests=100)
     (r,) = rows
     assert r["saving_pct"] == sorted(r["saving_pct"]) and r["paper_pct"] == 37.6
     assert 0 < r["implied_p_top"] < 1
-    assert "implied" in forks.format_sensitivity(rows)
+    assert "implied" in forks_report.format_sensitivity(rows)
 
 
 def test_cli_prints_the_table_and_writes_a_results_file(tmp_path, capsys):

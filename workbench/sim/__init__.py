@@ -10,12 +10,13 @@
 Memory parts and their formulas: ``workbench.sim.metrics`` and ``docs/fragmentation.md``.
 """
 
-from workbench.sim import fig2, forks, metrics, seed_table, sweeps
+from workbench.sim import fig2, forks, forks_report, forks_serving, metrics, seed_table, sweeps
 from workbench.sim.budget import Budget, kv_budget, slots_budget
 from workbench.sim.engine import Result, run
-from workbench.sim.forks import ForkResult, GroupCurve, RefPool, lifetime_saving, simulate_group
-from workbench.sim.forks import serve as serve_forks
-from workbench.sim.forks import table as forks_table
+from workbench.sim.forks import GroupCurve, RefPool, lifetime_saving, simulate_group
+from workbench.sim.forks_report import table as forks_table
+from workbench.sim.forks_serving import ForkResult
+from workbench.sim.forks_serving import serve as serve_forks
 from workbench.sim.metrics import Breakdown
 from workbench.sim.strategies import STRATEGIES, Contiguous, Paged, PagedAdaptive
 from workbench.sim.strategies import get as strategy
@@ -24,6 +25,6 @@ from workbench.sim.traces import generate as generate_trace
 from workbench.sim.traces import load as load_trace
 
 __all__ = ["Breakdown", "Budget", "Contiguous", "ForkResult", "GroupCurve", "Paged", "PagedAdaptive", "RefPool",
-           "Request", "Result", "STRATEGIES", "Trace", "fig2", "forks", "forks_table", "generate_trace", "kv_budget",
-           "lifetime_saving", "load_trace", "metrics", "run", "seed_table", "serve_forks", "simulate_group",
-           "slots_budget", "strategy", "sweeps"]
+           "Request", "Result", "STRATEGIES", "Trace", "fig2", "forks", "forks_report", "forks_serving",
+           "forks_table", "generate_trace", "kv_budget", "lifetime_saving", "load_trace", "metrics", "run",
+           "seed_table", "serve_forks", "simulate_group", "slots_budget", "strategy", "sweeps"]

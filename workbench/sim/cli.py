@@ -22,8 +22,11 @@ import platform
 import sys
 import time
 
+from workbench.bench import harness
 from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
+from workbench.sim import engine, fig2, forks, forks_report, seed_table, traces
 from workbench.sim import strategies as st
+from workbench.sim.budget import kv_budget
 
 # The subcommands, each with the line `python -m workbench sim --help` shows for it.
 COMMANDS = {
@@ -118,8 +121,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fig2(args) -> int:
-    from workbench.sim import fig2
-
     d = fig2.breakdown(args.trace, seed=args.seed, n=args.requests, allocator=args.allocator,
                        block_size=args.block_size, saturated=not args.all_steps)
     if args.sensitivity:
@@ -141,17 +142,12 @@ def _fig2(args) -> int:
 
 
 def _seed_table(args) -> int:
-    from workbench.sim import seed_table
-
     d = seed_table.table(args.batch, gpu_gib=args.gpu_gib, block_size=args.block_size)
     print(json.dumps(d, indent=1) if args.json else seed_table.format_table(d))
     return 0
 
 
 def _run(args) -> int:
-    from workbench.sim import engine, traces
-    from workbench.sim.budget import kv_budget
-
     overrides = {}
     if args.block_size is not None:
         cfg = st.get(args.strategy)
@@ -188,9 +184,6 @@ def _run(args) -> int:
 
 
 def _forks(args) -> int:
-    from workbench.bench import harness
-    from workbench.sim import forks
-
     if args.seed < 0:
         raise ValueError(f"argument --seed: must be >= 0, got {args.seed}")
     p_top = forks.DEFAULT_P_TOP if args.p_top is None else args.p_top
@@ -199,7 +192,7 @@ def _forks(args) -> int:
     except ValueError as e:  # before the work, not after
         raise ValueError(f"argument --out: {e}") from None
     start = time.perf_counter()
-    rows = forks.table(
+    rows = forks_report.table(
         tuple(args.trace),
         tuple(args.mode),
         tuple(args.n),
@@ -211,7 +204,7 @@ def _forks(args) -> int:
     )
     sens = None
     if args.sensitivity:
-        sens = forks.sensitivity(
+        sens = forks_report.sensitivity(
             tuple(args.trace),
             tuple(args.n),
             requests=min(args.requests, 1000),
@@ -224,8 +217,8 @@ def _forks(args) -> int:
     meta["command"] = " ".join(["python -m workbench sim", *args.argv])
     extra = {
         "paper": {
-            "source": forks.PAPER_SOURCE,
-            "range_pct": {f"{t}/{m}": list(v) for (t, m), v in forks.PAPER.items()},
+            "source": forks_report.PAPER_SOURCE,
+            "range_pct": {f"{t}/{m}": list(v) for (t, m), v in forks_report.PAPER.items()},
         },
         "setup": {
             "requests": args.requests,
@@ -248,10 +241,10 @@ def _forks(args) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "sensitivity": sens}, indent=1))
     else:
-        print(forks.format_table(rows))
+        print(forks_report.format_table(rows))
         if sens:
             print()
-            print(forks.format_sensitivity(sens))
+            print(forks_report.format_sensitivity(sens))
     sys.stdout.flush()
     print(f"{len(rows)} rows in {seconds:.1f} s; wrote {path}", file=sys.stderr)
     return 0

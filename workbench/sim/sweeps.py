@@ -7,6 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from workbench.sim.budget import kv_budget
+from workbench.sim.engine import run
+from workbench.sim.strategies import Paged, PagedAdaptive
+from workbench.sim.strategies import get as strategy_config
+from workbench.sim.traces import load as load_trace
+
 SIM_STRATEGIES = ("paged", "paged-prealloc", "paged-adaptive", "orca-max", "orca-pow2", "orca-oracle")
 BLOCK_STRATEGIES = ("paged", "paged-prealloc", "paged-adaptive")  # the ones a block size applies to
 COMPACTING_STRATEGIES = ("paged-adaptive",)  # the ones compact_every applies to
@@ -16,19 +22,17 @@ def sim_strategy(strategy: str = "paged", block_size: int = 16, compact_every: i
     """A simulator config: ``paged`` (vLLM), ``paged-prealloc``, ``paged-adaptive`` (blocks of
     ``block_size`` then ``4 * block_size`` from ``8 * block_size`` tokens, compaction every
     ``compact_every`` steps, 0 = never) or the contiguous ``orca-*`` (block size ignored)."""
-    from workbench import sim  # the package imports this module
-
     if strategy not in SIM_STRATEGIES:
         raise ValueError(f"strategy must be one of {SIM_STRATEGIES}, got {strategy!r}")
     if not isinstance(compact_every, int) or compact_every < 0:
         raise ValueError(f"compact_every must be an int >= 0, got {compact_every!r}")
     if strategy == "paged":
-        return sim.Paged(block_size)
+        return Paged(block_size)
     if strategy == "paged-prealloc":
-        return sim.Paged(block_size, prealloc=True)
+        return Paged(block_size, prealloc=True)
     if strategy == "paged-adaptive":
-        return sim.PagedAdaptive(block_size, 4 * block_size, 8 * block_size, compact_every or None)
-    return sim.strategy(strategy)
+        return PagedAdaptive(block_size, 4 * block_size, 8 * block_size, compact_every or None)
+    return strategy_config(strategy)
 
 
 def simulate(trace: str = "sharegpt", strategy: str = "paged", block_size: int = 16, kv_gib: float = 12.0,
@@ -40,12 +44,10 @@ def simulate(trace: str = "sharegpt", strategy: str = "paged", block_size: int =
         "throughput" (requests per step), "preemptions", "copied_tokens", "steps", "series"
         ({"step", "token", "free"}: per-step shares of the pool)}``.
     """
-    from workbench import sim  # the package imports this module
-
-    tr = sim.load_trace(trace)
+    tr = load_trace(trace)
     tr = tr.head(n) if n is not None and n < len(tr) else tr
-    budget = sim.kv_budget(model, kv_gib=kv_gib)
-    res = sim.run(tr, sim_strategy(strategy, block_size, compact_every), budget)
+    budget = kv_budget(model, kv_gib=kv_gib)
+    res = run(tr, sim_strategy(strategy, block_size, compact_every), budget)
     avg = res.average(saturated=True)
     step = np.arange(res.steps)
     return {"label": res.strategy, "trace": trace, "requests": len(tr), "slots": budget.slots,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from workbench.shared_prefix import scenarios
 from workbench.shared_prefix.cost import CostModel
 from workbench.shared_prefix.decode import cost_model
-from workbench.sim import forks
+from workbench.sim import forks, forks_report
 from workbench.studies.base import Param, Study
 
 PREFIXES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -96,11 +96,11 @@ SCENARIO = Study(
 
 
 def forks_point(trace: str, mode: str, p_top: float, n: int, requests: int) -> dict:
-    """``sim.forks.lifetime_saving`` of one trace, mode and width over the first ``requests`` requests (percent):
-    a bar of the forks panel, and the paper's range for the trace and mode (``forks.PAPER``); ``p_top`` only counts
-    for beam search."""
+    """``sim.forks.lifetime_saving`` of one trace, mode and width over the first ``requests`` requests (percent): a bar
+    of the forks panel, and the paper's range for the trace and mode (``forks_report.PAPER``); ``p_top`` only counts for
+    beam search."""
     saving = 100 * forks.lifetime_saving(trace, mode, n, p_top=p_top, requests=requests)
-    low, high = forks.PAPER[(trace, mode)]
+    low, high = forks_report.PAPER[(trace, mode)]
     return {"saving_pct": saving, "paper_low_pct": low, "paper_high_pct": high,
             "in_paper_range": low <= saving <= high}
 

@@ -18,7 +18,7 @@ from workbench.figures import shared_prefix as spf
 from workbench.figures.titles import wrap
 from workbench.shared_prefix import scenarios
 from workbench.shared_prefix.decode import cost_model
-from workbench.sim import forks
+from workbench.sim import forks_report
 from workbench.studies import shared_prefix as sp
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
@@ -103,7 +103,7 @@ def forks_panel(requests: int = 200) -> Panel:
     def compute(trace, mode, p_top):
         rows = [{"n": n, **sp.FORKS.point(trace=trace, mode=mode, p_top=p_top, n=n, requests=requests)}
                 for n in sp.FORKS.param("n").choices]
-        paper = forks.PAPER.get((trace, mode))
+        paper = forks_report.PAPER.get((trace, mode))
         what = "parallel samples" if mode == "parallel" else f"beam search (p_top {p_top})"
         return {"rows": rows, "paper": paper,
                 "title": f"Memory saved by block sharing: {what}, first {requests} requests of the {trace}-like trace"}
