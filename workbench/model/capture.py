@@ -23,8 +23,15 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
+import workbench.model as wm  # load_smollm2 looked up at call time (tests hand in an already loaded model)
+from workbench.core.argtypes import writable_dir
+from workbench.model import gguf_weights  # model_available looked up at call time (tests replace it)
 from workbench.model.config import SMOLLM2_135M
+from workbench.model.kv import ContiguousKV
+from workbench.model.llama import rotate_half
+from workbench.model.runner import Runner
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PATH = ROOT / "data" / "activations"
@@ -146,8 +153,6 @@ class Capture:
 
 def capture_kv(model, tokens, *, name: str = "", n_queries: int = N_QUERIES) -> Capture:
     """Prefill ``tokens`` through a :class:`~workbench.model.Runner` with a contiguous store and the capture hook."""
-    from workbench.model import ContiguousKV, Runner
-
     got: dict[int, tuple] = {}
 
     def hook(layer, q, k_pre, k, v):
@@ -166,8 +171,6 @@ def capture_kv(model, tokens, *, name: str = "", n_queries: int = N_QUERIES) -> 
 def rope(k_pre: torch.Tensor, base: float = 1e5) -> torch.Tensor:
     """The model's RoPE (``Llama.qkv``'s fp32 tables, rotate-half) of ``[..., T, H, D]`` keys at positions
     ``0 .. T - 1``: how :func:`load` rebuilds the post-RoPE keys it does not store."""
-    from workbench.model.llama import rotate_half
-
     T, D = k_pre.shape[-3], k_pre.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
     emb = torch.outer(torch.arange(T, dtype=torch.float32), inv_freq).repeat(1, 2)[:, None]  # [T, 1, D]
@@ -342,18 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     n = SMOLLM2_135M.num_hidden_layers
     if layers is not None and not (layers and all(0 <= x < n for x in layers)):
         parser.error(f"argument --layers: layers must be in [0, {n}), got {args.layers!r}")
-    from workbench.core.argtypes import writable_dir
-
     writable_dir(parser, args.out)  # before the model runs (23 s), not after: a file there is a one-line error
-    from workbench.model.gguf_weights import model_available
-
-    if (why := model_available()) is not None:
+    if (why := gguf_weights.model_available()) is not None:
         print(f"capture: the model is not installed: {why}", file=sys.stderr)
         return 2
-    from tqdm.auto import tqdm
-
-    import workbench.model as wm  # looked up at call time (tests hand in an already loaded model)
-
     model, tok = wm.load_smollm2()
     caps = [capture_kv(model, prompt_tokens(tok, p), name=p.name)
             for p in tqdm(PROMPTS[:args.prompts], desc="capture", unit="prompt")]

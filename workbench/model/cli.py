@@ -12,6 +12,14 @@ import math
 import sys
 import time
 
+import torch
+
+import workbench
+from workbench import quant
+from workbench.core.argtypes import positive_int
+from workbench.model import PagedKV, Runner, load_smollm2
+from workbench.model.gguf_weights import ModelUnavailable
+
 CPU_THREADS = 1  # torch threads for generate on a CPU (notebook 03's rule for small CPU work; see cpu_threads)
 
 
@@ -25,9 +33,6 @@ def cpu_threads(device_type: str, requested: int | None = None) -> int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from workbench import quant
-    from workbench.core.argtypes import positive_int
-
     p = argparse.ArgumentParser(prog="python -m workbench generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", help="a user message (repeat for a batch); default: one example")
@@ -48,12 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    import workbench
+    # here: python -m workbench imports this module at start (cpu_threads); the cache loads Triton (+0.28 s)
     from workbench.cache import PagedKVCache
-    from workbench.model import PagedKV, Runner, load_smollm2
-    from workbench.model.gguf_weights import ModelUnavailable
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -103,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _static_scales(kv_dtype: str, cfg) -> dict:
     """Static fp8/int8 schemes need scales ahead: a conservative fixed range (``Calibrator`` measures real ones)."""
-    from workbench import quant
-
     try:
         scheme = quant.resolve(kv_dtype)
     except ValueError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,6 @@ class LlamaConfig:
 
     def with_layers(self, n: int) -> LlamaConfig:
         """The same shape with ``n`` layers (small models for tests)."""
-        from dataclasses import replace
-
         return replace(self, num_hidden_layers=n)
 
 

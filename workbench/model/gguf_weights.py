@@ -125,7 +125,7 @@ def read_gguf(path: str | Path | None = None, *, use_cache: bool = True) -> GGUF
 
 def _read_gguf(path: Path) -> GGUFModel:
     try:
-        import gguf
+        import gguf  # here: an optional package (the model extra); without it the model is unavailable
     except ImportError:
         raise ModelUnavailable(f"the gguf package is not installed: {INSTALL_HINT}") from None
     try:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workbench.kernels import DecodePlan
 from workbench.model.llama import Llama
 
 
@@ -34,8 +35,6 @@ class GraphDecoder:
 
     def __init__(self, model: Llama, cache, batch_size: int, max_seq_len: int, *, use_graph: bool = True,
                  compile: bool = False, **launch):
-        from workbench.kernels import DecodePlan
-
         if cache.scheme.keeps_residual:
             raise ValueError(f"kv_dtype {cache.scheme.name} keeps an fp16 residual outside the blocks: not graphable")
         if use_graph and model.device.type != "cuda":

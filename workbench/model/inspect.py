@@ -15,11 +15,18 @@ against fp16's is :mod:`workbench.model.agreement`.
 
 from __future__ import annotations
 
+import json
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
+
+from workbench.cache import PagedKVCache
+from workbench.model import capture  # capture_kv and kv_stats looked up at call time (tests replace them)
 from workbench.model.kv import PagedKV
 from workbench.model.runner import Generation, Runner
 
@@ -243,8 +250,6 @@ def record(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, n: i
         prefilled: per prompt, its prefill made before (``workbench.model.quality.prefill_all``) or None, as
             :meth:`Runner.generate` takes it: the same run without computing those prefills again.
     """
-    from workbench.cache import PagedKVCache
-
     cfg = model.config
     prompts = [[int(t) for t in p] for p in prompts]
     ops = ops or ("kernels" if model.device.type == "cuda" else "torch")
@@ -280,14 +285,7 @@ def kv_stats_sources(path=None) -> dict[str, dict]:
     ``{"layers": [...], "tokens": T or None}`` with layers as :func:`workbench.model.capture.kv_stats` gives them
     (``absmax`` per channel included: a prompt's comes from its ``.npz``; a prompt without it is left out).
     ``{}`` when there is no ``stats.json``."""
-    import json
-    from pathlib import Path
-
-    import numpy as np
-
-    from workbench.model.capture import DEFAULT_PATH
-
-    root = Path(path) if path is not None else DEFAULT_PATH
+    root = Path(path) if path is not None else capture.DEFAULT_PATH
     f = root / "stats.json"
     if not f.is_file():
         return {}
@@ -386,9 +384,7 @@ def kv_stats_or_capture(model, tokens: Sequence[int], name: str, path=None) -> d
     sources = kv_stats_sources(path)
     if sources:
         return sources
-    from workbench.model.capture import capture_kv, kv_stats
-
-    st = kv_stats(capture_kv(model, tokens, name=name))
+    st = capture.kv_stats(capture.capture_kv(model, tokens, name=name))
     return {f"{name} (captured now)": {"layers": st["layers"], "tokens": st["tokens"]}}
 
 
@@ -412,8 +408,6 @@ def kv_stats_summary(stats: dict, channels: Sequence[int] = ()) -> dict:
     ratio before RoPE (``ratio_min``, ``ratio_max``), how much lower it is after RoPE (``rope_drop_median``,
     ``rope_drop_max``: 1 - after / before), and the largest attention sink on token 0 (``sink0_max``) and its
     layer (``sink0_max_layer``). Floats rounded to 3 digits."""
-    import statistics
-
     layers = stats["layers"]
     pre = [r for d in layers for r in d["k_pre"]["ratio"]]
     post = [r for d in layers for r in d["k"]["ratio"]]

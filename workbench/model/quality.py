@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+import workbench.model as wm
 from workbench import quant
 from workbench.cache import PagedKVCache
 from workbench.model.kv import PagedKV
@@ -59,9 +60,7 @@ SCALES_BY = ("cache", "layer")  # a static scheme's scales: one pair for all lay
 @functools.lru_cache(maxsize=1)
 def smollm2():
     """``(model, tokenizer)`` of SmolLM2-135M (fp32 on the CPU), loaded once per process (about 10 s)."""
-    from workbench.model import load_smollm2
-
-    return load_smollm2()
+    return wm.load_smollm2()
 
 
 def load_text(names: Sequence[str] = EVAL_TEXTS) -> str:

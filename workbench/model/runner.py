@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
 from workbench.core.backend import kernel_device_problem
 from workbench.model.llama import Llama, causal_attention
@@ -160,8 +161,6 @@ class Runner:
                 nxt[s] = self._choose(s, logits, temperature, g, out, keep_logits)
         steps = range(max_new_tokens - 1)
         if progress:
-            from tqdm.auto import tqdm
-
             steps = tqdm(steps, desc=f"decode ({len(live)} sequences)", unit="step")
         for _ in steps:
             if stop_at_eos:

@@ -18,7 +18,7 @@ class Tokenizer:
 
     def __init__(self, tokens: Sequence[str], token_types: Sequence[int], merges: Sequence[str], *,
                  bos_id: int = 1, eos_id: int = 2):
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers  # here: optional (the model extra)
         from tokenizers import Tokenizer as HFTokenizer
 
         vocab = {t: i for i, t in enumerate(tokens)}
