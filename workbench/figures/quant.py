@@ -1,5 +1,5 @@
-"""Plotly figures of the quantization study (notebook 03), built from the plain rows of ``workbench.quant.study``
-and the decode benchmark's result rows."""
+"""Plotly figures of the quantization study (notebook 03), built from the plain rows of
+``workbench.quant.error_study`` and the decode benchmark's result rows."""
 
 from __future__ import annotations
 
