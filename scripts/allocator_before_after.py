@@ -108,11 +108,11 @@ def main() -> None:
         rows.append({"op": key, "baseline_rev": args.rev, "per_second_baseline": o, "per_second_now": n,
                      "ratio": n / o, "rounds": args.rounds, "seconds": args.seconds})
     if args.out:
-        from workbench.bench import harness
+        from workbench.results import provenance, run_files
 
-        meta = harness.machine_meta()
+        meta = provenance.machine_meta()
         meta["gpu"] = f"cpu-{meta['cpu']}"
-        print(harness.write_results("allocator_before_after", rows, meta, args.out))
+        print(run_files.write_results("allocator_before_after", rows, meta, args.out))
 
 
 if __name__ == "__main__":

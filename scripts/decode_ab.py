@@ -22,8 +22,9 @@ import torch
 from workbench.kernels import DecodePlan, paged_decode
 
 from workbench.bench import harness
-from workbench.bench.workloads import WORKLOADS, build_paged
 from workbench.core.argtypes import ensure_writable_dir
+from workbench.core.workloads import WORKLOADS, build_paged
+from workbench.results import provenance, run_files
 
 
 def measure_case(old, key: str, layout: str, kv_dtype: torch.dtype, rounds: int) -> dict:
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    out_dir = ensure_writable_dir(args.out or harness.DEFAULT_OUT)
+    out_dir = ensure_writable_dir(args.out or run_files.DEFAULT_OUT)
     sys.path.insert(0, str(Path(args.old).resolve()))
     old = importlib.import_module("old_kernels")
     cases = [(k, "nhd", torch.float16) for k in WORKLOADS] + [(k, "vllm", torch.float16) for k in WORKLOADS]
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
         print(f"{key} {layout:4} {row['kv_dtype']:14} identical={row['bit_identical']}  new/old eager "
               f"{row['ratio_new_eager']:.3f} graph {row['ratio_new_graph']:.3f}   plan.run/old eager "
               f"{row['ratio_plan_eager']:.3f} graph {row['ratio_plan_graph']:.3f}", flush=True)
-    print(harness.write_results("decode_ab", rows, harness.machine_meta(), out_dir))
+    print(run_files.write_results("decode_ab", rows, provenance.machine_meta(), out_dir))
     return 0
 
 

@@ -9,7 +9,8 @@ builds W1-W5 (16-token pages, fp16, NHD and vLLM layouts) with its checkout's ow
 ``DecodePlan.run`` eager and under a CUDA graph (``triton.testing`` medians); it saves its outputs, and the
 parent checks that both checkouts' outputs are bit-identical. Prints after/before time ratios per case
 (medians over rounds) and writes ``decode-before-after-<gpu>-<date>.json`` to ``--out`` (default ``results/``).
-Only the public API that every commit since the decode plan has kept is used, so an older checkout runs as is.
+Only the public API that every commit since the decode plan has kept is used (the workloads from either of the
+two places they have lived), so an older checkout runs as is.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def time_case(key: str, layout: str) -> tuple:
     import triton.testing as tt
     from workbench.kernels import DecodePlan
 
-    from workbench.bench.workloads import WORKLOADS, build_paged
+    try:  # the workloads moved from workbench.bench to workbench.core (issue 32): each checkout has one of them
+        from workbench.core.workloads import WORKLOADS, build_paged
+    except ImportError:
+        from workbench.bench.workloads import WORKLOADS, build_paged
 
     p = build_paged(WORKLOADS[key], layout=layout, block_size=16, kv_dtype=torch.float16, q_dtype=torch.float16)
     plan = DecodePlan(p.block_table, p.seq_lens, layout=p.layout, k_cache=p.k_cache, v_cache=p.v_cache,

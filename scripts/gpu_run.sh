@@ -5,9 +5,9 @@
 #   WORKBENCH_COMMIT=$(git rev-parse --short=12 HEAD) scripts/gpu_run.sh tests cache_kernels decode
 # tests: every test marked `kernels` (pytest -m kernels: tests/kernel_launches.py fails any unmarked
 # test that launches a kernel, so the list is complete by rule), no -x, in the files that carry the
-# marker; $OUT/gpu_tests.json holds the counts and the failures' ids, stamped (workbench.gpu_tests).
+# marker; $OUT/gpu_tests.json holds the counts and the failures' ids, stamped (workbench.results.gpu_tests).
 # GPU_TESTS="tests/test_a.py ..." runs those files only (a run split over calls: give every
-# call's gpu_tests*.xml to python -m workbench.gpu_tests); GPU_TEST_WORKERS=N uses pytest-xdist
+# call's gpu_tests*.xml to python -m workbench.results.gpu_tests); GPU_TEST_WORKERS=N uses pytest-xdist
 # where it is installed (Triton compiles on the CPU: N processes compile N kernels at once).
 # A test module needing a package the machine lacks is reported skipped (WORKBENCH_SKIP_MISSING).
 set -uo pipefail
@@ -41,7 +41,7 @@ for step in "$@"; do
            WORKBENCH_SKIP_MISSING=1 python -m pytest -q -m kernels -p no:cacheprovider -o junit_family=xunit1 \
              "${workers[@]}" --junitxml="$OUT/gpu_tests$tag.xml" $files 2>&1 | tee "$OUT/gpu_tests$tag.log" | tail -40
            [ "${PIPESTATUS[0]}" = 0 ] || status=1
-           python -m workbench.gpu_tests "$OUT/gpu_tests$tag.json" "$OUT/gpu_tests$tag.xml" \
+           python -m workbench.results.gpu_tests "$OUT/gpu_tests$tag.json" "$OUT/gpu_tests$tag.xml" \
              --command "pytest -m kernels ${GPU_TESTS:-(every marked file)}" || status=1 ;;
     *) python -m workbench bench "$step" --out "$OUT" 2>&1 | tee "$OUT/$step.log"
        [ "${PIPESTATUS[0]}" = 0 ] || status=1 ;;

@@ -18,15 +18,16 @@ import torch
 from workbench.kernels import paged_decode, paged_gather
 
 from workbench.bench import harness
-from workbench.bench.workloads import WORKLOADS, build_paged
 from workbench.core.argtypes import ensure_writable_dir
+from workbench.core.workloads import WORKLOADS, build_paged
+from workbench.results import provenance, run_files
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="results folder (default results/, git-ignored)")
     args = ap.parse_args(argv)
-    out_dir = ensure_writable_dir(args.out or harness.DEFAULT_OUT)
+    out_dir = ensure_writable_dir(args.out or run_files.DEFAULT_OUT)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 2
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             rows.append({"op": "graph_capture_validate_default", "workload": key, "same_output": torch.equal(out, ref)})
             print(f"{key} graph capture with validate=True: replay matches eager = {torch.equal(out, ref)}")
-    path = harness.write_results("validation", rows, harness.machine_meta(), out_dir)
+    path = run_files.write_results("validation", rows, provenance.machine_meta(), out_dir)
     print(f"wrote {path}")
     return 0
 

@@ -26,7 +26,8 @@ from workbench.kernels.decode import kernel as dec
 import workbench  # backend first (importing workbench.kernels imports it too)
 from workbench.bench import harness
 from workbench.bench.decode_timing import ref_fp32
-from workbench.bench.workloads import WORKLOADS, build_paged, bytes_moved, contiguous_kv
+from workbench.core.workloads import WORKLOADS, build_paged, bytes_moved, contiguous_kv
+from workbench.results import provenance, run_files
 
 # (name, launch overrides); the heuristic's pick on W1 is BLOCK_N 32, 4 stages, 4 warps, 1 split
 BASE = {"BLOCK_N": 32, "num_stages": 4, "num_warps": 4, "num_splits": 1}
@@ -142,7 +143,7 @@ def main(argv=None) -> None:
     smoke = args.smoke or not torch.cuda.is_available()
     device = str(workbench.device()) if smoke else "cuda"  # compiled kernels read GPU memory only
     w = WORKLOADS["W1"].smoke() if smoke else WORKLOADS["W1"]
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     copy_gbps = None if smoke else harness.copy_bandwidth_gbps()
     print(f"copy bandwidth {copy_gbps} GB/s", flush=True)
     rows = []
@@ -154,7 +155,7 @@ def main(argv=None) -> None:
             print(f"budget spent: skipped {layout} page {page}", flush=True)
             continue
         rows += probe_page(w, layout, page, cfgs, copy_gbps, args.rep_ms, smoke, device)
-        path = harness.write_results("vllm-decode-probe", rows, meta, args.out,
+        path = run_files.write_results("vllm-decode-probe", rows, meta, args.out,
                                      extra={"copy_gbps": copy_gbps, "workload": w.key})
     print(f"wrote {path} ({len(rows)} rows, {time.monotonic() - t0:.0f} s)")
     bad = [r for r in rows if r.get("error") or not r.get("rel_err", 1.0) < 1e-2]

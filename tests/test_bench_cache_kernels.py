@@ -34,7 +34,7 @@ def test_smoke_writes_tidy_rows(tmp_path, capsys):
 
 
 def test_fastest_row_per_key():
-    from workbench.bench.results import fastest
+    from workbench.results.decode import fastest
 
     rows = [{"workload": "w", "layout": "nhd", "impl": "a", "time_us": 3.0},
             {"workload": "w", "layout": "nhd", "impl": "a", "time_us": 2.0},

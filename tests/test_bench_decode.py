@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from workbench.bench import decode
-from workbench.bench.workloads import WORKLOADS, build_paged, bytes_moved
+from workbench.core.workloads import WORKLOADS, build_paged, bytes_moved
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

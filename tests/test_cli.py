@@ -12,13 +12,14 @@ import torch
 
 import workbench
 from workbench.__main__ import main
-from workbench.bench import BENCHMARKS, allocator, harness, results
+from workbench.bench import BENCHMARKS, allocator
+from workbench.results import decode, provenance, run_files
 from workbench.sim.cli import COMMANDS
 
 pytestmark = pytest.mark.kernels  # smoke benchmarks and `check` run Triton kernels (compiled on a GPU)
 
 NO_GPU = not torch.cuda.is_available()
-REAL_DEFAULT_OUT = harness.DEFAULT_OUT  # before the fixture below points it at tmp_path
+REAL_DEFAULT_OUT = run_files.DEFAULT_OUT  # before the fixture below points it at tmp_path
 
 
 def _listing(folder):
@@ -28,17 +29,17 @@ def _listing(folder):
 @pytest.fixture(autouse=True)
 def default_out(tmp_path, monkeypatch):
     """Point the default output folder at tmp_path/results and check data/results is left alone."""
-    before = _listing(harness.RESULTS)
+    before = _listing(run_files.RESULTS)
     out = tmp_path / "results"
-    monkeypatch.setattr(harness, "DEFAULT_OUT", out)
+    monkeypatch.setattr(run_files, "DEFAULT_OUT", out)
     yield out
-    assert _listing(harness.RESULTS) == before, "a run wrote into the committed data/results"
+    assert _listing(run_files.RESULTS) == before, "a run wrote into the committed data/results"
 
 
 # ------------------------------------------------------------------------------------------------ where results go
 def test_default_output_folder_is_git_ignored_and_not_the_committed_one():
-    assert REAL_DEFAULT_OUT == harness.ROOT / "results" != harness.RESULTS
-    assert "/results/" in (harness.ROOT / ".gitignore").read_text().split()
+    assert REAL_DEFAULT_OUT == provenance.ROOT / "results" != run_files.RESULTS
+    assert "/results/" in (provenance.ROOT / ".gitignore").read_text().split()
 
 
 def test_bench_writes_to_the_default_folder_and_says_where(default_out, capsys):
@@ -51,18 +52,18 @@ def test_bench_writes_to_the_default_folder_and_says_where(default_out, capsys):
 
 def test_two_runs_never_overwrite_each_other(tmp_path):
     meta = {"gpu": "NVIDIA H200", "torch": "t", "triton": "x", "commit": "c", "date": "2026-01-02T03:04:05Z"}
-    paths = [harness.write_results("decode", [{"i": i}], meta, tmp_path) for i in range(3)]
+    paths = [run_files.write_results("decode", [{"i": i}], meta, tmp_path) for i in range(3)]
     assert len(set(paths)) == 3 and [p.name for p in paths] == [
         "decode-h200-20260102T030405.json", "decode-h200-20260102T030405-2.json", "decode-h200-20260102T030405-3.json"]
     assert [json.loads(p.read_text())["rows"][0]["i"] for p in paths] == [0, 1, 2]
 
 
 def test_one_run_checkpointing_keeps_one_file(tmp_path):
-    meta = harness.machine_meta()  # carries this run's id
-    first = harness.write_results("probe", [{"i": 0}], meta, tmp_path)
-    again = harness.write_results("probe", [{"i": 0}, {"i": 1}], meta, tmp_path)
+    meta = provenance.machine_meta()  # carries this run's id
+    first = run_files.write_results("probe", [{"i": 0}], meta, tmp_path)
+    again = run_files.write_results("probe", [{"i": 0}, {"i": 1}], meta, tmp_path)
     assert again == first and len(json.loads(first.read_text())["rows"]) == 2
-    other = harness.write_results("probe", [{"i": 0}], {**meta, "run": "another"}, tmp_path)
+    other = run_files.write_results("probe", [{"i": 0}], {**meta, "run": "another"}, tmp_path)
     assert other != first and len(list(tmp_path.glob("probe-*.json"))) == 2
 
 
@@ -107,7 +108,7 @@ def test_tour_checks_paths_before_running_the_notebook(tmp_path, monkeypatch, ca
     for bad in _bad_dirs(tmp_path):
         assert main(["tour", "--out", str(bad)]) == 2
         assert "--out" in capsys.readouterr().err
-    assert main(["tour", "--notebook", str(harness.ROOT / "README.md"), "--out", str(tmp_path)]) == 2
+    assert main(["tour", "--notebook", str(provenance.ROOT / "README.md"), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "not a Jupyter notebook" in err and "Traceback" not in err
     assert main(["tour", "--notebook", str(tmp_path / "missing.ipynb"), "--out", str(tmp_path)]) == 2
@@ -199,26 +200,26 @@ def _meta(gpu, date):
 
 def test_matches():
     info = {"gpu": "NVIDIA H200", "mode": "full", "smoke": False}
-    assert harness.matches(info, None) and harness.matches(info, {})
-    assert harness.matches(info, {"gpu": "NVIDIA H200", "mode": ("full", "quick"), "smoke": False})
-    assert harness.matches(info, {"gpu": lambda g: "H200" in g})
-    assert not harness.matches(info, {"mode": "smoke"})
-    assert not harness.matches(info, {"missing": "x"}) and harness.matches(info, {"missing": lambda v: v is None})
+    assert run_files.matches(info, None) and run_files.matches(info, {})
+    assert run_files.matches(info, {"gpu": "NVIDIA H200", "mode": ("full", "quick"), "smoke": False})
+    assert run_files.matches(info, {"gpu": lambda g: "H200" in g})
+    assert not run_files.matches(info, {"mode": "smoke"})
+    assert not run_files.matches(info, {"missing": "x"}) and run_files.matches(info, {"missing": lambda v: v is None})
 
 
 def test_notebook_selection_ignores_newer_smoke_and_cpu_runs(tmp_path):
     row = {"workload": "W1", "impl": "ours", "time_us": 10.0}
-    gpu = harness.write_results("decode", [row], _meta("NVIDIA H200", "2026-01-01T00:00:00Z"), tmp_path,
+    gpu = run_files.write_results("decode", [row], _meta("NVIDIA H200", "2026-01-01T00:00:00Z"), tmp_path,
                                 extra={"mode": "full"})
-    harness.write_results("decode", [row], _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
-    harness.write_results("decode", [row], _meta("NVIDIA H200", "2026-07-01T00:00:00Z"), tmp_path,
+    run_files.write_results("decode", [row], _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
+    run_files.write_results("decode", [row], _meta("NVIDIA H200", "2026-07-01T00:00:00Z"), tmp_path,
                           extra={"mode": "quick"})
     where = {"gpu": "NVIDIA H200", "mode": "full"}
-    rows = results.load_decode(results_dir=tmp_path, where=where, latest=True)
+    rows = decode.load_decode(results_dir=tmp_path, where=where, latest=True)
     assert [r["date"] for r in rows] == ["2026-01-01T00:00:00Z"]
-    (run,) = harness.load_runs("decode-*.json", tmp_path, where)
+    (run,) = run_files.load_runs("decode-*.json", tmp_path, where)
     assert run["path"] == gpu and run["info"]["mode"] == "full"
-    assert len(harness.load_results("decode-*.json", tmp_path)) == 3  # no filter: every file
+    assert len(run_files.load_results("decode-*.json", tmp_path)) == 3  # no filter: every file
 
 
 def test_committed_results_are_found_by_their_metadata():
@@ -226,12 +227,12 @@ def test_committed_results_are_found_by_their_metadata():
     for pattern, where in [("allocator-*.json", {"gpu": "cpu-x86_64"}),
                            ("cache_kernels-*.json", {"gpu": "NVIDIA H200", "smoke": False}),
                            ("decode-*.json", {"gpu": "NVIDIA H200", "mode": "full"})]:
-        rows = harness.load_results(pattern, where=where, latest=True)
+        rows = run_files.load_results(pattern, where=where, latest=True)
         assert rows and len({r["date"] for r in rows}) == 1, pattern
 
 
 def test_bench_results_skips_smoke_runs(tmp_path, capsys):
-    harness.write_results("decode", [{"workload": "W1", "impl": "ours", "time_us": None}],
+    run_files.write_results("decode", [{"workload": "W1", "impl": "ours", "time_us": None}],
                           _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
     assert main(["bench", "results", "--dir", str(tmp_path)]) == 0
     assert "no decode results" in capsys.readouterr().out
@@ -331,7 +332,7 @@ def test_output_paths_that_are_files_are_refused_first(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(exchange, "export_problems", lambda *a, **k: pytest.fail("exported before the check"))
     monkeypatch.setattr(wm, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded before the check"))
-    readme = str(harness.ROOT / "README.md")
+    readme = str(provenance.ROOT / "README.md")
     for argv, flag in ((["check", "--export", readme, "--level", "smoke"], "--export"),
                        (["capture", "--out", readme], "--out"),
                        (["check", "ours", "--case", "decode/nhd/bs16/d64/hkv2/g1/fp16/lens=1/pad0/seed1",
@@ -372,7 +373,7 @@ def test_a_failure_reports_replay_hint_runs_as_printed_for_a_kernel_from_a_file(
 def test_report_notebooks_accepts_names_relative_to_notebooks(tmp_path, capsys):
     from workbench.__main__ import notebook_paths
 
-    nbdir = harness.ROOT / "notebooks"
+    nbdir = provenance.ROOT / "notebooks"
     assert notebook_paths(["00*"]) == [nbdir / "00_tour.ipynb"]  # said "no notebook matches" before
     assert notebook_paths(["00_tour"]) == notebook_paths(["notebooks/00_tour.ipynb"]) == [nbdir / "00_tour.ipynb"]
     names = [p.name for p in notebook_paths(["0[0-1]*", "00_tour"])]  # a name twice: once
@@ -384,7 +385,7 @@ def test_report_notebooks_accepts_names_relative_to_notebooks(tmp_path, capsys):
 
 def test_generate_names_a_file_that_is_not_gguf(capsys):
     pytest.importorskip("gguf")
-    assert main(["generate", "--gguf", str(harness.ROOT / "README.md")]) == 2
+    assert main(["generate", "--gguf", str(provenance.ROOT / "README.md")]) == 2
     err = capsys.readouterr().err
     assert "README.md is not a GGUF file" in err and "GGUF magic invalid" in err and "Traceback" not in err
 
@@ -422,7 +423,7 @@ def _readme_commands():
     import re
 
     rows = []
-    for line in (harness.ROOT / "README.md").read_text().splitlines():
+    for line in (provenance.ROOT / "README.md").read_text().splitlines():
         m = re.match(r"\| `python -m workbench ([^`]*)` \|(.*)\|\s*$", line)
         if not m:
             continue

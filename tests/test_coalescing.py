@@ -16,8 +16,9 @@ from workbench.analysis.coalescing import (
     read_stats,
     seed_block_size,
 )
-from workbench.bench import results
+from workbench.bench import results as bench_results
 from workbench.core.layout import block_shape, to_nhd
+from workbench.results import decode
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -150,28 +151,28 @@ def test_bad_input(kwargs, match):
 
 
 def test_results_helpers_on_fake_fixture():
-    rows = results.load_decode(results_dir=FIXTURES)
+    rows = decode.load_decode(results_dir=FIXTURES)
     assert rows and all(r["time_us"] for r in rows)  # the smoke row and the failed peer are dropped
-    best = results.best_per_workload(rows)
+    best = decode.best_per_workload(rows)
     assert list(best) == ["W1", "W4"] and best["W1"]["ours"]["variant"] == "splits*2"
-    assert results.best_per_workload(rows, graph=True)["W1"]["ours"]["variant"] == "heuristic"
-    pts = results.roofline_points(rows)
+    assert decode.best_per_workload(rows, graph=True)["W1"]["ours"]["variant"] == "heuristic"
+    pts = decode.roofline_points(rows)
     w1 = next(p for p in pts if p["workload"] == "W1" and p["impl"] == "sdpa_contiguous")
     assert w1["intensity"] == pytest.approx(4.0, rel=1e-3)  # GQA 32/8 at fp16: 4 FLOP per byte
     w4 = next(p for p in pts if p["workload"] == "W4")
     assert w4["intensity"] == pytest.approx(1.0, rel=1e-3)
     assert w1["tflops"] == pytest.approx(4 * 32 * 128 * 64 * 4096 / 280e-6 / 1e12)
-    assert results.copy_ceiling(rows) == 4000.0
-    head = results.headline_rows(rows)
+    assert decode.copy_ceiling(rows) == 4000.0
+    head = decode.headline_rows(rows)
     assert len(head) == 6 and head[-1]["sweep"] == "fp8"  # 3 timed W1 impls, 2 W4, the fp8 point
-    align = results.with_coalescing(results.sweep_rows(rows, "align"))
+    align = decode.with_coalescing(decode.sweep_rows(rows, "align"))
     assert [r["block_stride_pad"] for r in align] == [0, 1]
     assert align[0]["model_k_line_eff"] == 1.0 and align[1]["model_k_line_eff"] < 0.7
     assert align[1]["model_lane_bytes"] == 2
-    assert results.load_decode(results_dir=FIXTURES, pattern="nothing-*.json") == []
+    assert decode.load_decode(results_dir=FIXTURES, pattern="nothing-*.json") == []
 
 
 def test_results_cli(capsys):
-    assert results.main(["--dir", str(FIXTURES)]) == 0
+    assert bench_results.main(["--dir", str(FIXTURES)]) == 0
     out = capsys.readouterr().out
     assert "FAKE-GPU" in out and "W4" in out

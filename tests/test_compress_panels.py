@@ -1,4 +1,4 @@
-"""Notebook 07's data and panels: the loaders of the committed compression runs (``workbench.bench.compress_results``)
+"""Notebook 07's data and panels: the loaders of the committed compression runs (``workbench.results.compress``)
 checked against the files themselves, then the panels and figures headless (``workbench.ui.compress_panels``,
 ``compress_figures``): they build, every control changes the figure and redraws fast, greyed-out controls change
 nothing, and what they show is what the package computes.
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from panel_controls import control_values, next_value
 
-from workbench.bench import compress_results as measured
 from workbench.compress import recall_study, sparsity_study
+from workbench.results import compress as measured
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
 MODEL = "compression-model-cpu-x86_64-20261201T234402.json"
@@ -58,8 +58,8 @@ def test_loaders_import_without_plotly_or_widgets(monkeypatch):
     """The GPU image has no plotly: the loaders must not need it (test_packaging walks every module the same way)."""
     for name in ("plotly", "ipywidgets", "anywidget"):
         monkeypatch.setitem(sys.modules, name, None)  # importing it now raises ImportError
-    monkeypatch.delitem(sys.modules, "workbench.bench.compress_results")
-    fresh = importlib.import_module("workbench.bench.compress_results")
+    monkeypatch.delitem(sys.modules, "workbench.results.compress")
+    fresh = importlib.import_module("workbench.results.compress")
     assert fresh is not measured and fresh.run_name(fresh.latest("delta")) == DELTA
 
 

@@ -11,8 +11,8 @@ import pytest
 from panel_controls import control_values, next_value
 
 from workbench import conformance
-from workbench.bench import byok_results as byok
 from workbench.conformance.builtin import reference_decode
+from workbench.results import byok
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 

@@ -1,6 +1,6 @@
 """The GPU test list and its results file (issue 30 item 2), on the CPU: every test file that runs a kernel carries
 the ``kernels`` marker (the static half here; ``tests/kernel_launches.py`` fails any unmarked test that launches
-one), ``scripts/gpu_run.sh tests`` selects by the marker, and ``workbench.gpu_tests`` turns pytest's JUnit XML
+one), ``scripts/gpu_run.sh tests`` selects by the marker, and ``workbench.results.gpu_tests`` turns pytest's JUnit XML
 (a fake one, and one pytest writes) into the stamped results file."""
 
 import ast
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench import gpu_tests
+from workbench.results import gpu_tests
 
 # The pytest runs below are in-process (pytester): a subprocess each cost ~3-12 s of a busy 2-core machine (a fresh
 # interpreter importing torch, triton and every plugin) for what runs here in well under a second.
@@ -86,7 +86,7 @@ def test_the_rule_reads_markers_and_reasons():
 def test_gpu_run_selects_by_the_marker_without_stopping():
     script = (ROOT / "scripts" / "gpu_run.sh").read_text()
     assert "-m kernels" in script and " -x " not in script and "--junitxml" in script
-    assert "workbench.gpu_tests" in script and "gpu_tests.json" in script
+    assert "workbench.results.gpu_tests" in script and "gpu_tests.json" in script
     assert "test_gather.py" not in script  # no hand-kept list
 
 

@@ -12,8 +12,8 @@ from workbench.analysis.allocator_scenarios import (
     format_fork_checks,
     shared_prompt,
 )
-from workbench.bench import harness
 from workbench.core import kv_spec
+from workbench.results import run_files
 from workbench.sim import sweeps
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
@@ -101,11 +101,11 @@ def test_fork_checks():
 
 def test_pick():
     rows = [{"op": "a", "n": 1, "v": 1}, {"op": "a", "n": 2, "v": 2}, {"op": "a", "n": 2, "v": 3}]
-    assert harness.pick(rows, op="a", n=1)["v"] == 1
-    assert harness.pick(rows, n=2)["v"] == 3  # the last match: the newest run's
-    assert harness.pick(rows, n=lambda n: n > 1)["v"] == 3
+    assert run_files.pick(rows, op="a", n=1)["v"] == 1
+    assert run_files.pick(rows, n=2)["v"] == 3  # the last match: the newest run's
+    assert run_files.pick(rows, n=lambda n: n > 1)["v"] == 3
     with pytest.raises(ValueError, match="no row matches"):
-        harness.pick(rows, op="b")
+        run_files.pick(rows, op="b")
 
 
 # ----------------------------------------------------------------------------------------------- 02: coalescing

@@ -5,9 +5,9 @@ patterns and strategies, the swap-or-recompute curves and the tiered cache's sta
 import pytest
 import torch
 
-from workbench.bench import tier_results as measured
 from workbench.cache import PagedKVCache
 from workbench.quant import error_study, synthetic
+from workbench.results import tiers as measured
 from workbench.sim import preemption_cost as pc
 from workbench.tiers import TieredCache, access, prefetch
 from workbench.tiers.link import LinkModel

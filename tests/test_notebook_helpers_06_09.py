@@ -10,7 +10,6 @@ from types import SimpleNamespace
 import pytest
 
 from workbench import conformance
-from workbench.bench import byok_results as byok
 from workbench.cache import PagedKVCache
 from workbench.conformance import exchange, judge, registry, starter, suite
 from workbench.conformance.problems import Case
@@ -18,6 +17,7 @@ from workbench.figures import conformance as cf
 from workbench.model import agreement, inspect
 from workbench.model.capture import PROMPTS, prompts_by_name
 from workbench.model.runner import Generation
+from workbench.results import byok
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from workbench import notebook
-from workbench.bench import compress_results as cm
-from workbench.bench import harness
-from workbench.bench import shared_prefix_results as spm
 from workbench.compress import evict, observation, recall_study, sparsity_study
+from workbench.results import compress as cm
+from workbench.results import run_files
+from workbench.results import shared_prefix as spm
 from workbench.shared_prefix import cut, find_shared_runs
 from workbench.shared_prefix.decode import random_batch
 from workbench.sim import forks_report
@@ -45,7 +45,7 @@ def test_score_settings_scores_as_the_panel_and_adds_memory():
         ("streaming", "25%"), ("streaming", "50%"), ("h2o", "25%"), ("h2o", "50%"),
         ("threshold", "p>=0.025"), ("threshold", "p>=0.05")]
     assert set(table[0]) == {"policy", "budget", *sparsity_study.POLICY_TABLE_HEADERS}
-    mean = harness.pick(sparsity_study.summarize(rows), policy="h2o", budget=0.5, partial="compact")
+    mean = run_files.pick(sparsity_study.summarize(rows), policy="h2o", budget=0.5, partial="compact")
     assert table[3]["mem_compact"] == mean["memory"] and table[3]["err_compact"] == mean["error"]
 
 
@@ -63,7 +63,7 @@ def test_pool_study_frees_blocks_only_when_compacting():
     keep = torch.zeros(96, dtype=torch.bool)
     keep[:4] = keep[40] = keep[90:] = True
     rows = evict.pool_study(cap, beside, newcomer, keep, pool_blocks=13, block_size=16, newcomer_tokens=80)
-    kept, packed = (harness.pick(rows, partial=p) for p in ("keep", "compact"))
+    kept, packed = (run_files.pick(rows, partial=p) for p in ("keep", "compact"))
     assert kept["free_before"] == packed["free_before"] == 1
     assert (kept["report"].blocks_after, kept["free_after"], kept["stored_tokens"]) == (3, 4, 48)
     assert (packed["report"].blocks_after, packed["free_after"], packed["stored_tokens"]) == (1, 6, 11)
@@ -111,7 +111,7 @@ def test_delta_formatters_read_the_committed_run():
     assert line.startswith("fp16, byte shuffle + zstd, per layer") and line.count("/") == 2 + 2 * len(by_layer)
     text = cm.format_break_even(run)
     assert text.count("wins on:") == len(cm.delta_chunks(run))
-    disk = harness.pick(cm.break_even(run, "block16/30layers"), link="disk_write")
+    disk = run_files.pick(cm.break_even(run, "block16/30layers"), link="disk_write")
     assert f"disk_write {disk['link_gbps']:.3g} GB/s needs {disk['needed_serial']:.3g}" in text
 
 

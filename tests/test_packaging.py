@@ -82,7 +82,7 @@ def test_core_imports_without_ui_libraries():
         "for m in mods:\n"
         "    if not m.name.startswith(('workbench.ui', 'workbench.figures')):\n"
         "        importlib.import_module(m.name)\n"
-        "from workbench.bench import tier_results as measured\n"
+        "from workbench.results import tiers as measured\n"
         "print(measured.bandwidth_map(measured.latest()).at(32768, 64))\n"
         "print(len(mods), 'ok')\n"
     )

@@ -200,7 +200,7 @@ def test_write_counts_nonfinite_on_the_kernel_path(device):
 def test_quant_bench_smoke_rows(device, tmp_path):
     """The benchmark's decode and write sections on tiny shapes (the interpreter): tidy rows, checked numbers."""
     from workbench.bench import quant_decode
-    from workbench.bench.workloads import Workload
+    from workbench.core.workloads import Workload
 
     w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
     rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi"], 10, False, str(device))
@@ -224,7 +224,7 @@ def test_quant_bench_rows_survive_unmeasurable_timings(monkeypatch, device):
     """Issue 30 item 2: on the H200 the smoke rows divided by a copy bandwidth of 0 (a smoke run measures none) and
     by timings that round to 0: ZeroDivisionError. A ratio with such a denominator is now None, with a note."""
     from workbench.bench import quant_decode
-    from workbench.bench.workloads import Workload
+    from workbench.core.workloads import Workload
 
     assert quant_decode.rates(1000, 0.0, 100.0, 5.0, speedup=True) == {
         "bw_fraction": None, "speedup_vs_fp16": None, "note": "time 0.0 us not measurable: no rates"}

@@ -332,10 +332,10 @@ def test_batch_fast_grid_gives_the_same_output(device):
 def test_committed_selector_never_picks_a_measured_loss():
     """On every committed H200 map point, the tuned selector (graph and eager models) takes the cascade only where
     the same run measured it faster than plain decode."""
-    from workbench.bench import harness
+    from workbench.results import run_files
     from workbench.shared_prefix import cost_model
 
-    runs = harness.load_runs("shared-prefix-h200-*.json", where={"mode": "full"})
+    runs = run_files.load_runs("shared-prefix-h200-*.json", where={"mode": "full"})
     rows = [r for r in runs[-1]["rows"] if r["section"] == "map" and r["impl"] == "cascade"] if runs else []
     if not rows:
         pytest.skip("no committed shared-prefix map in data/results")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from panel_controls import control_values, next_value
 
-from workbench.bench import shared_prefix_results as measured
+from workbench.results import shared_prefix as measured
 from workbench.shared_prefix import scenarios
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"

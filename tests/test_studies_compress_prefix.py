@@ -121,9 +121,9 @@ def test_sparsification_panel_shows_the_sweeps_point():
 
 
 def test_quest_row_is_the_recall_and_the_speedups_the_panel_shows(defaults):
-    from workbench.bench import compress_results as measured
     from workbench.compress import recall_study
     from workbench.model import capture
+    from workbench.results import compress as measured
 
     row = defaults["quest"]
     for k in ("recall", "recall_per_head", "recall_oracle", "read"):

@@ -41,7 +41,7 @@ def test_decode_row_assembly_on_a_tiny_workload_with_stub_timers(monkeypatch):
     besides the times."""
     import workbench
     from workbench.bench import decode, harness
-    from workbench.bench.workloads import WORKLOADS
+    from workbench.core.workloads import WORKLOADS
     from workbench.studies import kernels
 
     times = iter([10.0, 12.0, 30.0, 40.0])  # ours' two eager medians, then the baseline's

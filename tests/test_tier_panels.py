@@ -1,4 +1,4 @@
-"""Notebook 05's data and panels: the loaders of the committed ``bench tiers`` runs (``workbench.bench.tier_results``)
+"""Notebook 05's data and panels: the loaders of the committed ``bench tiers`` runs (``workbench.results.tiers``)
 checked against the files themselves, then the panels and figures headless (``workbench.ui.tier_panels``,
 ``tier_figures``): they build, every control changes the figure, and what they show is what the package computes.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from panel_controls import control_values, next_value
 
-from workbench.bench import tier_results as measured
+from workbench.results import tiers as measured
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
 OLD, NEW = "tiers-h200-20261201T205629.json", "tiers-h200-20261201T205651.json"

@@ -1,8 +1,8 @@
 """Benchmarks: one module per benchmark, each with ``main(argv)`` run by
 ``python -m workbench bench <name>``; ``command`` holds the command line they share (``--out``, ``--smoke``, the
-GPU check), ``harness`` timing, bandwidth and result files, ``workloads`` the decode workloads W1-W5,
-``decode_timing`` what the decode benchmarks and the decode study time, ``results`` the loaders the notebooks
-plot from."""
+GPU check), ``harness`` timing, bandwidth and accuracy, ``decode_timing`` what the decode benchmarks and the decode
+study time. They write through ``workbench.results.run_files``; the decode workloads W1-W5 are
+``workbench.core.workloads``, and ``workbench.results`` shapes the committed runs for the notebooks."""
 
 # The modules `python -m workbench bench NAME` runs (the others are helpers), each with the line
 # `python -m workbench bench --help` shows for it. Runs write to results/ (git-ignored) unless --out DIR.

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from workbench.allocator import BlockManager, BlockPool
-from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.core.argtypes import positive_float
+from workbench.results import provenance, run_files
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=positive_float, default=1.0, help="time per measurement (> 0)")
     args = parser.parse_args(argv)
     out = parser.start(args)  # checked before the measurement, not after
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # this benchmark never touches a GPU
     rows = measure(args.seconds, progress=True)  # 6 x --seconds: a bar on stderr, stdout keeps the table
-    harness.print_table(rows, ["op", "batch_blocks", "per_second"])
-    path = harness.write_results("allocator", rows, meta, out, extra={"seconds": args.seconds})
+    run_files.print_table(rows, ["op", "batch_blocks", "per_second"])
+    path = run_files.write_results("allocator", rows, meta, out, extra={"seconds": args.seconds})
     print(f"wrote {path}")
     return 0

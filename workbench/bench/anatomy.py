@@ -44,16 +44,16 @@ import torch
 import triton
 
 from workbench import quant
-from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.bench.quant_decode import PAGE, bench_scheme
-from workbench.bench.workloads import WORKLOADS
 from workbench.core.backend import is_interpreted
+from workbench.core.workloads import WORKLOADS
 from workbench.kernels import DecodePlan
 from workbench.kernels.write import write_launches as launches_of
 from workbench.quant import blocks as qblocks
 from workbench.quant.names import ANATOMY_SCHEMES as SCHEMES
 from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
+from workbench.results import provenance, run_files
 
 H200 = dict(sms=132, schedulers=4, clock_ghz=1.98, copy_tbps=4.0)  # copy rate: bench decode's measured ~4.0 TB/s
 CLASSES = {  # SASS opcode -> what it spends issue slots on
@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"({row.get('loop_mma', 0)} mma, {row.get('loop_int', 0)} int, {row.get('loop_fp', 0)} fp, "
                       f"{row.get('loop_convert', 0)} cvt) {row['warp_instr_per_byte']} warp-instr/B = "
                       f"{row['issue_fraction']} of the issue budget", flush=True)
-    meta = dict(harness.machine_meta(), gpu=f"sm_{args.arch}a-ahead-of-time")  # compiled here, run nowhere
-    path = harness.write_results("anatomy", rows, meta, out)
+    meta = dict(provenance.machine_meta(), gpu=f"sm_{args.arch}a-ahead-of-time")  # compiled here, run nowhere
+    path = run_files.write_results("anatomy", rows, meta, out)
     print(f"rows: {path}")
     return 0
 

@@ -46,7 +46,6 @@ from workbench.bench.decode_timing import (
     ref_fp32,
     time_eager_and_graph,
 )
-from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
 from workbench.conformance.isolation import Worker, context_lost, impl_ref, resolve, sticky
 from workbench.conformance.journal import Journal, digest
 from workbench.conformance.loading import load_module
@@ -54,6 +53,8 @@ from workbench.conformance.problems import csr_export
 from workbench.conformance.registry import ABSENT, Impl, available, get
 from workbench.core.argtypes import positive_float, writable_dir
 from workbench.core.layout import Layout
+from workbench.core.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv
+from workbench.results import provenance, run_files
 
 TOL = 2e-2  # rel_err a row must reach against the float32 reference before it is timed
 
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if journal.is_dir():
         ap.error(f"argument --journal: {journal} is a folder; name a file")
     writable_dir(ap, journal.parent, "--journal")
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     isolate = torch.cuda.is_available() if args.isolate is None else args.isolate
     try:
         for m in args.load:
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     summary(rows)
-    path = harness.write_results("byok-decode", rows, meta, out, extra=extra)
+    path = run_files.write_results("byok-decode", rows, meta, out, extra=extra)
     print(f"wrote {path} (journal {journal})")
     failed = [r for r in rows if r["status"] in ("check_failed", "error") and r["origin"] == "ours"]
     return 1 if failed or extra.get("stopped") else 0

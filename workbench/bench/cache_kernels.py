@@ -32,6 +32,7 @@ from workbench.kernels import copy_blocks, write_kv
 from workbench.kernels.copy.reference import copy_blocks_ref
 from workbench.kernels.write import WriteConfig, launch_config
 from workbench.kernels.write.reference import quant_code_distance, write_kv_ref
+from workbench.results import provenance, run_files
 
 COLUMNS = [
     "workload", "impl", "variant", "layout", "block_size", "kv_dtype", "tokens", "time_us", "time_us_graph",
@@ -393,12 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy bandwidth: {ctx.copy_bw:.0f} GB/s")
     t0 = time.perf_counter()
     rows = run(SMOKE if args.smoke else FULL, ctx, device, tuple(args.only or SECTIONS), progress=True)
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     extra = {"copy_bw_gbps": ctx.copy_bw, "smoke": args.smoke, "backend": "interpreter" if not on_gpu else "cuda",
              "sections": list(args.only or SECTIONS), "wall_s": round(time.perf_counter() - t0, 1)}
-    harness.print_table(rows, COLUMNS)
+    run_files.print_table(rows, COLUMNS)
     _summary(rows)
-    path = harness.write_results("cache_kernels", rows, meta, out, extra=extra)
+    path = run_files.write_results("cache_kernels", rows, meta, out, extra=extra)
     print(f"results: {path}  ({extra['wall_s']} s)")
     bad = [r for r in rows if not r["ok"]]
     for r in bad:

@@ -9,9 +9,9 @@ on a machine without one, and the output folder, checked before any work so that
     if out is None:
         return 2
     ...
-    harness.write_results("decode", rows, meta, out)   # decode-<gpu>-<date>.json in out
+    run_files.write_results("decode", rows, meta, out)   # decode-<gpu>-<date>.json in out
 
-Where results go: :data:`~workbench.bench.harness.DEFAULT_OUT` (``results/``, git-ignored) unless ``--out DIR``;
+Where results go: :data:`~workbench.results.run_files.DEFAULT_OUT` (``results/``, git-ignored) unless ``--out DIR``;
 ``data/results`` holds the committed runs the notebooks plot (``--out data/results``).
 """
 
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from workbench.bench import harness
 from workbench.core import backend
 from workbench.core.argtypes import writable_dir
+from workbench.results import run_files
 
 OUT_HELP = "result folder (default results/, git-ignored; data/results holds the committed ones)"
 SMOKE_HELP = "tiny shapes, correctness only (the Triton interpreter on a CPU)"  # the GPU benchmarks' --smoke
@@ -57,8 +57,8 @@ class BenchParser(argparse.ArgumentParser):
 
     def start(self, args: argparse.Namespace) -> Path | None:
         """The checks before any work: a GPU (a GPU benchmark not run with ``--smoke``), then the output folder
-        ``--out`` (default :data:`~workbench.bench.harness.DEFAULT_OUT`) created and writable; a bad one ends the
+        ``--out`` (default :data:`~workbench.results.run_files.DEFAULT_OUT`) created and writable; a bad one ends the
         program through :meth:`error` (exit 2). None: no GPU, said on stderr; the caller exits 2."""
         if self.gpu and not getattr(args, "smoke", False) and not require_gpu(self.bench, self.has_smoke):
             return None
-        return writable_dir(self, harness.DEFAULT_OUT if args.out is None else args.out)
+        return writable_dir(self, run_files.DEFAULT_OUT if args.out is None else args.out)

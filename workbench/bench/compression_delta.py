@@ -18,12 +18,13 @@ import numpy as np
 import torch
 import zstandard
 
-from workbench.bench import harness, tier_results
 from workbench.bench.command import BenchParser
 from workbench.compress import delta_study as study
 from workbench.compress.delta_options import check_level
 from workbench.core.argtypes import positive_int
 from workbench.model import capture
+from workbench.results import provenance, run_files
+from workbench.results import tiers as tier_results
 from workbench.tiers.link import latest_link_model
 
 
@@ -91,25 +92,25 @@ def main(argv: list[str] | None = None) -> int:
 
     print("lossless ratio (raw / stored bytes, bytes-weighted over prompts and layers; bound: order-0 entropy)")
     summ = study.summarize(rows)
-    harness.print_table([r for r in summ if r["config"] in (study.DEFAULT, "shuffle", "zstd", "xor+shuffle")],
+    run_files.print_table([r for r in summ if r["config"] in (study.DEFAULT, "shuffle", "zstd", "xor+shuffle")],
                         ["kind", "dtype", "config", "ratio", "min", "max", "entropy_ratio"],
                         {"entropy_ratio": "bound"})
     print("\nlossy: quantized codes, delta-coded (ratio vs fp16; plain = the scheme without entropy coding)")
-    harness.print_table(study.summarize(qrows, ("kind", "scheme", "delta")),
+    run_files.print_table(study.summarize(qrows, ("kind", "scheme", "delta")),
                         ["kind", "scheme", "delta", "ratio", "plain_ratio", "rel_err"])
     print("\nthroughput on this CPU (one thread), GB/s of raw bytes")
-    harness.print_table(tp + sweep, ["chunk", "dtype", "config", "level", "raw_bytes", "ratio", "encode_gbps",
+    run_files.print_table(tp + sweep, ["chunk", "dtype", "config", "level", "raw_bytes", "ratio", "encode_gbps",
                                      "decode_gbps", "encode_best_gbps", "decode_best_gbps"],
                         {"encode_best_gbps": "enc_best", "decode_best_gbps": "dec_best"})
     print("\nbreak-even, fp16, one-way (a tier stores blocks compressed: encode on the way out, decode on the way "
           "in); needed = codec GB/s at which compressed ties raw (serial / pipelined); speedup = raw / compressed "
           "time at the measured CPU speed")
-    harness.print_table(study.verdicts(be), ["chunk", "config", "level", "link", "link_gbps", "ratio", "cpu_gbps",
+    run_files.print_table(study.verdicts(be), ["chunk", "config", "level", "link", "link_gbps", "ratio", "cpu_gbps",
                                        "cpu_best_gbps", "needed_serial", "needed_overlap", "speedup_serial",
                                        "speedup_overlap", "wins"],
                         {"cpu_best_gbps": "cpu_best", "needed_serial": "need_ser", "needed_overlap": "need_ovl",
                          "speedup_serial": "x_ser", "speedup_overlap": "x_ovl"})
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # a CPU codec: no GPU involved
     meta["command"] = " ".join(["python -m workbench bench compression_delta",
                                 *(argv if argv is not None else sys.argv[1:])])
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
              "links": {n: {"stage": v[1], "codec_side": v[2], "source": v[3]} for n, v in links.items()},
              "choice": study.default_choice(rows), "verdicts": study._json_safe(study.verdicts(be)), "wall_s": wall}
     all_rows = study._json_safe(rows + qrows + tp + sweep + be)
-    path = harness.write_results("compression-delta", all_rows, meta, out, extra=extra)
+    path = run_files.write_results("compression-delta", all_rows, meta, out, extra=extra)
     print(f"\n{len(all_rows)} rows in {wall:.0f} s; wrote {path}")
     return 0
 

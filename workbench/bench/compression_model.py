@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.compress import model_study as study
 from workbench.core.argtypes import positive_int
 from workbench.model import gguf_weights, load_smollm2
+from workbench.results import provenance, run_files
 
 
 def _floats(name: str):
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                obs_window=args.obs_window, every=args.every)
     summary = study.summarize(rows)
     total_s = time.perf_counter() - start
-    harness.print_table(summary, study.SUMMARY_COLUMNS, study.HEADERS)
-    meta = harness.machine_meta()
+    run_files.print_table(summary, study.SUMMARY_COLUMNS, study.HEADERS)
+    meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # ops="torch": no GPU involved
     meta["command"] = " ".join(["python -m workbench bench compression_model",
                                 *(argv if argv is not None else sys.argv[1:])])
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
              "obs_window": args.obs_window, "every": args.every, "overrides": study.OVERRIDES,
              "teacher_forcing": "every sequence is fed the full cache's greedy token; scored from the 2nd token",
              "load_seconds": load_s, "total_seconds": total_s, "summary": summary}
-    path = harness.write_results("compression-model", rows, meta, out, extra=extra)
+    path = run_files.write_results("compression-model", rows, meta, out, extra=extra)
     print(f"{len(rows)} rows in {total_s:.0f} s; wrote {path}")
     return 0
 

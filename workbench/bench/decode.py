@@ -47,9 +47,10 @@ from workbench.bench.decode_timing import (
     ref_fp32,
     time_eager_and_graph,
 )
-from workbench.bench.workloads import WORKLOADS, Workload, build_paged, bytes_moved, contiguous_kv
+from workbench.core.workloads import WORKLOADS, Workload, build_paged, bytes_moved, contiguous_kv
 from workbench.kernels import decode_config, paged_decode
 from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.results import provenance, run_files
 
 COLUMNS = ["workload", "impl", "variant", "layout", "block_size", "kv_dtype", "time_us", "time_us_graph", "gbps",
            "frac_copy_bw", "frac_copy_bw_graph", "rel_err", "x_sdpa_contiguous", "x_gather_sdpa", "x_flex_paged"]
@@ -230,15 +231,15 @@ def main(argv: list[str] | None = None) -> int:
     out = ap.start(args)  # checked before the run, not after
     if out is None:
         return 2
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     if args.smoke:
         rows, extra = run_smoke(progress=True), {"mode": "smoke"}
     else:
         rows, extra = run_gpu(args.quick, args.tune)
         extra["mode"] = "quick" if args.quick else "full"
-    harness.print_table(rows, COLUMNS)
+    run_files.print_table(rows, COLUMNS)
     summary(rows)
-    path = harness.write_results("decode", rows, meta, out, extra=extra)
+    path = run_files.write_results("decode", rows, meta, out, extra=extra)
     print(f"wrote {path}")
     bad = [r for r in rows if r["impl"] == "ours" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)
            and not r.get("error")]

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from workbench.bench import harness
-from workbench.bench.workloads import PagedKV
 from workbench.core import kv_formats
+from workbench.core.workloads import PagedKV
 from workbench.kernels import DecodePlan, decode_config
 
 PEERS = ("sdpa_contiguous", "gather_sdpa", "flex_paged")

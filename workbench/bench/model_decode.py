@@ -25,6 +25,7 @@ from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
 from workbench.model.gguf_weights import read_gguf
 from workbench.model.graph import GraphDecoder
 from workbench.model.tokenizer import Tokenizer
+from workbench.results import provenance, run_files
 
 PROMPT = 512
 
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
         torch.cuda.empty_cache()
-    path = harness.write_results("model-decode", rows, harness.machine_meta(), out,
+    path = run_files.write_results("model-decode", rows, provenance.machine_meta(), out,
                                  extra={"weights": "random (timing does not depend on values), fp16",
                                         "prompt": PROMPT, "new_tokens": args.new_tokens})
     print(f"wrote {path}")

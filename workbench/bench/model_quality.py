@@ -23,11 +23,11 @@ import time
 import torch
 
 from workbench import quant
-from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.core.argtypes import positive_int
 from workbench.model import gguf_weights, quality
 from workbench.quant.names import QUALITY_SMOKE_SCHEMES as SMOKE_SCHEMES
+from workbench.results import provenance, run_files
 
 COLUMNS = ["scheme", "scales", "bytes_per_token", "agreement", "first_divergence_mean", "mean_abs_drift",
            "max_abs_drift", "mean_kl", "perplexity", "seconds"]
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                                 chunk=chunk, batch=batch, prefill=prefill, static_scales_by=scales_by,
                                 progress=progress)
     total_s = time.perf_counter() - start
-    harness.print_table(rows, COLUMNS, HEADERS)
-    meta = harness.machine_meta()
+    run_files.print_table(rows, COLUMNS, HEADERS)
+    meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # ops="torch": no GPU involved
     meta["command"] = " ".join(["python -m workbench bench model_quality", *(argv if argv is not None else
                                                                               sys.argv[1:])])
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "static_scales_by": scales_by,
         "load_seconds": load_s, "total_seconds": total_s,
     }
-    path = harness.write_results("model-quality", rows, meta, out, extra=extra)
+    path = run_files.write_results("model-quality", rows, meta, out, extra=extra)
     spread = {n: max(a) / min(a) for n, a in amax.items()}
     print(f"calibration |K| max per layer {min(amax['k']):.3g}..{max(amax['k']):.3g} ({spread['k']:.1f}x), "
           f"|V| {min(amax['v']):.3g}..{max(amax['v']):.3g} ({spread['v']:.1f}x); static scales by "

@@ -25,13 +25,14 @@ from workbench import quant
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.decode_timing import ref_fp32
-from workbench.bench.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
+from workbench.core.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
 from workbench.kernels import DecodePlan, decode_config, write_kv
 from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_distance, quantize_ref
 from workbench.quant import blocks as qblocks
 from workbench.quant.names import DECODE_BENCH_SCHEMES as DECODE_SCHEMES
 from workbench.quant.names import DECODE_SMOKE_SCHEMES as SMOKE_SCHEMES
 from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
+from workbench.results import provenance, run_files
 
 PAGE = 16
 
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                           head_dim=128 if gpu else 64, tune=args.tune)
     if "midpoints" in sections:
         rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
-    path = harness.write_results("quant-decode", rows, harness.machine_meta(), out,
+    path = run_files.write_results("quant-decode", rows, provenance.machine_meta(), out,
                                  extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
                                         "page_size": PAGE, "tune": bool(args.tune)})
     print(f"wrote {path}")

@@ -50,14 +50,15 @@ import torch
 import workbench  # noqa: F401  (backend first)
 from workbench.bench import harness
 from workbench.bench.command import SMOKE_HELP, BenchParser
-from workbench.bench.workloads import PagedKV, Workload, build_paged
 from workbench.compress.page_selection import quest_recall, select_pages
 from workbench.core.argtypes import positive_float, positive_int, positive_int_list
+from workbench.core.workloads import PagedKV, Workload, build_paged
 from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores
 from workbench.kernels.quest.reference import quest_page_scores_ref
 from workbench.model import capture
+from workbench.results import provenance, run_files
 
 REAL_PAGE = 16  # the captured prompts' recall rows
 COLUMNS = ["section", "workload", "batch", "context", "page_size", "impl", "budget_tokens", "reduce", "launch",
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     out = ap.start(args)  # checked before the run, not after
     if out is None:
         return 2
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     if args.smoke:
         rows, extra = run_smoke(args.page_sizes), {"mode": "smoke"}
     else:
@@ -390,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001  (missing captures: the timings still get written)
                 rows.append({"section": "recall_real", "impl": "quest", "error": f"{type(e).__name__}: {e}"[:200]})
         extra["mode"] = "full"
-    harness.print_table(rows, COLUMNS)
-    path = harness.write_results("quest", rows, meta, out, extra=extra)
+    run_files.print_table(rows, COLUMNS)
+    path = run_files.write_results("quest", rows, meta, out, extra=extra)
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("impl") == "quest" and r.get("section") == "timing"
            and (r.get("rel_err") is None or r["rel_err"] > 2e-2 or r.get("select_match") is False

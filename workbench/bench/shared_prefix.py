@@ -47,6 +47,7 @@ from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.core.argtypes import positive_float, positive_int_list
 from workbench.kernels import CascadePlan, DecodePlan
 from workbench.kernels.decode.reference import paged_decode_ref
+from workbench.results import provenance, run_files
 from workbench.shared_prefix import (
     Geometry,
     choose,
@@ -332,18 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     out = ap.start(args)
     if out is None:
         return 2
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     if args.smoke:
         rows, extra = run_smoke(), {"mode": "smoke"}
     else:
         def checkpoint(rows):
-            harness.write_results("shared-prefix", rows, meta, out, extra={"mode": "partial"})
+            run_files.write_results("shared-prefix", rows, meta, out, extra={"mode": "partial"})
 
         rows, extra = run_gpu(args.prefixes, args.sharers, args.suffixes, args.gqa, args.rep_ms, not args.no_sweep,
                               checkpoint)
         extra["mode"] = "full"
-    harness.print_table(rows, COLUMNS)
-    path = harness.write_results("shared-prefix", rows, meta, out, extra=extra)
+    run_files.print_table(rows, COLUMNS)
+    path = run_files.write_results("shared-prefix", rows, meta, out, extra=extra)
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("impl") == "cascade" and (r.get("rel_err") is None or r["rel_err"] > 2e-2)
            and "error" not in r]

@@ -30,11 +30,11 @@ import time
 
 import torch
 
-from workbench.bench import harness
 from workbench.bench.command import BenchParser
 from workbench.cache import PagedKVCache
 from workbench.kernels import DecodePlan, move_blocks
 from workbench.quant.names import TIER_BENCH_SCHEMES
+from workbench.results import provenance, run_files
 from workbench.tiers import TieredCache
 from workbench.tiers.disk import DiskPool
 from workbench.tiers.host import HostPool
@@ -345,14 +345,14 @@ def main(argv: list[str] | None = None) -> int:
         rows += overlap_rows(pinned)
     if "check" in only:
         rows += check_rows()
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     link = [{k: r[k] for k in ("path", "direction", "bytes", "gbps", "block_bytes", "blocks")}
             for r in rows if r["section"] == "link" and r["path"] in ("dma", "sm")]
     extra = {"pinned_gbps": {"h2d": pinned["pinned_h2d"], "d2h": pinned["pinned_d2h"]}, "pageable_gbps": {
         "h2d": pinned["pageable_h2d"], "d2h": pinned["pageable_d2h"]}, "link": link, "quick": args.quick,
         "wall_s": round(time.perf_counter() - t0, 1)}
     _summary(rows, pinned)
-    path = harness.write_results("tiers", rows, meta, out, extra=extra)
+    path = run_files.write_results("tiers", rows, meta, out, extra=extra)
     print(f"results: {path}  ({extra['wall_s']} s)")
     bad = [r for r in rows if r.get("ok") is False or r.get("exact") is False]
     return 1 if bad else 0

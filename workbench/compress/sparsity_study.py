@@ -290,7 +290,7 @@ def score_settings(captures: Sequence, names: Sequence[str], budgets: Sequence[f
     return rows
 
 
-#: short titles of :func:`policy_table`'s columns, for ``harness.print_table``
+#: short titles of :func:`policy_table`'s columns, for ``run_files.print_table``
 POLICY_TABLE_HEADERS = {"mem_keep": "keep: memory", "err_keep": "error", "mem_compact": "compact: memory",
                         "err_compact": "error", "moved": "tokens copied", "err_per_head": "per-head mask"}
 

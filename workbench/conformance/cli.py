@@ -32,7 +32,7 @@ from workbench.conformance.problems import Case
 from workbench.conformance.registry import ABSENT, available, get
 from workbench.conformance.suite import check
 from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
-from workbench.provenance import machine_meta
+from workbench.results.provenance import machine_meta
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 """Plotly figures of notebook 07 (KV compression), built from the rows of ``workbench.compress.sparsity_study``, the
-panels' Quest recall and the committed results' tables (``workbench.bench.compress_results``)."""
+panels' Quest recall and the committed results' tables (``workbench.results.compress``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.bench.compress_results import KINDS, STAGES
 from workbench.figures.titles import setup_title
+from workbench.results.compress import KINDS, STAGES
 
 POLICY_COLORS = {"streaming": "#8d99ae", "h2o": "#e76f51", "snapkv": "#2a9d8f", "threshold": "#d4a72c",
                  "quest": "#264653"}
@@ -132,7 +132,7 @@ def quest_overview(recall: Sequence[Mapping], page_size: int, share: float, spee
         recall: rows ``{page_size, share (nominal budget), pages, read (share of the keys read), recall,
             recall_per_head, recall_oracle}``.
         page_size, share: the chosen page size (drawn heavier, with its per-head and oracle recall) and budget.
-        speedups: per run name, ``compress_results.quest_speedups`` rows at ``batch``, the shown run last.
+        speedups: per run name, ``results.compress.quest_speedups`` rows at ``batch``, the shown run last.
         setup: ``{"title", "subtitle", "speed_title"}``.
     """
     fig = make_subplots(rows=1, cols=2, column_widths=[0.52, 0.48], horizontal_spacing=0.11, subplot_titles=(
@@ -209,9 +209,9 @@ def delta_overview(by_layer: Mapping[int, Mapping[str, Mapping]], layer: int,
     codec speed a compressed swap would need on every measured link.
 
     Args:
-        by_layer: ``compress_results.ratio_by_layer``; layer: the one framed, its prompts drawn as dots.
-        by_prompt: ``compress_results.ratio_by_prompt`` of ``layer``.
-        break_even: ``compress_results.fold_break_even`` rows of one chunk (``needed_serial``, ``needed_overlap``,
+        by_layer: ``results.compress.ratio_by_layer``; layer: the one framed, its prompts drawn as dots.
+        by_prompt: ``results.compress.ratio_by_prompt`` of ``layer``.
+        break_even: ``results.compress.fold_break_even`` rows of one chunk (``needed_serial``, ``needed_overlap``,
             ``cpu_gbps``, ``link_gbps``).
         setup: ``{"title", "subtitle", "ratio_title", "break_even_title"}``.
     """
@@ -278,7 +278,7 @@ def model_overview(curves: Mapping[tuple[str, str], Sequence[Mapping]], full: Ma
     """The real model with its cache evicted: agreement, drift and perplexity against the memory each policy kept.
 
     Args:
-        curves: ``compress_results.model_curves`` ``{(policy, partial): rows}``, the ones to draw.
+        curves: ``results.compress.model_curves`` ``{(policy, partial): rows}``, the ones to draw.
         full: the full cache's row (the reference lines).
         drift: the drift column (``mean_abs_drift``, ``max_abs_drift``, ``mean_kl``) of the middle pane.
         setup: ``{"title", "subtitle", "drift_title"}``.

@@ -1,5 +1,5 @@
 """Plotly figures of notebook 09 (bring your own kernel), built from a conformance report's rows
-(``workbench.conformance.Report.rows()``) and the committed bandwidth runs (``workbench.bench.byok_results``).
+(``workbench.conformance.Report.rows()``) and the committed bandwidth runs (``workbench.results.byok``).
 
 - :func:`error_figure`: the error of every case against its tolerance, cases grouped by one axis of the suite;
 - :func:`failures_table`: the failing cases, why each failed (a plotly Table; :func:`failure_rows` gives the rows);
@@ -290,7 +290,7 @@ def verdict(rows: Sequence[Mapping]) -> str:
 
 
 def committed_title(report: Mapping, provenance: str) -> str:
-    """The conformance figure's title for a committed report (a :func:`workbench.bench.byok_results.check_reports`
+    """The conformance figure's title for a committed report (a :func:`workbench.results.byok.check_reports`
     entry): what it checked, where and when, and that the panel's implementation and level do not apply."""
     level = report["level"] + (f" ({report['tag']})" if report["tag"] else "")
     seconds = f" in {report['seconds']:.1f} s" if report.get("seconds") is not None else ""
@@ -317,7 +317,7 @@ def bandwidth_figure(bw, workload: str, title: str) -> go.Figure:
     times. Implementations without a bar are named under the plots: absent peers, failed checks, missing timings.
 
     Args:
-        bw: a :class:`workbench.bench.byok_results.Bandwidth`.
+        bw: a :class:`workbench.results.byok.Bandwidth`.
         workload: the key (``W1``) shown on the right.
         title: the first lines of the title (then the timing, the copy bandwidth and the absent peers).
     """

@@ -1,5 +1,5 @@
 """Plotly figures of notebook 08 (shared-prefix decode), built from ``workbench.shared_prefix.scenarios``,
-``workbench.bench.shared_prefix_results`` and ``workbench.sim.forks`` tables."""
+``workbench.results.shared_prefix`` and ``workbench.sim.forks`` tables."""
 
 from __future__ import annotations
 

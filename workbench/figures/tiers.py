@@ -1,4 +1,4 @@
-"""Plotly figures of notebook 05 (tiers and prefetch), built from the plain tables of ``workbench.bench.tier_results``,
+"""Plotly figures of notebook 05 (tiers and prefetch), built from the plain tables of ``workbench.results.tiers``,
 ``workbench.tiers.replay`` and ``workbench.sim.preemption_cost``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.bench.tier_results import DIRECTIONS, PATHS
 from workbench.figures.titles import setup_title
+from workbench.results.tiers import DIRECTIONS, PATHS
 
 PATH_COLORS = {"dma": "#2a9d8f", "dma_per_block": "#e76f51", "sm": "#264653"}
 PATH_SHORT = {"dma": "gathered batch (DMA)", "dma_per_block": "one copy per block", "sm": "SM copy kernel"}
@@ -32,8 +32,8 @@ def bandwidth_overview(grid, curves: Mapping[str, Sequence[tuple[int, float]]], 
     """The measured host link on one page.
 
     Args:
-        grid: a :class:`workbench.bench.tier_results.BandwidthMap` (fractions of the pinned bandwidth).
-        curves: :func:`workbench.bench.tier_results.batch_curves` at ``block_bytes``, same direction and value.
+        grid: a :class:`workbench.results.tiers.BandwidthMap` (fractions of the pinned bandwidth).
+        curves: :func:`workbench.results.tiers.batch_curves` at ``block_bytes``, same direction and value.
         block_bytes: the block size framed on the map and drawn on the right.
         timing: words for the value (``"device time, CUDA graph"``).
 

@@ -324,7 +324,7 @@ def scheme_for(family: str, granularity: str = "tensor", group: int = 32, residu
     return get("int8_asym/token" if family == "int8_asym" else family)
 
 
-# ---- tables of the notebook (plain rows for ``harness.print_table``) ----------------------------------------------
+# ---- tables of the notebook (plain rows for ``run_files.print_table``) ----------------------------------------------
 
 
 def bytes_table(num_kv_heads: int, head_dim: int, context: int | None = None,

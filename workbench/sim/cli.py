@@ -22,8 +22,8 @@ import platform
 import sys
 import time
 
-from workbench.bench import harness
 from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
+from workbench.results import provenance, run_files
 from workbench.sim import engine, fig2, forks, forks_report, seed_table, traces
 from workbench.sim import strategies as st
 from workbench.sim.budget import kv_budget
@@ -188,7 +188,7 @@ def _forks(args) -> int:
         raise ValueError(f"argument --seed: must be >= 0, got {args.seed}")
     p_top = forks.DEFAULT_P_TOP if args.p_top is None else args.p_top
     try:
-        out = ensure_writable_dir(harness.DEFAULT_OUT if args.out is None else args.out)
+        out = ensure_writable_dir(run_files.DEFAULT_OUT if args.out is None else args.out)
     except ValueError as e:  # before the work, not after
         raise ValueError(f"argument --out: {e}") from None
     start = time.perf_counter()
@@ -212,7 +212,7 @@ def _forks(args) -> int:
             seed=args.seed,
         )
     seconds = time.perf_counter() - start
-    meta = harness.machine_meta()
+    meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # a pure-Python simulation: no GPU involved
     meta["command"] = " ".join(["python -m workbench sim", *args.argv])
     extra = {
@@ -237,7 +237,7 @@ def _forks(args) -> int:
         "sensitivity": sens,
         "seconds": round(seconds, 2),
     }
-    path = harness.write_results("sim_forks", rows, meta, out, extra=extra)
+    path = run_files.write_results("sim_forks", rows, meta, out, extra=extra)
     if args.json:
         print(json.dumps({"rows": rows, "sensitivity": sens}, indent=1))
     else:

@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import torch
 
-from workbench.bench import compress_results as measured
 from workbench.compress import policies, recall_study, sparsity_study
 from workbench.compress.block_keep import BlockKeep
 from workbench.model import capture
+from workbench.results import compress as measured
 from workbench.studies.base import Param, Study, one_thread
 
 POLICIES = tuple(n for n in policies.NAMES if n != "full")  # "full" is the reference point (1, 0)

@@ -17,7 +17,8 @@ import math
 import torch
 
 from workbench.bench import decode_timing as timing
-from workbench.bench import harness, workloads
+from workbench.bench import harness
+from workbench.core import workloads
 from workbench.studies.base import BLOCK_SIZES, Param, Study
 
 WORKLOADS = tuple(workloads.WORKLOADS)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-from workbench.provenance import machine_meta
+from workbench.results.provenance import machine_meta
 from workbench.sweeps.catalog import get
 from workbench.sweeps.grid import point_key
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from workbench.provenance import machine_meta
+from workbench.results.provenance import machine_meta
 from workbench.studies.base import Study
 from workbench.sweeps import executors, grid, store
 from workbench.sweeps.catalog import get

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.core.argtypes import ensure_writable_dir
-from workbench.provenance import ROOT
+from workbench.results.provenance import ROOT
 from workbench.studies.base import META_KEYS
 from workbench.sweeps.catalog import get
 from workbench.sweeps.grid import point_key

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workbench.provenance import machine_meta
+from workbench.results.provenance import machine_meta
 from workbench.studies.base import Column, Study
 from workbench.sweeps.catalog import get
 from workbench.sweeps.executors import execute_point

@@ -4,7 +4,7 @@ evicted cache, delta coding of K/V.
 The sparsification and Quest panels are the controls, computation and figures of their studies
 (``workbench.studies.compress``), which the ``sparsification`` and ``quest`` sweeps run too;
 ``workbench.compress.sparsity_study`` scores the policies, ``recall_study`` measures Quest's recall,
-``workbench.bench.compress_results`` reads the committed runs, ``compress_figures`` draws. What a redraw needs again is
+``workbench.results.compress`` reads the committed runs, ``compress_figures`` draws. What a redraw needs again is
 cached per prompt (the policies' rows by what they depend on), so a change redraws in well under a second on a shared
 2-core CPU.
 """
@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import ipywidgets as W
 
-from workbench.bench import compress_results as measured
 from workbench.bench.compression_delta import measured_links
 from workbench.compress import delta_study, policies, recall_study
 from workbench.compress.sparsity_study import (  # noqa: F401  (the panel's settings, importable from here too)
@@ -28,6 +27,7 @@ from workbench.compress.sparsity_study import (  # noqa: F401  (the panel's sett
 )
 from workbench.figures import compress as cf
 from workbench.model import capture
+from workbench.results import compress as measured
 from workbench.studies.compress import QUEST, QUEST_PAGE_SIZES, QUEST_SHARES, SPARSIFICATION, chosen, timed_speedups
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
@@ -147,7 +147,7 @@ def quest_panel(captures: Sequence | None = None, runs: Sequence[dict] | None = 
         captures: ``workbench.model.capture.load()`` (default: loaded here); recall:
             :func:`workbench.compress.recall_study.quest_recall_curves`
             of them, if already computed.
-        runs: the committed H200 Quest runs (default ``compress_results.runs("quest")``), oldest first.
+        runs: the committed H200 Quest runs (default ``results.compress.runs("quest")``), oldest first.
     """
     runs = list(measured.runs("quest") if runs is None else runs)
     if not runs:
@@ -208,7 +208,7 @@ def model_panel(run: dict | None = None, partial: str = "both") -> Panel:
     each policy kept.
 
     Args:
-        run: a loaded run (default ``compress_results.latest("model")``).
+        run: a loaded run (default ``results.compress.latest("model")``).
     """
     run = _committed("model") if run is None else run
     prompts = measured.model_prompts(run)
@@ -258,7 +258,7 @@ def delta_panel(run: dict | None = None, layer: int | None = None, chunk: str = 
     (``workbench.bench.compression_delta.measured_links``).
 
     Args:
-        run: a loaded run (default ``compress_results.latest("delta")``).
+        run: a loaded run (default ``results.compress.latest("delta")``).
     """
     run = _committed("delta") if run is None else run
     layers = measured.delta_layers(run)

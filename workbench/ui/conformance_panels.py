@@ -4,7 +4,7 @@ and the peers.
 
 Like ``workbench.ui.panels``, they hold no logic: ``workbench.conformance`` runs the cases and judges them (the
 ``conformance`` study's check, ``workbench.studies.conformance``, whose level and figure the panel takes),
-``workbench.bench.byok_results`` reads the committed runs, ``conformance_figures`` draws.
+``workbench.results.byok`` reads the committed runs, ``conformance_figures`` draws.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import ipywidgets as W
 
 import workbench
 from workbench import conformance
-from workbench.bench import byok_results as measured
 from workbench.conformance.suite import check_quietly  # the panel's checks (the sweep conformance's too)
 from workbench.figures import conformance as cf
+from workbench.results import byok as measured
 from workbench.studies.conformance import CONFORMANCE
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
@@ -61,7 +61,7 @@ class ReportCache:
 
 def replay_html(impl: str, rows: Sequence[dict] | conformance.Report, measured: str = "") -> str:
     """The first failure's replay commands as a block of text to copy (or a line saying every case passed).
-    ``measured``: where a committed report was measured (:func:`workbench.bench.byok_results.provenance`)."""
+    ``measured``: where a committed report was measured (:func:`workbench.results.byok.provenance`)."""
     rows = rows.rows() if isinstance(rows, conformance.Report) else rows
     f = cf.first_failure(rows)
     if f is None:
@@ -93,7 +93,7 @@ def conformance_panel(impls: Sequence[str] | None = None, reports: Mapping[str, 
         level: ``smoke`` (about a dozen cases) or ``pairwise`` (every pair of axis values; about three times more).
         color_by: the axis the cases are grouped by (a key of :data:`workbench.figures.conformance.AXES`).
         committed: the committed GPU reports the source can show (default
-            :func:`workbench.bench.byok_results.check_reports`); one is shown as measured, nothing runs, and the
+            :func:`workbench.results.byok.check_reports`); one is shown as measured, nothing runs, and the
             implementation and level are greyed out (they are the report's, named in the title).
         source: :data:`HERE` (checks run on this machine) or a committed report's file name.
     """
@@ -151,8 +151,8 @@ def bandwidth_panel(runs: Sequence[dict] | None = None, workload: str = "W1", ti
     workload's times; absent peers and failed checks named.
 
     Args:
-        runs: loaded ``bench decode --impl`` runs (default :func:`workbench.bench.byok_results.runs`: the committed
-            ones). ValueError when there is none (:data:`workbench.bench.byok_results.NO_RUNS` says how to make one).
+        runs: loaded ``bench decode --impl`` runs (default :func:`workbench.results.byok.runs`: the committed
+            ones). ValueError when there is none (:data:`workbench.results.byok.NO_RUNS` says how to make one).
         workload: the workload shown first on the right.
         timing: ``graph`` (CUDA-graph replays) or ``eager``.
     """

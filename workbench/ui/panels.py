@@ -19,9 +19,9 @@ from typing import Any
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from workbench.bench import results
 from workbench.figures import cache as figures
 from workbench.report import PLOTLY_MIME
+from workbench.results import decode as results
 from workbench.studies import cache
 from workbench.ui.controls import controls_for
 from workbench.ui.plot_view import PlotView, figure_json
@@ -151,7 +151,7 @@ def coalescing_panel(num_kv_heads: int = 8) -> Panel:
 
 
 def decode_results_panel(rows: list[dict]) -> Panel:
-    """Measured decode results (``workbench.bench.results``): per-workload bars, roofline, layout and alignment
+    """Measured decode results (``workbench.results.decode``): per-workload bars, roofline, layout and alignment
     sweeps; eager or CUDA-graph times."""
     controls = {
         "view": W.Dropdown(options=["workloads", "roofline", "layouts", "alignment"], value="workloads",

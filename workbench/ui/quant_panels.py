@@ -13,8 +13,8 @@ from collections.abc import Mapping
 import torch
 
 from workbench import quant
-from workbench.bench import harness
 from workbench.quant.names import STUDY_GROUP_FAMILIES
+from workbench.results import run_files
 from workbench.studies.quant import QUANT, data_for, evaluate, synthetic
 from workbench.ui.controls import controls_for
 from workbench.ui.panels import Panel
@@ -24,10 +24,10 @@ DECODE_PATTERN = "quant-decode-*.json"
 
 def h200_decode_run(results_dir=None, where: Mapping | None = None) -> dict | None:
     """The newest committed H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``,
-    smoke and ``--tune`` runs left out): ``{"path", "info", "rows"}`` (``harness.load_runs``), None when there is
+    smoke and ``--tune`` runs left out): ``{"path", "info", "rows"}`` (``run_files.load_runs``), None when there is
     none yet. Its ``path`` is what a notebook cites for the decode numbers."""
     want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t} if where is None else where
-    runs = harness.load_runs(DECODE_PATTERN, results_dir, want)
+    runs = run_files.load_runs(DECODE_PATTERN, results_dir, want)
     return runs[-1] if runs else None
 
 

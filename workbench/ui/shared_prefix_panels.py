@@ -3,7 +3,7 @@ by overlap, and sharing in the serving simulator.
 
 The scenario and forks panels are the controls, computation and figures of their studies
 (``workbench.studies.shared_prefix``), which the ``scenario`` and ``forks`` sweeps run too; the others read the
-committed H200 runs (``workbench.bench.shared_prefix_results``) or batch by overlap
+committed H200 runs (``workbench.results.shared_prefix``) or batch by overlap
 (``workbench.shared_prefix.scenarios``). ``shared_prefix_figures`` draws.
 """
 
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import ipywidgets as W
 
-from workbench.bench import shared_prefix_results as measured
 from workbench.figures import shared_prefix as spf
 from workbench.figures.titles import wrap
+from workbench.results import shared_prefix as measured
 from workbench.shared_prefix import scenarios
 from workbench.shared_prefix.decode import cost_model
 from workbench.sim import forks_report

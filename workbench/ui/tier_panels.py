@@ -2,7 +2,7 @@
 
 The prefetch and preemption panels are the controls, computation and figures of their studies
 (``workbench.studies.tiers``), which the ``prefetch`` and ``preemption`` sweeps run too; the bandwidth panel reads the
-committed ``bench tiers`` runs (``workbench.bench.tier_results``). ``tier_figures`` draws.
+committed ``bench tiers`` runs (``workbench.results.tiers``). ``tier_figures`` draws.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import ipywidgets as W
 
-from workbench.bench import tier_results as measured
 from workbench.figures import tiers as tier_figures
+from workbench.results import tiers as measured
 from workbench.sim.preemption_cost import BLOCK_SIZES  # the block sizes of vLLM's Figure 19(a)
 from workbench.studies import tiers
 from workbench.tiers.link import LinkModel, latest_link_model
@@ -28,7 +28,7 @@ def bandwidth_panel(runs: Sequence[dict] | None = None, block_bytes: int = 32 <<
     a fraction of the pinned bandwidth of the same run) and every path by batch size at the chosen block size.
 
     Args:
-        runs: loaded ``bench tiers`` runs (default :func:`workbench.bench.tier_results.runs`: the committed H200 runs).
+        runs: loaded ``bench tiers`` runs (default :func:`workbench.results.tiers.runs`: the committed H200 runs).
         block_bytes: the block size selected first.
     """
     runs = list(measured.runs() if runs is None else runs)

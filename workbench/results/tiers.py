@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.bench import harness
+from workbench.results import run_files
 
 PATTERN = "tiers-*.json"
 #: link paths of the benchmark, with what each does
@@ -33,8 +33,9 @@ H200 = {"gpu": "NVIDIA H200", "quick": lambda q: not q}  # full runs on the H200
 
 def runs(results_dir: Path | str | None = None, where: Mapping | None = None) -> list[dict]:
     """The committed runs (default: full H200 runs in ``data/results``), oldest first: each ``{"path", "info",
-    "rows"}`` (:func:`workbench.bench.harness.load_runs`), ``info`` holding ``pinned_gbps`` and ``pageable_gbps``."""
-    return harness.load_runs(PATTERN, results_dir, H200 if where is None else where)
+    "rows"}`` (:func:`workbench.results.run_files.load_runs`), ``info`` holding ``pinned_gbps`` and
+    ``pageable_gbps``."""
+    return run_files.load_runs(PATTERN, results_dir, H200 if where is None else where)
 
 
 def latest(results_dir: Path | str | None = None, where: Mapping | None = None) -> dict | None:

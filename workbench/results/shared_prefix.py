@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.bench import harness
+from workbench.results import run_files
 
 PATTERN = "shared-prefix-*.json"
 H200 = {"gpu": "NVIDIA H200", "mode": "full"}
@@ -21,7 +21,7 @@ TIMINGS = {"graph": ("time_us_graph", "speedup_graph", "auto_path", "auto_ok"),
 
 def runs(results_dir: Path | str | None = None, where: Mapping | None = None) -> list[dict]:
     """The committed full runs (default: the H200's in ``data/results``), oldest first."""
-    return harness.load_runs(PATTERN, results_dir, H200 if where is None else where)
+    return run_files.load_runs(PATTERN, results_dir, H200 if where is None else where)
 
 
 def run_name(run: Mapping) -> str:

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbench.bench import harness
+from workbench.results import run_files
 
 PATTERN = "byok-decode-*.json"
 FULL = {"mode": "full"}  # timed runs (``--smoke`` runs check correctness only and carry no times)
@@ -36,8 +36,8 @@ NO_RUNS = ("No committed bring-your-own-kernel run yet (data/results/byok-decode
 
 def runs(results_dir: Path | str | None = None, where: Mapping | None = None) -> list[dict]:
     """The timed runs (default: every ``mode: full`` run in ``data/results``), oldest first: each
-    ``{"path", "info", "rows"}`` (:func:`workbench.bench.harness.load_runs`)."""
-    return harness.load_runs(PATTERN, results_dir, FULL if where is None else where)
+    ``{"path", "info", "rows"}`` (:func:`workbench.results.run_files.load_runs`)."""
+    return run_files.load_runs(PATTERN, results_dir, FULL if where is None else where)
 
 
 def run_name(run: Mapping) -> str:
@@ -170,7 +170,7 @@ def check_reports(results_dir: Path | str | None = None) -> list[dict]:
     ``Report.rows()`` gives them; ``tag``: ``cold`` / ``warm`` for a run with / without first compiles,
     ``partial`` for a subset of a level)."""
     out = []
-    for path in sorted(Path(results_dir or harness.RESULTS).glob(CHECK_PATTERN)):
+    for path in sorted(Path(results_dir or run_files.RESULTS).glob(CHECK_PATTERN)):
         m = _CHECK_NAME.match(path.name)
         if m is None:
             continue

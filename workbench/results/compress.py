@@ -14,7 +14,7 @@
   / ``speedup_graph`` against ``full``), ``sweep`` rows (launch settings tried; not read here) and ``recall_real``
   rows (Quest's recall on the captured SmolLM2-135M activations per ``reduce`` and page budget).
 
-Pure functions of a loaded run (``{"path", "info", "rows"}`` from :func:`workbench.bench.harness.load_runs`): no
+Pure functions of a loaded run (``{"path", "info", "rows"}`` from :func:`workbench.results.run_files.load_runs`): no
 plotly, no widgets, no model. ``tests/test_compress_panels.py`` checks them against the files.
 """
 
@@ -24,7 +24,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from workbench.bench import harness
+from workbench.results import run_files
 
 PATTERNS = {"model": "compression-model-*.json", "delta": "compression-delta-*.json", "quest": "quest-*.json"}
 #: which files count, per kind: full runs (``--quick`` / ``--smoke`` ones left out); Quest on the H200 only
@@ -47,7 +47,7 @@ def _kind(kind: str) -> str:
 def runs(kind: str, results_dir: Path | str | None = None, where: Mapping | None = None) -> list[dict]:
     """The committed runs of one kind (``"model"``, ``"delta"``, ``"quest"``; default folder ``data/results``,
     filtered by :data:`WHERE` unless ``where`` is given), oldest first."""
-    return harness.load_runs(PATTERNS[_kind(kind)], results_dir, WHERE[kind] if where is None else where)
+    return run_files.load_runs(PATTERNS[_kind(kind)], results_dir, WHERE[kind] if where is None else where)
 
 
 def latest(kind: str, results_dir: Path | str | None = None, where: Mapping | None = None) -> dict | None:

@@ -3,9 +3,9 @@
 with pytest's own ``--junitxml`` (no plugin needed on the GPU image); this module reads the JUnit XML and writes
 one JSON file: passed / failed / errors / skipped counts, per test file and in all, and the ids of the tests that
 failed or errored with the first line of their message, stamped like every result
-(:func:`workbench.provenance.machine_meta`: GPU, torch / triton / CUDA versions, python, commit, date).
+(:func:`workbench.results.provenance.machine_meta`: GPU, torch / triton / CUDA versions, python, commit, date).
 
-    python -m workbench.gpu_tests OUT.json RESULTS.xml [MORE.xml ...]    # exit 1 when a test failed or errored
+    python -m workbench.results.gpu_tests OUT.json RESULTS.xml [MORE.xml ...]    # exit 1 when a test failed or errored
 
 Several XML files (a run split over calls) make one results file; ``--meta-from`` takes the stamp of a results file
 the GPU wrote (merging on another machine must not stamp that one). The committed file lives in ``data/results``.
@@ -88,7 +88,7 @@ def write(out: Path | str, junit: list[Path | str], meta: dict | None = None, co
         raise ValueError("junit must name at least one JUnit XML file")
     rows = [r for p in junit for r in read_junit(p)]
     if meta is None:
-        from workbench.provenance import machine_meta
+        from workbench.results.provenance import machine_meta
 
         meta = machine_meta()
     doc = {"meta": {**meta, "command": command}, **summarize(rows), "junit": [Path(p).name for p in junit]}
@@ -97,7 +97,7 @@ def write(out: Path | str, junit: list[Path | str], meta: dict | None = None, co
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench.gpu_tests", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m workbench.results.gpu_tests", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="the JSON file to write")
     ap.add_argument("junit", type=Path, nargs="+", help="pytest --junitxml files")
     ap.add_argument("--command", default="pytest -m kernels tests/", help="what ran, recorded in meta")

@@ -1,0 +1,12 @@
+"""Results: where a result came from, where the files of benchmark runs go and how they are read back, and the
+committed runs shaped into the plain tables the notebooks plot (no plotly, no widgets).
+
+- ``provenance``: the stamp on every result file (GPU, versions, commit, date);
+- ``run_files``: a run's file written, found by its metadata and read back, rows picked and printed;
+- ``decode``, ``tiers``, ``compress``, ``shared_prefix``, ``byok``: one benchmark's committed runs each, as tables
+  (notebooks 02, 05, 07, 08, 09);
+- ``gpu_tests``: the GPU test run's results file (``python -m workbench.results.gpu_tests``).
+
+The benchmarks (``workbench.bench``) write through ``run_files``; nothing here imports them. Nothing is imported
+here.
+"""
