@@ -13,8 +13,8 @@ import torch
 import workbench
 from workbench.__main__ import main
 from workbench.bench import BENCHMARKS, allocator
+from workbench.commands.sim import COMMANDS
 from workbench.results import decode, provenance, run_files
-from workbench.sim.cli import COMMANDS
 
 pytestmark = pytest.mark.kernels  # smoke benchmarks and `check` run Triton kernels (compiled on a GPU)
 
@@ -391,7 +391,7 @@ def test_generate_names_a_file_that_is_not_gguf(capsys):
 
 
 def test_generate_uses_one_thread_on_a_cpu_and_info_says_so(capsys):
-    from workbench.model.cli import CPU_THREADS, cpu_threads
+    from workbench.commands.generate import CPU_THREADS, cpu_threads
 
     assert cpu_threads("cpu") == CPU_THREADS == 1 and cpu_threads("cuda") is None and cpu_threads("cpu", 3) == 3
     assert main(["info"]) == 0

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from workbench.sim import allocators, cli, engine, fig2, metrics, seed_table
+from workbench.commands import sim as sim_command
+from workbench.sim import allocators, engine, fig2, metrics, seed_table
 from workbench.sim import strategies as st
 from workbench.sim import traces as tr
 from workbench.sim.budget import kv_budget, slots_budget
@@ -237,7 +238,7 @@ def test_fig2_is_within_five_points_of_the_paper():
 
 
 def test_fig2_cli_json_shape(capsys):
-    assert cli.main(["fig2", "--json", "--requests", "300"]) == 0
+    assert sim_command.main(["fig2", "--json", "--requests", "300"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert set(d) >= {"setup", "systems", "max_abs_diff_pp", "within_5pp"}
     assert list(d["systems"]) == ["Orca (Max)", "Orca (Pow2)", "Orca (Oracle)", "vLLM"]
@@ -256,7 +257,7 @@ def test_seed_table(capsys):
     assert r512["sim"]["paged"]["peak_gb"] == r512["paged_gb"]
     assert r512["sim"]["contiguous_reserve_max"]["peak_gb"] == r512["contiguous_reserve_max_gb"]
     assert len(d["verdicts"]) == 4
-    assert cli.main(["seed-table", "--json"]) == 0
+    assert sim_command.main(["seed-table", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["setup"]["model"] == "llama-7b"
 
 
@@ -273,12 +274,13 @@ def test_seed_table(capsys):
     (["run", "--strategy", "orca-max", "--block-size", "8"], "no option"),
 ])
 def test_cli_bad_input_returns_2_with_a_message(capsys, argv, needle):
-    assert cli.main(argv) == 2
+    assert sim_command.main(argv) == 2
     assert needle in capsys.readouterr().err
 
 
 def test_cli_run_prints_a_summary(capsys):
-    assert cli.main(["run", "--strategy", "paged-prealloc", "--trace", "alpaca", "--requests", "300", "--json"]) == 0
+    argv = ["run", "--strategy", "paged-prealloc", "--trace", "alpaca", "--requests", "300", "--json"]
+    assert sim_command.main(argv) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["completed"] == 300 and 0 < s["throughput_req_per_step"] and s["completion_rate"] == 1.0
 

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from workbench.allocator import BlockManager, BlockPool
-from workbench.sim import cli, forks, forks_report, forks_serving
+from workbench.commands import sim as sim_command
+from workbench.sim import forks, forks_report, forks_serving
 from workbench.sim import traces as tr
 from workbench.sim.budget import slots_budget
 
@@ -273,7 +274,7 @@ def test_sensitivity_implies_a_p_top_on_its_grid():
 
 def test_cli_prints_the_table_and_writes_a_results_file(tmp_path, capsys):
     argv = ["forks", "--trace", "alpaca", "--requests", "40", "--n", "2", "--mode", "beam", "--out", str(tmp_path)]
-    assert cli.main(argv) == 0
+    assert sim_command.main(argv) == 0
     out, err = capsys.readouterr()
     assert "paper %" in out and "wrote" in err
     (path,) = tmp_path.glob("sim_forks-*.json")
@@ -293,7 +294,7 @@ def test_cli_prints_the_table_and_writes_a_results_file(tmp_path, capsys):
     ],
 )
 def test_cli_refuses_bad_input(tmp_path, capsys, extra, needle):
-    assert cli.main(["forks", "--requests", "5", "--out", str(tmp_path), *extra]) == 2
+    assert sim_command.main(["forks", "--requests", "5", "--out", str(tmp_path), *extra]) == 2
     assert needle in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
@@ -301,5 +302,5 @@ def test_cli_refuses_bad_input(tmp_path, capsys, extra, needle):
 def test_cli_refuses_an_out_that_is_a_file(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
-    assert cli.main(["forks", "--requests", "5", "--out", str(f)]) == 2
+    assert sim_command.main(["forks", "--requests", "5", "--out", str(f)]) == 2
     assert "--out" in capsys.readouterr().err

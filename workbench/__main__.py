@@ -33,10 +33,10 @@ import torch
 
 import workbench
 from workbench.bench import BENCHMARKS
+from workbench.commands import sim as sim_cli
+from workbench.commands.generate import cpu_threads
 from workbench.core.argtypes import ensure_writable_dir, positive_int
 from workbench.core.backend import describe
-from workbench.model.cli import cpu_threads
-from workbench.sim import cli as sim_cli
 
 # nbformat, nbclient and the report/site modules (UI-side libraries, 0.4 s and more) are imported by the commands
 # that use them (tour, report), so the core and the other commands never need them
@@ -199,13 +199,13 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 # commands whose own parsers take every option after the name
-MODEL_COMMANDS = {"generate": "workbench.model.cli", "capture": "workbench.model.capture",
-                  "check": "workbench.conformance.cli", "sweep": "workbench.sweeps.cli"}
+OWN_PARSER_COMMANDS = {"generate": "workbench.commands.generate", "capture": "workbench.model.capture",
+                  "check": "workbench.commands.check", "sweep": "workbench.commands.sweep"}
 
 
-def cmd_model(args: argparse.Namespace) -> int:
+def cmd_own_parser(args: argparse.Namespace) -> int:
     # by name, the one run (the suite, the model's capture, the sweeps' runner: none needed by the others)
-    return importlib.import_module(MODEL_COMMANDS[args.command]).main(args.rest) or 0
+    return importlib.import_module(OWN_PARSER_COMMANDS[args.command]).main(args.rest) or 0
 
 
 def _listing(title: str, described: dict[str, str]) -> str:
@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("sweep", "run a panel's sweep over a grid, resumable (sweep --list, sweep --help)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
-        p.set_defaults(func=cmd_model)
+        p.set_defaults(func=cmd_own_parser)
     return parser
 
 
@@ -282,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit status (``--help``/``--version`` 0, bad arguments 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv and argv[0] in MODEL_COMMANDS:  # their own parsers take every option after the name
-            return cmd_model(argparse.Namespace(command=argv[0], rest=argv[1:]))
+        if argv and argv[0] in OWN_PARSER_COMMANDS:  # their own parsers take every option after the name
+            return cmd_own_parser(argparse.Namespace(command=argv[0], rest=argv[1:]))
         args = build_parser().parse_args(argv)
         return args.func(args)
     except SystemExit as e:  # argparse (and a benchmark's parser.error) exit: hand back the status
