@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
-from workbench.report import PLOTLY_MIME, WIDGET_MIME, local_kernel
+from workbench.publish.page import PLOTLY_MIME, WIDGET_MIME, local_kernel
 
 os.environ.setdefault("CI", "1")
 os.environ["WORKBENCH_SMOKE"] = "1"  # SMOKE sizes, as nbval runs them, whatever this shell's WORKBENCH_SMOKE says

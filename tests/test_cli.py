@@ -267,7 +267,7 @@ def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monk
     import plotly.graph_objects as go
     from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-    from workbench.report import PLOTLY_MIME, WIDGET_MIME
+    from workbench.publish.page import PLOTLY_MIME, WIDGET_MIME
 
     class FakeClient:
         def __init__(self, nb, **kwargs):

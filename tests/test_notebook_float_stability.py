@@ -8,9 +8,9 @@ jittered by 2**-22 relative (about two fp32 ulps, a random sign per element; 1e-
 the stored one, both sanitized as nbval sanitizes them (notebooks/sanitize.cfg). On the machine that stored the
 outputs this checks the jitter; on any other it also checks the machine.
 
-A figure that moves has digits that are noise: round it where it is produced (``workbench.notebook.sig``) or show
-the bound it meets (``workbench.notebook.Bound``). Notebook 06 (the real model: token ids and block counts, slow)
-and the notebooks that compute only with Python numbers or read committed results are not run here.
+A figure that moves has digits that are noise: round it where it is produced (``workbench.publish.notebook.sig``) or
+show the bound it meets (``workbench.publish.notebook.Bound``). Notebook 06 (the real model: token ids and block counts,
+slow) and the notebooks that compute only with Python numbers or read committed results are not run here.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from nbval.plugin import get_sanitize_patterns
 
 import workbench
-from workbench import notebook
 from workbench.model import capture
+from workbench.publish import notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"

@@ -11,10 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import workbench
-from workbench import notebook
 from workbench.allocator import ByExpectedLength
 from workbench.analysis import fragmentation
 from workbench.cache import PagedKVCache, compaction
+from workbench.publish import notebook
 
 pytestmark = pytest.mark.kernels  # the breakdown and compaction checks run the cache's kernels
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workbench import notebook
 from workbench.compress import evict, observation, recall_study, sparsity_study
+from workbench.publish import notebook
 from workbench.results import compress as cm
 from workbench.results import run_files
 from workbench.results import shared_prefix as spm

@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 from workbench import sweeps
-from workbench.notebook import KEY_DIGITS, KEY_NUMBERS_MIME, sig
+from workbench.publish.notebook import KEY_DIGITS, KEY_NUMBERS_MIME, sig
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -62,8 +62,8 @@ def test_it_ends_with_conclusions_that_were_computed(nb):
 
 
 def test_key_numbers_carry_only_stable_digits(nb):
-    """A key number is carried as it is shown (``workbench.notebook.sig``, ``Bound``): the payload nbval compares
-    holds no float noise (docs/notebooks.md)."""
+    """A key number is carried as it is shown (``workbench.publish.notebook.sig``, ``Bound``): the payload nbval
+    compares holds no float noise (docs/notebooks.md)."""
     stem, book = nb
     for cell in code(book):
         for output in cell.outputs:

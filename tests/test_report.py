@@ -1,4 +1,4 @@
-"""The offline HTML report (workbench.report) on notebooks built in memory: charts from plotly snapshots,
+"""The offline HTML report (workbench.publish.page) on notebooks built in memory: charts from plotly snapshots,
 plotly.js inlined once, nothing fetched from a network, widgets gone; and the tour's per-cell progress lines."""
 
 import json
@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
-from workbench.report import (
+from workbench.publish.page import (
     PANEL_NOTE,
     PLOTLY_MIME,
     WIDGET_MIME,
@@ -89,7 +89,7 @@ def test_text_and_markdown_are_kept(page):
 
 
 def test_a_sites_page_loads_plotly_js_from_the_file_beside_it():
-    page = offline_html(_notebook(), plotly_src="plotly.min.js")  # workbench.site writes the file once
+    page = offline_html(_notebook(), plotly_src="plotly.min.js")  # workbench.publish.site writes the file once
     assert PLOTLY_JS_BANNER not in page
     scripts = re.findall(r"<script[^>]*\bsrc\s*=\s*\"([^\"]+)\"", page)
     assert scripts == ["plotly.min.js"] and page.index("plotly.min.js") < page.index('id="figure-1"')

@@ -9,8 +9,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from workbench.__main__ import main
-from workbench.report import local_kernel
-from workbench.site import execute_notebook
+from workbench.publish.page import local_kernel
+from workbench.publish.site import execute_notebook
 
 TCP_WARNING = "without encryption"
 

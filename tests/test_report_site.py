@@ -14,8 +14,8 @@ import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
 from workbench.__main__ import main
-from workbench.notebook import KEY_NUMBERS_MIME, ROOT, SMOKE_ENV, conclusions, format_value, smoke_setting
-from workbench.site import (
+from workbench.publish.notebook import KEY_NUMBERS_MIME, ROOT, SMOKE_ENV, conclusions, format_value, smoke_setting
+from workbench.publish.site import (
     CellBar,
     NotebookRun,
     Site,
@@ -212,7 +212,7 @@ def test_report_checks_arguments_before_running(tmp_path, capsys):
 
 
 def test_report_defaults_to_the_numbered_series_and_prints_a_summary(tmp_path, monkeypatch, capsys):
-    import workbench.site
+    import workbench.publish.site
 
     seen = {}
 
@@ -222,7 +222,7 @@ def test_report_defaults_to_the_numbered_series_and_prints_a_summary(tmp_path, m
                 for i, p in enumerate(paths)]
         return Site(Path(out), Path(out) / "index.html", runs, 9.0, full)
 
-    monkeypatch.setattr(workbench.site, "build_site", fake_build_site)
+    monkeypatch.setattr(workbench.publish.site, "build_site", fake_build_site)
     assert main(["report", "--full", "--out", str(tmp_path)]) == 1  # one "failed"
     names = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert seen == {"paths": names, "full": True} and names[0] == "00_tour.ipynb"
@@ -239,7 +239,7 @@ def site(tmp_path_factory):
     that fails in its second code cell. Two kernels, a few seconds."""
     folder = tmp_path_factory.mktemp("notebooks")
     conclude = new_code_cell(
-        "import os\nfrom workbench.notebook import SMOKE, conclusions\n"
+        "import os\nfrom workbench.publish.notebook import SMOKE, conclusions\n"
         f"conclusions('tiny', {{'smoke': SMOKE, 'answer': 42.125, 'cwd': os.path.basename(os.getcwd())}}, "
         f"[{SOURCE!r}, {MISSING!r}])")
     nbformat.write(new_notebook(cells=[new_markdown_cell("# 90 · A tiny notebook"), conclude,

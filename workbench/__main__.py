@@ -87,7 +87,7 @@ def cmd_tour(args: argparse.Namespace) -> int:
     import nbformat
     from nbclient import NotebookClient
 
-    from workbench.report import CellProgress, local_kernel, offline_html
+    from workbench.publish.page import CellProgress, local_kernel, offline_html
 
     src = Path(args.notebook)
     if not src.is_file():
@@ -144,7 +144,9 @@ def notebook_paths(specs: list[str] | None) -> list[Path]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from workbench.site import build_site  # UI-side libraries (nbclient, plotly): imported here, not by the core
+    from workbench.publish.site import (
+        build_site,  # UI-side libraries (nbclient, plotly): imported here, not by the core
+    )
 
     try:
         paths = notebook_paths(args.notebooks)

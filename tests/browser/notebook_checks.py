@@ -435,13 +435,13 @@ def check_notebook(lab, path: Path) -> None:
 
 
 def check_tour_report_offline(lab, tmp_path: Path) -> None:
-    """The tour's HTML report (``python -m workbench tour`` writes it with ``workbench.report.offline_html``), opened
-    with every network request refused, draws every chart. Made here from the stored notebook: running it again
+    """The tour's HTML report (``python -m workbench tour`` writes it with ``workbench.publish.page.offline_html``),
+    opened with every network request refused, draws every chart. Made here from the stored notebook: running it again
     would add ~25 s of a 2-core machine to the 10-minute test command for nothing this checks (nbval runs the
     notebook; tests/test_cli.py runs the command's whole path with a stand-in kernel)."""
     import nbformat
 
-    from workbench.report import offline_html
+    from workbench.publish.page import offline_html
 
     _, browser, _ = lab
     report = tmp_path / "00_tour.html"

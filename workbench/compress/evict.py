@@ -51,7 +51,7 @@ from workbench.cache import PagedKVCache
 from workbench.compress.block_keep import PARTIAL, block_keep
 from workbench.compress.observation import Observation, attention_error, attention_output
 from workbench.core.layout import Layout
-from workbench.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
+from workbench.publish.notebook import Bound  # fp16 rounding: its digits differ between CPUs, its bound does not
 from workbench.quant import blocks as qblocks
 
 _TOKEN_AXIS = {Layout.NHD: 1, Layout.HND: 2, Layout.VLLM: 3}  # token axis of a [blocks, *block_shape] view
@@ -294,8 +294,8 @@ def pool_study(evicted, beside, newcomer, keep: torch.Tensor, *, partials: Seque
         ``internal_before`` / ``internal_after`` (internal fragmentation, slots), ``utilization_before`` /
         ``utilization_after``, ``stored_tokens`` (the tokens the sequence attends after), ``decode_error`` (the
         decode path over the evicted blocks against fp32 attention over exactly the stored tokens, the last prompt
-        token's query, max relative error over layers: a :class:`workbench.notebook.Bound`), ``error_vs_full`` (the
-        same query's attention-output error against the full cache), ``newcomer_before`` / ``newcomer_after`` (the
+        token's query, max relative error over layers: a :class:`workbench.publish.notebook.Bound`), ``error_vs_full``
+        (the same query's attention-output error against the full cache), ``newcomer_before`` / ``newcomer_after`` (the
         request placed or refused), and ``tokens_selected``, ``blocks_spread`` (blocks of ``block_size`` the selected
         tokens touch), ``prompt``.
     """

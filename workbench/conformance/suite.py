@@ -31,7 +31,7 @@ from workbench.conformance.judge import CaseResult, run_case
 from workbench.conformance.loading import command_name
 from workbench.conformance.problems import Case
 from workbench.conformance.registry import Impl, get
-from workbench.notebook import Bound
+from workbench.publish.notebook import Bound
 
 
 @dataclass

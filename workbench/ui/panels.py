@@ -20,7 +20,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from workbench.figures import cache as figures
-from workbench.report import PLOTLY_MIME
+from workbench.publish.page import PLOTLY_MIME
 from workbench.results import decode as results
 from workbench.studies import cache
 from workbench.ui.controls import controls_for

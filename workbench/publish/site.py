@@ -1,8 +1,11 @@
 """The notebook series as a static site (``python -m workbench report``): every notebook executed headless, one
-progress bar each, written as an :func:`workbench.report.offline_html` page, and an index page with the key numbers
-each notebook concluded with (:func:`workbench.notebook.conclusions`, collected by :func:`key_numbers`) and links to
-copies of the data files they came from. plotly.js is written once beside the pages (``plotly.min.js``), not
-inlined in each: the site works offline and is a tenth of the size.
+progress bar each, written as an :func:`workbench.publish.page.offline_html` page, and an index page with the key
+numbers each notebook concluded with (:func:`workbench.publish.notebook.conclusions`, collected by
+:func:`key_numbers`) and links to copies of the data files they came from. plotly.js is written once beside the
+pages (``plotly.min.js``), not inlined in each: the site works offline and is a tenth of the size.
+
+nbformat, nbclient, plotly and tqdm are imported in the functions that use them: the GPU image has no UI-side
+libraries, and every module but the panels and figures imports without them (tests/test_packaging.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from workbench.notebook import KEY_NUMBERS_MIME, ROOT, SMOKE_ENV, format_value
-from workbench.report import CellProgress, local_kernel, offline_html
+from workbench.publish.notebook import KEY_NUMBERS_MIME, ROOT, SMOKE_ENV, format_value
+from workbench.publish.page import CellProgress, local_kernel, offline_html
 
 PLOTLY_FILE = "plotly.min.js"
 
@@ -40,7 +43,7 @@ def notebook_title(nb, default: str = "") -> str:
 
 
 def key_numbers(nb) -> list[dict]:
-    """Every :data:`~workbench.notebook.KEY_NUMBERS_MIME` output of ``nb``, in order, as
+    """Every :data:`~workbench.publish.notebook.KEY_NUMBERS_MIME` output of ``nb``, in order, as
     ``{"cell", "title", "numbers", "sources"}`` (a malformed payload keeps what can be read)."""
     found = []
     for index, cell in enumerate(nb.cells):
@@ -180,7 +183,8 @@ def index_html(runs: list[NotebookRun], *, full: bool, seconds: float, generated
         if r.numbers:
             body += [_numbers_html(entry, r.files) for entry in r.numbers]
         else:
-            body.append('<p class="muted">no key numbers recorded (no output of workbench.notebook.conclusions)</p>')
+            body.append('<p class="muted">no key numbers recorded '
+                        '(no output of workbench.publish.notebook.conclusions)</p>')
         sections.append("\n".join(body) + "\n</section>")
     status = (f'<span class="failed">{failed} of {len(runs)} failed</span>' if failed
               else f'<span class="ok">all {len(runs)} ran</span>')

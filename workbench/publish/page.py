@@ -9,7 +9,10 @@ div, inlines plotly.js once in the page head, and leaves out every script the te
 :class:`CellProgress` holds NotebookClient hooks that print one line per executed cell; :func:`local_kernel` starts
 the kernels of ``tour`` and ``report`` on local sockets.
 
-:mod:`workbench.site` builds the notebook series' static site from these pages.
+:mod:`workbench.publish.site` builds the notebook series' static site from these pages.
+
+plotly, nbconvert, jinja2 and traitlets are imported in the functions that use them: the GPU image has no UI-side
+libraries, and every module but the panels and figures imports without them (tests/test_packaging.py).
 """
 
 from __future__ import annotations

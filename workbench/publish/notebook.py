@@ -28,13 +28,15 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from workbench.analysis.fragmentation import PARTS
+
 T = TypeVar("T")
 
 #: The environment variable that overrides the machine's choice: ``1`` small sizes, ``0`` full sizes.
 SMOKE_ENV = "WORKBENCH_SMOKE"
 #: The output mime type of :func:`conclusions` (JSON: ``{"title", "numbers", "sources"}``).
 KEY_NUMBERS_MIME = "application/vnd.workbench.key-numbers+json"
-ROOT = Path(__file__).resolve().parent.parent  # sources are paths relative to the repository root
+ROOT = Path(__file__).resolve().parents[2]  # sources are paths relative to the repository root
 
 
 def smoke_setting(environ: Mapping[str, str] | None = None, cuda: bool | None = None) -> bool:
@@ -62,8 +64,6 @@ def smoke_size(full: T, smoke: T, on: bool | None = None) -> T:
 def format_breakdown(b) -> str:
     """Two indented lines for a :class:`workbench.analysis.fragmentation.LiveBreakdown`: its slots by part with the
     cached, stranded and utilization figures, then the vLLM paper's bars (percent of the pool)."""
-    from workbench.analysis.fragmentation import PARTS
-
     parts = ", ".join(f"{k} {getattr(b, k)}" for k in PARTS)
     return (f"  {parts} slots | cached {b.cached}, stranded {b.stranded} | utilization {b.block_utilization:.2f}\n"
             "  paper's bars (%): " + ", ".join(f"{k} {v:.1f}" for k, v in b.paper().items()))
