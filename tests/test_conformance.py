@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import workbench
 from workbench import conformance as C
-from workbench.conformance import builtin, ops, registry
-from workbench.conformance.formats import CAST, SUITE_FORMATS
+from workbench.conformance import builtin, implementations, ops
 from workbench.conformance.starter import MISTAKES, starter_decode
+from workbench.conformance.suite_formats import CAST, SUITE_FORMATS
 from workbench.core.layout import to_nhd
 
 # small tensors on a busy 2-core CPU: one torch thread; runs Triton kernels (scripts/gpu_run.sh runs it compiled)
@@ -79,7 +79,7 @@ def test_starter_passes_smoke():
 def test_the_interpreters_longer_tile_changes_only_the_speed(mistake):
     """The starter's default tile (128 tokens a step interpreted, 32 compiled: ``default_tile``) gives tile 32's
     outputs to fp32 rounding, bugs included, on a case with a partial last tile and an empty sequence."""
-    from workbench.conformance.registry import make_impl
+    from workbench.conformance.implementations import make_impl
     from workbench.conformance.starter import default_tile
 
     assert default_tile() == (128 if workbench.is_interpreted() else 32)
@@ -457,7 +457,7 @@ def test_register_refuses_an_empty_name():
 
 
 def test_builtin_names_are_protected_before_the_first_lookup(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", {})  # a fresh process: nothing registered, nothing loaded yet
+    monkeypatch.setattr(implementations, "_REGISTRY", {})  # a fresh process: nothing registered, nothing loaded yet
     monkeypatch.setattr(builtin, "_LOADED", False)
     monkeypatch.setattr(builtin, "ABSENT", {})
     with pytest.raises(ValueError, match="taken by the ours implementation"):

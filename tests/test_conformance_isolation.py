@@ -24,10 +24,10 @@ from workbench import conformance as C
 from workbench.__main__ import main
 from workbench.conformance import cases as cases_mod
 from workbench.conformance import isolation, peers
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.implementations import make_impl
 from workbench.conformance.journal import Journal
 from workbench.conformance.problems import Case, empty_pool, row_alignment
-from workbench.conformance.registry import make_impl
+from workbench.conformance.suite_formats import SUITE_FORMATS
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.kernels]  # the starter and ours run as Triton kernels
 
@@ -140,7 +140,7 @@ def test_bad_claims_are_refused_naming_the_argument(claims, message):
 def test_row_alignment_divides_every_row_start_and_is_the_largest(layout, fmt, bs, d, h, pad):
     """Property: every K/V row (the innermost run of a view) starts at a multiple of row_alignment bytes, and
     twice that (below 256) does not divide all of them."""
-    from workbench.conformance.formats import IN_BLOCKS
+    from workbench.conformance.suite_formats import IN_BLOCKS
     from workbench.quant import get
 
     if fmt in IN_BLOCKS and pad % 16:

@@ -6,8 +6,8 @@ from conftest import dtype_id, poison_like
 from workbench.kernels import decode_config, paged_decode
 from workbench.kernels.decode.reference import paged_decode_ref
 
+from workbench.conformance.pairwise import pairwise
 from workbench.core.layout import from_nhd
-from workbench.pairwise import pairwise
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

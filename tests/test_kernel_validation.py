@@ -16,8 +16,8 @@ from workbench.kernels.gather.reference import paged_gather_ref
 from workbench.kernels.validate import check_block_table
 from workbench.kernels.write.reference import write_kv_ref
 
+from workbench.conformance.pairwise import pairwise
 from workbench.core.layout import Layout, block_shape, block_view
-from workbench.pairwise import pairwise
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

@@ -11,7 +11,7 @@ import pytest
 
 from workbench import conformance
 from workbench.cache import PagedKVCache
-from workbench.conformance import exchange, judge, registry, starter, suite
+from workbench.conformance import exchange, implementations, judge, starter, suite
 from workbench.conformance.problems import Case
 from workbench.figures import conformance as cf
 from workbench.model import agreement, inspect
@@ -191,7 +191,7 @@ def test_check_mistakes_registers_each_and_checks_it_quietly(monkeypatch):
     finally:
         for name in ("broken_gqa", "broken_mask"):
             if name in conformance.names("decode"):
-                registry.unregister("decode", name)
+                implementations.unregister("decode", name)
 
 
 def test_format_check_reports():

@@ -6,8 +6,8 @@ from itertools import combinations, product
 import pytest
 import torch
 
+from workbench.conformance.pairwise import cover, pairwise
 from workbench.core.layout import Layout
-from workbench.pairwise import cover, pairwise
 
 
 def pairs_met(cases, axes) -> bool:

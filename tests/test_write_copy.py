@@ -17,8 +17,8 @@ from workbench.kernels.write import WriteConfig, default_launch, launch_config, 
 from workbench.kernels.write.reference import quant_code_distance, quantize_rcp_ref, quantize_ref, write_kv_ref
 
 from workbench.bench.cache_kernels import block_stride, layer_views, make_pool
+from workbench.conformance.pairwise import cover
 from workbench.core.layout import Layout, block_shape, to_nhd
-from workbench.pairwise import cover
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
 

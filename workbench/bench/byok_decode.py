@@ -46,11 +46,11 @@ from workbench.bench.decode_timing import (
     ref_fp32,
     time_eager_and_graph,
 )
+from workbench.conformance.implementations import ABSENT, Impl, available, get
 from workbench.conformance.isolation import Worker, context_lost, impl_ref, resolve, sticky
 from workbench.conformance.journal import Journal, digest
 from workbench.conformance.loading import load_module
 from workbench.conformance.problems import csr_export
-from workbench.conformance.registry import ABSENT, Impl, available, get
 from workbench.core.argtypes import positive_float, writable_dir
 from workbench.core.layout import Layout
 from workbench.core.workloads import WORKLOADS, PagedKV, build_paged, bytes_moved, contiguous_kv

@@ -26,10 +26,10 @@ import torch
 
 from workbench.conformance import exchange
 from workbench.conformance.cases import LEVELS, cases_for
+from workbench.conformance.implementations import ABSENT, available, get
 from workbench.conformance.loading import load_module
 from workbench.conformance.ops import OPS
 from workbench.conformance.problems import Case
-from workbench.conformance.registry import ABSENT, available, get
 from workbench.conformance.suite import check
 from workbench.core.argtypes import ensure_writable_dir, positive_float, positive_int
 from workbench.results.provenance import machine_meta

@@ -9,15 +9,15 @@ cases our kernels pass, problems exported to files for kernels outside Python, a
 ``python -m workbench check <impl>`` runs the same from a shell (``--help``); docs/byo_kernel.md is the guide.
 """
 
-from . import builtin, registry
+from . import builtin, implementations
 from .cases import LEVELS, cases_for
+from .implementations import Impl, available, get, names, register, unregister
 from .judge import CaseResult, run_case
 from .ops import OPS
 from .problems import Case
-from .registry import Impl, available, get, names, register, unregister
 from .suite import Report, check, replay
 
-registry.add_loader(builtin.load)
+implementations.add_loader(builtin.load)
 
 __all__ = ["LEVELS", "OPS", "Case", "CaseResult", "Impl", "Report", "available", "cases_for", "check", "get", "names",
            "register", "replay", "run_case", "unregister"]

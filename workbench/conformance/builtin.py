@@ -8,11 +8,11 @@ importing the package costs nothing.
 
 from __future__ import annotations
 
-from workbench.conformance import formats as fmts
-from workbench.conformance import registry
-from workbench.conformance.registry import register
+from workbench.conformance import implementations
+from workbench.conformance import suite_formats as fmts
+from workbench.conformance.implementations import register
 
-ABSENT = registry.ABSENT  # peer name -> why it is not registered here
+ABSENT = implementations.ABSENT  # peer name -> why it is not registered here
 ALL_LAYOUTS = ("nhd", "hnd", "vllm")
 DECODE_FORMATS = tuple(fmts.SUITE_FORMATS)
 

@@ -5,8 +5,8 @@ implementation claims x block-stride padding (none, 3 elements: misaligned, 64) 
 empty and a one-token sequence; whole blocks, no tail; a single token). Three levels:
 
 - ``smoke``: every pair of values of a reduced set of axes (about a dozen cases: a notebook's run on a CPU);
-- ``pairwise``: every pair of values of all axes meets in some case (:func:`workbench.pairwise.pairwise`), about
-  60-80 cases: the default, minutes under the Triton interpreter;
+- ``pairwise``: every pair of values of all axes meets in some case (:func:`workbench.conformance.pairwise.pairwise`),
+  about 60-80 cases: the default, minutes under the Triton interpreter;
 - ``full``: ``pairwise`` plus every layout x block size x head dim x format (the other axes rotating), several
   hundred cases: for a GPU.
 
@@ -22,10 +22,10 @@ import dataclasses
 import functools
 from itertools import product
 
-from workbench.conformance import formats as suite_formats
+from workbench.conformance import suite_formats
+from workbench.conformance.implementations import Impl
+from workbench.conformance.pairwise import pairwise
 from workbench.conformance.problems import Case, row_alignment
-from workbench.conformance.registry import Impl
-from workbench.pairwise import pairwise
 
 LEVELS = ("smoke", "pairwise", "full")
 

@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.implementations import Impl, get
 from workbench.conformance.judge import CaseResult, judge_bytes, judge_decode, judge_write
 from workbench.conformance.problems import Case
-from workbench.conformance.registry import Impl, get
 from workbench.conformance.suite import Report
+from workbench.conformance.suite_formats import SUITE_FORMATS
 from workbench.quant import blocks as qblocks
 
 CACHES = ("k_cache", "v_cache", "pool")

@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.implementations import get, make_impl
 from workbench.conformance.judge import CaseResult, run_case
 from workbench.conformance.loading import LOADED, SOURCES, load_module
-from workbench.conformance.registry import get, make_impl
+from workbench.conformance.suite_formats import SUITE_FORMATS
 
 #: error texts that mean the CUDA context is gone (CUDA's own wording, as torch and the libraries repeat it)
 STICKY = ("misaligned address", "illegal memory access", "unspecified launch failure", "device-side assert",
@@ -60,7 +60,7 @@ def context_lost() -> str:
 
 
 def impl_ref(impl) -> tuple | None:
-    """How a worker rebuilds ``impl`` (a :class:`~workbench.conformance.registry.Impl`), or None when it cannot:
+    """How a worker rebuilds ``impl`` (a :class:`~workbench.conformance.implementations.Impl`), or None when it cannot:
     ours, a reference or a peer by name; one a file registered (``check FILE.py:NAME``) by that file and its name;
     another user's function pickled by reference, with the loaded file or module that defines it."""
     if impl.origin != "user":

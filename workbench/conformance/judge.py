@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 import workbench
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.implementations import Impl
 from workbench.conformance.problems import Case
-from workbench.conformance.registry import Impl
+from workbench.conformance.suite_formats import SUITE_FORMATS
 from workbench.quant import blocks as qblocks
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from workbench.conformance import registry
+from workbench.conformance import implementations
 
 LOADED: list[str] = []  # the files and modules load_module imported here, in order (an isolated worker imports them)
 SOURCES: dict[tuple[str, str], str] = {}  # (op, name) -> the file or module whose import registered it
@@ -23,7 +23,7 @@ def load_module(spec: str) -> None:
     path = Path(spec)
     if spec.endswith(".py") and not path.is_file():
         raise ValueError(f"no such file: {spec}")
-    before = registry.registered()  # the built-ins loaded first: they are not the file's
+    before = implementations.registered()  # the built-ins loaded first: they are not the file's
     if spec.endswith(".py"):
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(mod_spec)
@@ -33,7 +33,7 @@ def load_module(spec: str) -> None:
         importlib.import_module(spec)
     if spec not in LOADED:
         LOADED.append(spec)
-    for key, impl in registry.registered().items():
+    for key, impl in implementations.registered().items():
         if before.get(key) is not impl:
             SOURCES[key] = spec
 

@@ -1,6 +1,6 @@
 """The ops an implementation can implement, as contracts: the arguments it may ask for (by parameter name: it is handed
 only the ones its signature names, so a CSR kernel asks for ``kv_indptr`` and never sees the block table), the ones it
-must take, and what it must give back. :mod:`workbench.conformance.registry` checks a signature against them,
+must take, and what it must give back. :mod:`workbench.conformance.implementations` checks a signature against them,
 :mod:`workbench.conformance.problems` builds every argument of a case.
 """
 

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from workbench import quant
-from workbench.conformance.formats import SUITE_FORMATS
 from workbench.conformance.ops import OPS
+from workbench.conformance.suite_formats import SUITE_FORMATS
 from workbench.core.layout import Layout, block_view
 from workbench.quant import blocks as qblocks
 

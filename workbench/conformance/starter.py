@@ -21,7 +21,7 @@ import functools
 import triton
 import triton.language as tl
 
-from workbench.conformance import registry, suite
+from workbench.conformance import implementations, suite
 from workbench.core.backend import is_interpreted
 from workbench.core.layout import Layout, addressing, to_nhd
 
@@ -124,7 +124,7 @@ def check_mistakes(mistakes, level: str = "smoke", layouts=("nhd", "hnd"), forma
         if mistake not in MISTAKES or mistake == "none":
             raise ValueError(f"mistakes must be among {[m for m in MISTAKES if m != 'none']}, got {mistake!r}")
         name = f"broken_{mistake}"
-        registry.register("decode", name, functools.partial(starter_decode, mistake=mistake), layouts=layouts,
+        implementations.register("decode", name, functools.partial(starter_decode, mistake=mistake), layouts=layouts,
                           formats=formats, description=f"the starter kernel with its {mistake!r} bug")
         reports[name] = suite.check_quietly(name, level=level)
     return reports

@@ -24,13 +24,13 @@ from tqdm.auto import tqdm
 
 import workbench
 from workbench.conformance.cases import cases_for, unsupported_cases
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.implementations import Impl, get
 from workbench.conformance.isolation import Worker, context_lost, impl_ref, run_forked, run_ref, sticky
 from workbench.conformance.journal import Journal, digest
 from workbench.conformance.judge import CaseResult, run_case
 from workbench.conformance.loading import command_name
 from workbench.conformance.problems import Case
-from workbench.conformance.registry import Impl, get
+from workbench.conformance.suite_formats import SUITE_FORMATS
 from workbench.publish.notebook import Bound
 
 

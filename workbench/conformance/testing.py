@@ -17,10 +17,10 @@ from __future__ import annotations
 import shlex
 
 from workbench.conformance.cases import cases_for
+from workbench.conformance.implementations import get
 from workbench.conformance.judge import run_case
 from workbench.conformance.loading import command_name
 from workbench.conformance.problems import Case
-from workbench.conformance.registry import get
 
 
 def cases_of(impl: str, op: str = "decode", level: str = "pairwise"):

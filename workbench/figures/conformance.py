@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from workbench.conformance.formats import SUITE_FORMATS
+from workbench.conformance.suite_formats import SUITE_FORMATS
 
 PASS, FAIL, TOL = "#2a9d8f", "#d62828", "#555555"
 #: the axes a report's cases can be grouped by: row key -> words

@@ -20,9 +20,9 @@ import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from workbench.conformance.formats import SUITE_FORMATS
 from workbench.conformance.ops import OPS, Op
 from workbench.conformance.problems import row_alignment
+from workbench.conformance.suite_formats import SUITE_FORMATS
 from workbench.core.layout import Layout
 
 ORIGINS = ("ours", "reference", "peer", "example", "user")
