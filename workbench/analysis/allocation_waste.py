@@ -9,6 +9,7 @@ notebook uses the serving simulator instead). Shares follow the vLLM paper (Figu
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 
@@ -78,8 +79,6 @@ def random_batch(
     requests at every ``max_len``, so only the server's reservation changes with it. A stand-in for
     a real trace (``workbench.sim`` has fitted ones); enough to show the effect.
     """
-    import random
-
     if num_requests < 0 or max_len < 1:
         raise ValueError(f"need num_requests >= 0 and max_len >= 1, got {num_requests}, {max_len}")
     if median <= 0 or sigma < 0:

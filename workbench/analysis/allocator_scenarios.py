@@ -146,7 +146,7 @@ def fork_checks(layouts: Sequence[str] = tuple(Layout), num_layers: int = 2, num
     """
     import torch  # here: the scenarios above stay free of tensors
 
-    from workbench.cache import PagedKVCache
+    from workbench.cache import PagedKVCache  # here: the cache loads the kernels (Triton, +0.3 s), which they skip
 
     g = torch.Generator().manual_seed(seed)
 

@@ -33,6 +33,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from workbench.core import kv_spec
 from workbench.core.layout import Addressing, Layout, addressing, block_shape
 
 LINE = 128  # bytes: an L2 line, one fully coalesced warp transaction
@@ -394,8 +395,6 @@ def format_analyses(analyses: dict[str, Coalescing]) -> str:
 def seed_rule_rows(l2_bytes: float, model, kv_dtypes) -> list[dict]:
     """The seed's block-size rule (:func:`seed_block_size`) for ``model`` (a ``workbench.core.kv_spec`` model) in each
     ``(name, kv_dtype)`` of ``kv_dtypes``: the tokens it gives, then per kv head and per layer as well."""
-    from workbench.core import kv_spec
-
     rows = []
     for name, dtype in kv_dtypes:
         size = kv_spec.dtype_size(dtype)

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from workbench.allocator import BlockManager, OutOfBlocks
 
@@ -209,8 +210,6 @@ def churn(cache, steps: int, seed: int = 0, *, max_prompt: int = 24, max_append:
     Returns:
         ``{seq_id: tokens}`` of the live sequences.
     """
-    import torch
-
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
 

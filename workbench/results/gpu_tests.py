@@ -20,6 +20,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
+from workbench.results.provenance import machine_meta
+
 OUTCOMES = ("passed", "failed", "errors", "skipped")
 
 
@@ -88,8 +90,6 @@ def write(out: Path | str, junit: list[Path | str], meta: dict | None = None, co
         raise ValueError("junit must name at least one JUnit XML file")
     rows = [r for p in junit for r in read_junit(p)]
     if meta is None:
-        from workbench.results.provenance import machine_meta
-
         meta = machine_meta()
     doc = {"meta": {**meta, "command": command}, **summarize(rows), "junit": [Path(p).name for p in junit]}
     Path(out).write_text(json.dumps(doc, indent=1) + "\n")

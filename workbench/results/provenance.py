@@ -25,7 +25,7 @@ def _git(*args: str) -> str:
 
 def machine_meta() -> dict[str, str]:
     """GPU, versions, commit and date: stamped on every result file and row; ``run`` identifies this run."""
-    import triton
+    import triton  # here: triton adds ~0.2 s to importing this module, which every results loader does (ROOT)
 
     # The GPU machine gets the working tree without .git: pass WORKBENCH_COMMIT there.
     commit = os.environ.get("WORKBENCH_COMMIT") or _git("rev-parse", "--short=12", "HEAD") or "unknown"
