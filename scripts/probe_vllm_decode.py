@@ -156,7 +156,7 @@ def main(argv=None) -> None:
             continue
         rows += probe_page(w, layout, page, cfgs, copy_gbps, args.rep_ms, smoke, device)
         path = run_files.write_results("vllm-decode-probe", rows, meta, args.out,
-                                     extra={"copy_gbps": copy_gbps, "workload": w.key})
+                                       extra={"copy_gbps": copy_gbps, "workload": w.key})
     print(f"wrote {path} ({len(rows)} rows, {time.monotonic() - t0:.0f} s)")
     bad = [r for r in rows if r.get("error") or not r.get("rel_err", 1.0) < 1e-2]
     if bad:

@@ -210,10 +210,10 @@ def test_matches():
 def test_notebook_selection_ignores_newer_smoke_and_cpu_runs(tmp_path):
     row = {"workload": "W1", "impl": "ours", "time_us": 10.0}
     gpu = run_files.write_results("decode", [row], _meta("NVIDIA H200", "2026-01-01T00:00:00Z"), tmp_path,
-                                extra={"mode": "full"})
+                                  extra={"mode": "full"})
     run_files.write_results("decode", [row], _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
     run_files.write_results("decode", [row], _meta("NVIDIA H200", "2026-07-01T00:00:00Z"), tmp_path,
-                          extra={"mode": "quick"})
+                            extra={"mode": "quick"})
     where = {"gpu": "NVIDIA H200", "mode": "full"}
     rows = decode.load_decode(results_dir=tmp_path, where=where, latest=True)
     assert [r["date"] for r in rows] == ["2026-01-01T00:00:00Z"]
@@ -233,7 +233,7 @@ def test_committed_results_are_found_by_their_metadata():
 
 def test_bench_results_skips_smoke_runs(tmp_path, capsys):
     run_files.write_results("decode", [{"workload": "W1", "impl": "ours", "time_us": None}],
-                          _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
+                            _meta("cpu", "2026-06-01T00:00:00Z"), tmp_path, extra={"mode": "smoke"})
     assert main(["bench", "results", "--dir", str(tmp_path)]) == 0
     assert "no decode results" in capsys.readouterr().out
 

@@ -93,23 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     print("lossless ratio (raw / stored bytes, bytes-weighted over prompts and layers; bound: order-0 entropy)")
     summ = study.summarize(rows)
     run_files.print_table([r for r in summ if r["config"] in (study.DEFAULT, "shuffle", "zstd", "xor+shuffle")],
-                        ["kind", "dtype", "config", "ratio", "min", "max", "entropy_ratio"],
-                        {"entropy_ratio": "bound"})
+                          ["kind", "dtype", "config", "ratio", "min", "max", "entropy_ratio"],
+                          {"entropy_ratio": "bound"})
     print("\nlossy: quantized codes, delta-coded (ratio vs fp16; plain = the scheme without entropy coding)")
     run_files.print_table(study.summarize(qrows, ("kind", "scheme", "delta")),
-                        ["kind", "scheme", "delta", "ratio", "plain_ratio", "rel_err"])
+                          ["kind", "scheme", "delta", "ratio", "plain_ratio", "rel_err"])
     print("\nthroughput on this CPU (one thread), GB/s of raw bytes")
     run_files.print_table(tp + sweep, ["chunk", "dtype", "config", "level", "raw_bytes", "ratio", "encode_gbps",
-                                     "decode_gbps", "encode_best_gbps", "decode_best_gbps"],
-                        {"encode_best_gbps": "enc_best", "decode_best_gbps": "dec_best"})
+                                       "decode_gbps", "encode_best_gbps", "decode_best_gbps"],
+                          {"encode_best_gbps": "enc_best", "decode_best_gbps": "dec_best"})
     print("\nbreak-even, fp16, one-way (a tier stores blocks compressed: encode on the way out, decode on the way "
           "in); needed = codec GB/s at which compressed ties raw (serial / pipelined); speedup = raw / compressed "
           "time at the measured CPU speed")
     run_files.print_table(study.verdicts(be), ["chunk", "config", "level", "link", "link_gbps", "ratio", "cpu_gbps",
-                                       "cpu_best_gbps", "needed_serial", "needed_overlap", "speedup_serial",
-                                       "speedup_overlap", "wins"],
-                        {"cpu_best_gbps": "cpu_best", "needed_serial": "need_ser", "needed_overlap": "need_ovl",
-                         "speedup_serial": "x_ser", "speedup_overlap": "x_ovl"})
+                                         "cpu_best_gbps", "needed_serial", "needed_overlap", "speedup_serial",
+                                         "speedup_overlap", "wins"],
+                          {"cpu_best_gbps": "cpu_best", "needed_serial": "need_ser", "needed_overlap": "need_ovl",
+                           "speedup_serial": "x_ser", "speedup_overlap": "x_ovl"})
     meta = provenance.machine_meta()
     meta["gpu"] = "cpu-" + (platform.machine() or "unknown")  # a CPU codec: no GPU involved
     meta["command"] = " ".join(["python -m workbench bench compression_delta",

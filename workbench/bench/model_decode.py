@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
         torch.cuda.empty_cache()
     path = run_files.write_results("model-decode", rows, provenance.machine_meta(), out,
-                                 extra={"weights": "random (timing does not depend on values), fp16",
-                                        "prompt": PROMPT, "new_tokens": args.new_tokens})
+                                   extra={"weights": "random (timing does not depend on values), fp16",
+                                          "prompt": PROMPT, "new_tokens": args.new_tokens})
     print(f"wrote {path}")
     return 0

@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     if "midpoints" in sections:
         rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
     path = run_files.write_results("quant-decode", rows, provenance.machine_meta(), out,
-                                 extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
-                                        "page_size": PAGE, "tune": bool(args.tune)})
+                                   extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
+                                          "page_size": PAGE, "tune": bool(args.tune)})
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("section") == "decode" and (r.get("error") or (r.get("rel_err") or 0) > (
         1e-2 if r["scheme"] == "bf16" else 1e-3))]  # bf16 output rounds at 2**-9

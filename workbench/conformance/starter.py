@@ -125,6 +125,6 @@ def check_mistakes(mistakes, level: str = "smoke", layouts=("nhd", "hnd"), forma
             raise ValueError(f"mistakes must be among {[m for m in MISTAKES if m != 'none']}, got {mistake!r}")
         name = f"broken_{mistake}"
         implementations.register("decode", name, functools.partial(starter_decode, mistake=mistake), layouts=layouts,
-                          formats=formats, description=f"the starter kernel with its {mistake!r} bug")
+                                 formats=formats, description=f"the starter kernel with its {mistake!r} bug")
         reports[name] = suite.check_quietly(name, level=level)
     return reports
