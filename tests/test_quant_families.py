@@ -258,14 +258,15 @@ def test_the_detectors_find_what_they_look_for():
 
 # ---- the kernels' tables cover the families ----------------------------------------------------------------------
 def test_kernel_tables_cover_each_family():
-    from workbench.kernels import common, quest
+    from workbench.kernels import common
     from workbench.kernels.decode import quant as dquant
+    from workbench.kernels.quest.bounds import BOUNDS_FAMILIES
     from workbench.kernels.write import dynamic
 
     reps = {e.family: quant.SCHEMES[e.name] for e in names.ENTRIES}
     assert set(dquant.DECODE_FAMILIES) == set(names.STORAGE_FAMILIES)
     assert set(dynamic.WRITE_MODES) == {f for f, s in reps.items() if s.scales_on_write}
-    assert set(quest.BOUNDS_FAMILIES) == {f for f, s in reps.items() if s.supports_key_bounds}
+    assert set(BOUNDS_FAMILIES) == {f for f, s in reps.items() if s.supports_key_bounds}
     assert set(common.KERNEL_SHAPE_CHECKS) <= set(names.STORAGE_FAMILIES)
     assert dquant.DECODE_FAMILIES["groups"].fixed == {"k3d": False}
 

@@ -40,7 +40,7 @@ def test_decode_row_assembly_on_a_tiny_workload_with_stub_timers(monkeypatch):
     heuristic's interpreter configuration, timers that call once and return fixed times; what a GPU point computes
     besides the times."""
     import workbench
-    from workbench.bench import decode, harness
+    from workbench.bench import decode_timing, harness
     from workbench.core.workloads import WORKLOADS
     from workbench.studies import kernels
 
@@ -48,7 +48,7 @@ def test_decode_row_assembly_on_a_tiny_workload_with_stub_timers(monkeypatch):
     monkeypatch.setattr(harness, "time_us", lambda fn, warmup_ms=25, rep_ms=200: (fn(), next(times))[1])
     monkeypatch.setattr(harness, "time_us_graph", lambda fn, calls_per_graph=10, rep_ms=200: (fn(), 5.0)[1])
     # the heuristic's SM count only (torch.cuda.get_device_properties stubbed broke Triton's own launch on a GPU)
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 0)
+    monkeypatch.setattr(decode_timing, "_num_sms", lambda device: 0)
     monkeypatch.setattr(kernels, "_copy_gbps", lambda: 100.0)
     s = sweeps.get("decode")
     row = kernels._measure(WORKLOADS["W1"].smoke(), layout="nhd", block_size=16, kv_dtype="fp16", pad=0, change={},
