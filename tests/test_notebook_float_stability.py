@@ -40,8 +40,9 @@ SEED = 0
 
 # The cells each notebook runs, in notebook order, named by a line of their source (robust to cells moving).
 RUNS = {
-    "03_dtypes_and_quantization": ["import numpy as np", "LAYERS, TOKENS =", "study.bytes_table(",
-                                   "study.synthetic_kv(", "study.evaluate_all(", "study.kivi_comparison(",
+    "03_dtypes_and_quantization": ["import numpy as np", "LAYERS, TOKENS =", "error_study.bytes_table(",
+                                   "synthetic.synthetic_kv(", "error_study.evaluate_all(",
+                                   "error_study.kivi_comparison(",
                                    "h200_decode_run()", 'conclusions("03'],
     "05_prefetch_and_tiers": ["from workbench.tiers import", "PROMPT, STEPS =", "access.pattern_traces(",
                               "pc.swap_recompute_curves(", 'conclusions("05'],

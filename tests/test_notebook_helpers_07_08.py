@@ -76,7 +76,7 @@ def test_pool_study_frees_blocks_only_when_compacting():
     assert "partial='compact': 11 tokens stored in 1 blocks (was 6)" in text
     assert "a new 80-token request (5 blocks): before, refused" in text
     # fp16 rounding is shown as the bound it meets: its digits differ between CPUs (issue 30: 5.8e-04 vs 5.9e-04)
-    assert all(isinstance(r["decode_error"], notebook.Bound) for r in rows)  # the module's (tests reload it)
+    assert all(isinstance(r["decode_error"], notebook.Bound) for r in rows)
     for r in (kept, packed):
         assert f"max rel. error {r['decode_error']} (fp16 storage)" in text
 
