@@ -419,11 +419,12 @@ def test_bench_decode_help_shows_impl(capsys):
 
 
 def _readme_commands():
-    """``(command words, --flags)`` of each row of the README's command table."""
+    """``(command words, --flags)`` of each row of the README's command table and of docs/commands.md's."""
     import re
 
     rows = []
-    for line in (provenance.ROOT / "README.md").read_text().splitlines():
+    text = "\n".join((provenance.ROOT / f).read_text() for f in ("README.md", "docs/commands.md"))
+    for line in text.splitlines():
         m = re.match(r"\| `python -m workbench ([^`]*)` \|(.*)\|\s*$", line)
         if not m:
             continue
