@@ -76,7 +76,7 @@ def child(out_file: str) -> None:
 
 
 def run_child(checkout: Path, out_file: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}  # absolute: the child runs in the checkout
     subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(out_file)], env=env,
                    cwd=str(checkout), check=True)
     import torch
