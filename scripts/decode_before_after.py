@@ -71,7 +71,7 @@ def child(out_file: str) -> None:
         outs[f"{key}-{layout}"], times[f"{key}-{layout}"] = time_case(key, layout)
         torch.cuda.empty_cache()
     torch.save({"times": times, "outs": outs, "workbench": workbench.__file__, "kernels": workbench.kernels.__file__,
-                "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__},
+                "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__), "triton": str(triton.__version__)},
                out_file)
 
 
