@@ -1,12 +1,15 @@
 """Benchmark of quantized K/V on the GPU: paged decode of every scheme on W1-W5 beside our own fp16 in the
-same run, the quantize-on-write of a 32k-token prefill chunk, and a count of the fp8 write's codes that
-differ from torch's (and whether each one is an exact rounding midpoint).
+same run (fp32 storage included: the seed's "FP32 costs twice FP16's bytes"), the quantize-on-write of a 32k-token
+prefill chunk, a count of the fp8 write's codes that differ from torch's (and whether each one is an exact rounding
+midpoint), and FlashInfer's fp8 decode backends on our own fp8 cache (``workbench.bench.quant_peers``).
 
 Rows (``python -m workbench bench quant_decode --out data/results``): ``section`` ``decode`` (``workload``,
-``scheme``, ``variant``, ``time_us``, ``time_us_graph``, ``speedup_vs_fp16``, ``bw_fraction`` (stored bytes with
+``scheme``, ``variant``, ``q_dtype`` (a cast cache is read by queries of its dtype: the plan's rule, so fp32 storage
+has fp32 queries), ``time_us``, ``time_us_graph``, ``speedup_vs_fp16``, ``bw_fraction`` (stored bytes with
 scales over the time, as a fraction of the copy bandwidth measured in the run), ``bytes_per_token``,
 ``rel_err`` (against the dequantized reference), ``quant_err`` (against fp32 on the unquantized values)),
-``write`` and ``midpoints``. ``--smoke`` runs tiny shapes through the interpreter (correctness only).
+``write``, ``midpoints`` and ``peers`` (``impl``, ``backend``, ``accurate``, ``ours_speedup``: the peer's time
+over ours). ``--smoke`` runs tiny shapes through the interpreter (correctness only; the peers need a GPU).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from tqdm.auto import tqdm
 
 import workbench
 from workbench import quant
-from workbench.bench import harness
+from workbench.bench import harness, quant_peers
 from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.bench.decode_timing import ref_fp32
 from workbench.core.workloads import WORKLOADS, PagedKV, build_paged, contiguous_kv
@@ -35,6 +38,7 @@ from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 from workbench.results import provenance, run_files
 
 PAGE = 16
+SECTIONS = ("decode", "write", "midpoints", "peers")
 
 
 def bench_scheme(name: str) -> quant.Scheme:
@@ -59,8 +63,8 @@ def quantized_paged(p: PagedKV, scheme: quant.Scheme):
         sl = slice(i, min(nb * bs, i + step))
         kw = (dict(k_scale=ks, v_scale=vs) if scheme.needs_static_scales else dict(quant=scheme) if scheme.quantized
               else {})
-        src = (src_k[sl], src_v[sl]) if scheme.format.storage != torch.bfloat16 else (src_k[sl].bfloat16(),
-                                                                                        src_v[sl].bfloat16())
+        src = (src_k[sl], src_v[sl]) if scheme.family != "cast" else (src_k[sl].to(scheme.format.storage),
+                                                                        src_v[sl].to(scheme.format.storage))
         write_kv(*src, caches[0], caches[1], "nhd", slots[sl], validate=False, **kw)
     return caches[0], caches[1], ks, vs
 
@@ -138,10 +142,10 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
     del k32, v32
     t_fp16 = None
     tokens = sum(p.lens)
-    qo_bytes = 2 * w.batch * w.num_q_heads * w.head_dim * 2
     for name in schemes:
         scheme = bench_scheme(name)
-        q = p.q.bfloat16() if scheme.name == "bf16" else p.q
+        q = p.q.to(scheme.format.storage) if scheme.family == "cast" else p.q  # a cast cache: queries of its dtype
+        qo_bytes = 2 * q.numel() * q.element_size()
         k_cache, v_cache, ks, vs = quantized_paged(p, scheme)
         kd, vd = _dequantized(p, scheme, k_cache, v_cache, ks, vs)
         ref = ref_fp32(q, kd, vd, p.lens)
@@ -157,6 +161,7 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
         variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
         for variant, cfg in variants:
             row = {"section": "decode", "workload": w.key, "scheme": scheme.name, "variant": variant,
+                   "q_dtype": str(q.dtype).removeprefix("torch."),
                    "bytes_per_token": scheme.bytes_per_token(w.num_kv_heads, w.head_dim), "bytes": nbytes,
                    "copy_gbps": copy_gbps, **{f"cfg_{k}": v for k, v in cfg.items()}}
             try:
@@ -271,6 +276,52 @@ def run_midpoints(device, rep: int = 2) -> list[dict]:
     return rows
 
 
+def run_peers(w, copy_gbps: float, rep_ms: float, device, fi, timed: bool | None = None) -> list[dict]:
+    """Section ``peers`` on workload ``w``: ours and FlashInfer's decode backends (``fi``: the flashinfer module) on
+    one fp8_e4m3/tensor cache, judged against one dequantized reference and timed alike
+    (``workbench.bench.quant_peers``); ``timed`` as :func:`run_decode`."""
+    timed = device == "cuda" if timed is None else timed
+    p = build_paged(w, layout="nhd", block_size=PAGE, kv_dtype=torch.float16, device=device)
+    scheme = bench_scheme(quant_peers.PEER_SCHEME)
+    k_cache, v_cache, ks, vs = quantized_paged(p, scheme)
+    kd, vd = _dequantized(p, scheme, k_cache, v_cache, ks, vs)
+    ref = ref_fp32(p.q, kd, vd, p.lens)
+    del kd, vd
+    nbytes = int(scheme.bytes_per_token(w.num_kv_heads, w.head_dim) * sum(p.lens) + 2 * p.q.numel() * 2)
+    base = {"section": "peers", "workload": w.key, "scheme": scheme.name, "q_dtype": "float16", "bytes": nbytes,
+            "copy_gbps": copy_gbps}
+    out = torch.full_like(p.q, float("nan"))
+    plan = _plan(p, scheme, k_cache, v_cache, ks, vs, p.q, None)
+    entries = {"heuristic": {"impl": "ours", "fn": functools.partial(plan.run, p.q, k_cache, v_cache, out),
+                             "accurate": True, "resolved": plan.config.get("kernel")}}
+    entries.update(quant_peers.flashinfer_fns(fi, p, k_cache, v_cache, ks, vs, out))
+    rows = quant_peers.peer_rows(entries, out, ref, rep_ms, timed, base)
+    for r in rows:
+        if timed:
+            r.update(rates(nbytes, r.get("time_us_graph") or r.get("time_us"), copy_gbps))
+        tqdm.write(_fmt(r))
+    del p, k_cache, v_cache, ref, out, entries, plan
+    _free(device)
+    return rows
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """The lines the command prints at its end: per workload fp32 storage against fp16 (speed-up, bytes, rel_err of
+    the heuristic's rows), then ``quant_peers.summary_lines`` (fp8 ours against the best accurate FlashInfer)."""
+    lines = []
+    dec = {(r["workload"], r["scheme"]): r for r in rows
+           if r.get("section") == "decode" and r["variant"] == "heuristic"}
+    for key in dict.fromkeys(k for k, _ in dec):
+        a, b = dec.get((key, "fp32")), dec.get((key, "fp16"))
+        if a is None or b is None:
+            continue
+        speed = f"{a['speedup_vs_fp16']:.3f}" if a.get("speedup_vs_fp16") else "not timed"
+        lines.append(f"{key}: fp32 vs fp16 storage: speed-up {speed}, bytes per token {a['bytes_per_token']} vs "
+                     f"{b['bytes_per_token']}, rel_err {a.get('rel_err', float('nan')):.2g} vs "
+                     f"{b.get('rel_err', float('nan')):.2g}" + (f" ({a['error']})" if a.get("error") else ""))
+    return lines + quant_peers.summary_lines(rows)
+
+
 def _compiled_kernels() -> dict:
     """Compiled decode kernels Triton holds now, by id (introspection: empty where its cache is not reachable)."""
     from workbench.kernels.decode import groups, kernel  # here: the kernels' jit functions, read for their caches
@@ -308,7 +359,8 @@ def kernel_stats(before: dict) -> dict:
 
 
 def _fmt(row: dict) -> str:
-    keep = ("section", "workload", "scheme", "variant", "quant_math", "time_us_graph", "speedup_vs_fp16",
+    keep = ("section", "workload", "scheme", "variant", "impl", "backend", "resolved", "accurate", "q_dtype",
+            "quant_math", "time_us_graph", "speedup_vs_fp16", "ours_speedup",
             "bw_fraction", "rel_err", "quant_err", "k_n_regs", "k_n_spills", "identical", "differ", "exact_midpoints",
             "not_midpoints", "note", "error", "error_cause")
     return "  ".join(f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}"
@@ -329,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schemes", default=None,
                     help=f"comma separated (default every scheme timed: {','.join(DECODE_SCHEMES)}; --smoke: one of "
                          f"each decode mode)")
-    ap.add_argument("--sections", default="decode,write,midpoints")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma separated, of " + ", ".join(SECTIONS) + " (peers: FlashInfer's fp8 decode, when it "
+                         "imports and a GPU runs it)")
     args = ap.parse_args(argv)
     out = ap.start(args)
     if out is None:
@@ -338,9 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = harness.copy_bandwidth_gbps() if device == "cuda" else 0.0
     schemes = (args.schemes or ",".join(SMOKE_SCHEMES if args.smoke else DECODE_SCHEMES)).split(",")
     sections = args.sections.split(",")
+    if set(sections) - set(SECTIONS):
+        ap.error(f"argument --sections: {sorted(set(sections) - set(SECTIONS))} not among {', '.join(SECTIONS)}")
+    keys = (args.workloads or ("W1" if args.smoke else "W1,W2,W3,W4,W5")).split(",")
     rows = []
-    for key in tqdm((args.workloads or ("W1" if args.smoke else "W1,W2,W3,W4,W5")).split(","), desc="workloads",
-                    file=sys.stderr):
+    for key in tqdm(keys, desc="workloads", file=sys.stderr):
         w = WORKLOADS[key].smoke() if args.smoke else WORKLOADS[key]
         if "decode" in sections:
             rows += run_decode(w, copy_gbps, schemes, 100, args.tune, device,
@@ -351,12 +407,20 @@ def main(argv: list[str] | None = None) -> int:
                           head_dim=128 if gpu else 64, tune=args.tune)
     if "midpoints" in sections:
         rows += run_midpoints(device, rep=2 if device == "cuda" else 1)
+    if "peers" in sections:  # last: a peer that loses the CUDA context costs its own section only
+        fi, skipped = quant_peers.load_flashinfer(device)
+        if skipped:
+            print(skipped)
+        for key in keys if fi is not None else ():
+            rows += run_peers(WORKLOADS[key].smoke() if args.smoke else WORKLOADS[key], copy_gbps, 100, device, fi)
     path = run_files.write_results("quant-decode", rows, provenance.machine_meta(), out,
                                    extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
                                           "page_size": PAGE, "tune": bool(args.tune)})
+    for line in summary(rows):
+        print(line)
     print(f"wrote {path}")
-    bad = [r for r in rows if r.get("section") == "decode" and (r.get("error") or (r.get("rel_err") or 0) > (
-        1e-2 if r["scheme"] == "bf16" else 1e-3))]  # bf16 output rounds at 2**-9
+    bad = [r for r in rows if (r.get("section") == "decode" or r.get("impl") == "ours") and (
+        r.get("error") or (r.get("rel_err") or 0) > (1e-2 if r["scheme"] == "bf16" else 1e-3))]  # bf16: 2**-9
     for r in bad:
         print("FAILED:", _fmt(r))
     return 1 if bad else 0
