@@ -43,7 +43,7 @@ RUNS = {
     "03_dtypes_and_quantization": ["import numpy as np", "LAYERS, TOKENS =", "error_study.bytes_table(",
                                    "synthetic.synthetic_kv(", "error_study.evaluate_all(",
                                    "error_study.kivi_comparison(",
-                                   "h200_decode_run()", 'conclusions("03'],
+                                   "h200_decode_run()", "quant_speed.speed_rows(", 'conclusions("03'],
     "05_prefetch_and_tiers": ["from workbench.tiers import", "PROMPT, STEPS =", "access.pattern_traces(",
                               "pc.swap_recompute_curves(", 'conclusions("05'],
     "07_compression": ["from workbench.compress import", "BUDGETS =", "CAPS = capture.load()",

@@ -6,6 +6,8 @@ committed runs shaped into the plain tables the notebooks plot (no plotly, no wi
 - ``decode``, ``tiers``, ``compress``, ``shared_prefix``, ``byok``: one benchmark's committed runs each, as tables
   (notebooks 02, 05, 07, 08, 09);
 - ``gpu_tests``: the GPU test run's results file (``python -m workbench.results.gpu_tests``).
+- ``quant_speed``: the quantized decode run joined with the error study, per scheme bytes, error and speed, and
+  the schemes no other beats on all three (notebook 03).
 
 The benchmarks (``workbench.bench``) write through ``run_files``; nothing here imports them. Nothing is imported
 here.
