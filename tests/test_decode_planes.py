@@ -83,7 +83,7 @@ def test_planes_read_every_packed_scheme(name, params, layout, block_size, H, G,
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), H * G, D, generator=g).to(dtype).to(device)
     plan = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=H * G, q_dtype=dtype,
-                      num_splits=splits, quant=scheme, planes=True)
+                      num_splits=splits, quant=scheme, planes=True, streams=0)  # streams=0: this kernel, not streams.py
     assert plan.config["kernel"] == "planes"
     out = plan.run(q, kc, vc, out=torch.full_like(q, float("nan")))  # poisoned output
     kd, vd = (dequantize_cache_ref(scheme, c, layout, kind, D) for c, kind in ((kc, "k"), (vc, "v")))
@@ -104,6 +104,7 @@ def test_plan_names_its_kernel_and_falls_back_where_planes_do_not_apply(device):
                                  (quant.get("int4/token", value_group=8), "nhd", "generic"),  # 8-byte planes
                                  (quant.get("int2/kivi", group=8, residual=0), "nhd", "generic"),  # 8-token key groups
                                  (quant.get("int2/kivi", group=16, residual=0), "nhd", "planes"),
+                                 (quant.get("int4/token", residual=0), "nhd", "streams"),  # per-token keys
                                  (quant.get("fp8_e4m3/token"), "nhd", "generic")]:
         kc, vc, table = written_sequences(scheme, layout, 16, H, D, lens, g, device)
         plan = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=4,

@@ -13,7 +13,7 @@ from workbench.core.layout import Layout, addressing
 
 from .. import common
 
-LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d", "batch_fast", "planes")  # see DecodePlan
+LAUNCH_KEYS = ("BLOCK_N", "num_warps", "num_stages", "use_dot", "k3d", "batch_fast", "planes", "streams")  # see DecodePlan
 
 
 def _stride_split(stride: int) -> tuple[int, int]:

@@ -38,6 +38,7 @@ from . import csr
 from . import kernel as _kernel
 from . import quant as _quant
 from .groups import _groups_decode_kernel, planes_launch
+from .streams import _streams_decode_kernel, streams_launch
 from .merge import _merge_states_kernel
 
 _Q_DTYPES = common.Q_DTYPES
@@ -203,7 +204,12 @@ class DecodePlan:
         cfg0 = _config.decode_config(B, hkv, Hq // hkv, D, block_size, max(f["max_seq_len"], 1),
                                      kv_dtype=k_cache.dtype, num_sms=0 if interp else _config._num_sms(device),
                                      layout=layout) if planes else None
-        pl = planes_launch(dq.constexprs, layout, int(launch.get("BLOCK_N", cfg0["BLOCK_N"]))) if planes else None
+        streams = launch.pop("streams", None)  # per-token packed codes: streams a tile at most (streams.py)
+        bn0 = int(launch.get("BLOCK_N", cfg0["BLOCK_N"])) if planes else 0
+        pl = streams_launch(dq.constexprs, layout, bn0, Hq // hkv, streams) if planes and streams != 0 else None
+        kind = "streams" if pl is not None else "planes"
+        if pl is None and planes:
+            pl = planes_launch(dq.constexprs, layout, bn0)
         if pl is not None:
             launch.update(BLOCK_N=pl.pop("BLOCK_N"), use_dot=True)
         splits, chunk, geo = _config._launch_params(layout, B, Hq, D, hkv, block_size, q_dtype, k_cache, v_cache,
@@ -228,14 +234,15 @@ class DecodePlan:
             num_splits=splits, chunk=chunk, _grid=(B, hkv, splits) if batch_fast else (splits, hkv, B), _split=split,
             config={"BLOCK_N": ce["BLOCK_N"], "num_splits": splits, "num_warps": ce["num_warps"],
                     "num_stages": ce["num_stages"], "use_dot": ce["USE_DOT"], "k3d": ce["K3D"],
-                    "kernel": "generic" if pl is None else "planes"},
+                    "kernel": "generic" if pl is None else kind, **({"streams": pl["R"]} if "R" in (pl or {}) else {})},
             _scale_args=(ks_ptr, vs_ptr, ks_val, vs_val) if scale_ptr else (None, None, ks_val, vs_val),
             _qk_scale=sm_scale * _kernel.LOG2E,
             _tail=(block_table.stride(0), *geo.k_strides, *geo.v_strides, chunk, splits),
             _qargs=(s_sc_h, *dq.args[1:]),
             _constexprs=dict(SPLIT=split, SCALE_PTR=scale_ptr, BATCH_FAST=batch_fast, **ce, **dq.constexprs,
                              **(pl or {})),
-            _decode_kernel=_kernel._paged_decode_kernel if pl is None else _groups_decode_kernel,
+            _decode_kernel=(_kernel._paged_decode_kernel if pl is None else
+                            _streams_decode_kernel if kind == "streams" else _groups_decode_kernel),
         )
         if split:  # the splits' scratch, reused by every run of the plan
             f.update(_o_part=torch.empty((B, Hq, splits, D), dtype=torch.float32, device=device) if scratch else None,

@@ -84,7 +84,7 @@ def decode_plan(scheme_name: str, workload: str = "W1", **launch):
     """``(plan, q, k_cache, v_cache)``: the plan a GPU would build for ``scheme_name`` on ``workload`` (its shape,
     lengths and batch), over a one-block cache (the plan trusts its table; nothing is launched)."""
     w = WORKLOADS[workload]
-    scheme = bench_scheme(scheme_name)
+    scheme = bench_scheme(scheme_name, w.head_dim)
     page, H, D = 16, w.num_kv_heads, w.head_dim
     k_cache, v_cache = (qblocks.empty_cache(scheme, "nhd", kind, 1, page, H, D) for kind in "kv")
     sample = torch.ones(page, H, D)
@@ -282,7 +282,7 @@ def write_launches(scheme_name: str, tokens: int = 32768, heads: int = 8, head_d
     """``(scheme, launches, nbytes)``: the launches ``bench quant_decode``'s write section makes for ``scheme_name``
     (a ``tokens``-token fp16 chunk into 16-token NHD pages, all of it written; nothing launched) and the bytes it
     counts for them (the source read, codes, scales and zero points written)."""
-    scheme = bench_scheme(scheme_name)
+    scheme = bench_scheme(scheme_name, head_dim)
     nb = -(-tokens // PAGE)
     caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, PAGE, heads, head_dim) for kind in "kv"]
     key = torch.empty(tokens, heads, head_dim, dtype=torch.float16)

@@ -41,9 +41,17 @@ PAGE = 16
 SECTIONS = ("decode", "write", "midpoints", "peers")
 
 
-def bench_scheme(name: str) -> quant.Scheme:
-    """The scheme as benchmarked: KIVI key groups of one 16-token page (the group must divide the page)."""
-    s = quant.get(name)
+def bench_scheme(name: str, head_dim: int | None = None) -> quant.Scheme:
+    """The scheme as benchmarked: KIVI key groups of one 16-token page (the group must divide the page). A name
+    ``<scheme>@head`` (``names.ONE_GROUP_A_HEAD``) is the per-token groups scheme with one group a head
+    (``value_group = head_dim``): one scale and zero point a token and head, the bytes issue 31 states its limits in."""
+    base, at, variant = name.partition("@")
+    s = quant.get(base)
+    if at:
+        if variant != "head" or "value_group" not in s.param_names or head_dim is None:
+            raise ValueError(f"scheme {name!r}: '@head' takes a groups scheme and the workload's head_dim "
+                             f"(e.g. int4/token@head), got head_dim={head_dim!r}")
+        s = s.with_params(value_group=head_dim, label=name)
     return s.with_params(group=PAGE, residual=0) if "group" in s.param_names else s
 
 
@@ -143,7 +151,7 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
     t_fp16 = None
     tokens = sum(p.lens)
     for name in schemes:
-        scheme = bench_scheme(name)
+        scheme = bench_scheme(name, w.head_dim)
         q = p.q.to(scheme.format.storage) if scheme.family == "cast" else p.q  # a cast cache: queries of its dtype
         qo_bytes = 2 * q.numel() * q.element_size()
         k_cache, v_cache, ks, vs = quantized_paged(p, scheme)
@@ -156,11 +164,15 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
                              else 0)
         variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
-        if scheme.family == "groups":  # the planes kernel beside the generic one (the heuristic), in the same run
-            variants[1:1] = [(f"planes-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn}) for bn in (32, 64, 128)]
+        if scheme.family == "groups":  # the planes and streams kernels beside the generic one (the heuristic)
+            # (the planes kernel's 32- and 64-token tiles and 8 warps for the streams: slower, 2026-12-05)
+            variants[1:1] = [("planes-BLOCK_N128", {"planes": True, "streams": 0, "BLOCK_N": 128})]
+            if scheme.key_mode == "token":  # keys per token: the streams kernel (kernels/decode/streams.py)
+                variants[1:1] = [(f"streams-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn, "num_warps": 4})
+                                 for bn in (128, 256)]
         variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
         for variant, cfg in variants:
-            row = {"section": "decode", "workload": w.key, "scheme": scheme.name, "variant": variant,
+            row = {"section": "decode", "workload": w.key, "scheme": name, "variant": variant,
                    "q_dtype": str(q.dtype).removeprefix("torch."),
                    "bytes_per_token": scheme.bytes_per_token(w.num_kv_heads, w.head_dim), "bytes": nbytes,
                    "copy_gbps": copy_gbps, **{f"cfg_{k}": v for k, v in cfg.items()}}

@@ -84,7 +84,9 @@ AGREEMENT_GRID = ("fp8_e4m3/tensor", "int4/token", "int2/token")  #: the ``agree
 #: fp32 right after fp16 (its speed-up over fp16, below 1: the seed's "FP32 costs twice the bytes", re-measured).
 DECODE_BENCH_SCHEMES = ("fp16", "fp32", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token",
                         "fp8_e5m2/tensor", "int8/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi",
-                        "int2/token", "int2/kivi")
+                        "int2/token", "int2/kivi", "int4/token@head", "int2/token@head")
+#: ``bench quant_decode``'s name of a per-token groups scheme with one group a head (``<scheme>@head``)
+ONE_GROUP_A_HEAD = "@head"
 DECODE_SMOKE_SCHEMES = ("fp16", "fp32", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/kivi", "int2/token")
 WRITE_BENCH_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token",
                        "int4/kivi", "int2/kivi")

@@ -1,0 +1,71 @@
+"""The streams kernel of packed per-token codes (kernels/decode/streams.py, ``planes=True``): a tile's padding rows
+carry other streams of tokens. It reads every per-token packed scheme within the bounds of the dequantized reference
+(fp16, bf16, fp32 queries; GQA groups 1-16 and so 16-1 streams; head dims 64-256; one scale group a head or several;
+splits; lengths that leave streams empty), never lets an unwritten (poisoned) slot reach the output, agrees with the
+planes kernel, and its LSE is the reference's."""
+
+import pytest
+import torch
+from conftest import rel_err
+from test_decode_planes import BOUND, written_sequences
+from workbench.kernels import DecodePlan
+from workbench.kernels.decode.reference import cascade_decode_ref
+from workbench.kernels.decode.streams import streams_launch
+from workbench.kernels.write.reference import dequantize_cache_ref
+
+from workbench import quant
+
+pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
+# (scheme, params, layout, block size, kv heads, group, head_dim, q dtype, splits, streams)
+CASES = [
+    ("int4/token", {}, "nhd", 16, 2, 4, 64, torch.float16, None, None),
+    ("int4/token", {"value_group": 128}, "hnd", 16, 1, 4, 128, torch.float16, 2, None),  # one group a head
+    ("int2/token", {}, "nhd", 16, 2, 1, 128, torch.bfloat16, 3, 4),
+    ("int2/token", {"value_group": 64}, "nhd", 32, 1, 2, 128, torch.float32, None, 8),
+    ("int4/token", {"value_group": 64}, "hnd", 16, 1, 16, 256, torch.float16, None, None),  # 16 heads: one stream
+    ("int4/token", {"value_group": 32}, "nhd", 16, 2, 8, 64, torch.float16, 1, 2),
+]
+
+
+@pytest.mark.parametrize("name, params, layout, block_size, H, G, D, dtype, splits, streams", CASES)
+def test_streams_read_every_per_token_packed_scheme(name, params, layout, block_size, H, G, D, dtype, splits,
+                                                     streams, device):
+    scheme = quant.get(name, residual=0, **params)
+    g = torch.Generator().manual_seed(block_size * G + D + 7)
+    lens = [1, 47, 3 * block_size, 0, 2 * block_size + 5, 130]
+    kc, vc, table = written_sequences(scheme, layout, block_size, H, D, lens, g, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), H * G, D, generator=g).to(dtype).to(device)
+    plan = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=H * G, q_dtype=dtype,
+                      num_splits=splits, quant=scheme, planes=True, streams=streams, return_lse=True)
+    assert plan.config["kernel"] == "streams"
+    assert G * plan.config["streams"] <= 16
+    out, lse = plan.run(q, kc, vc, out=torch.full_like(q, float("nan")))  # poisoned output
+    kd, vd = (dequantize_cache_ref(scheme, c, layout, kind, D) for c, kind in ((kc, "k"), (vc, "v")))
+    # no shared segment: the reference decode with its LSE (base 2)
+    ref, ref_lse = cascade_decode_ref(q, kd.nan_to_num(), vd.nan_to_num(), "nhd", table, seq_lens, [], [0] * len(lens),
+                                      block_size)
+    assert torch.isfinite(out).all(), "an unwritten slot reached the output"
+    assert torch.all(out[3] == 0), "an empty sequence gives zeros"
+    keep = [0, 1, 2, 4, 5]
+    assert rel_err(out[keep], ref[keep].to(out.device)) < BOUND[dtype]
+    assert torch.allclose(lse[keep].cpu().double(), ref_lse[keep], atol=2e-3, rtol=1e-4)
+    planes = DecodePlan(table, seq_lens, layout=layout, k_cache=kc, v_cache=vc, num_q_heads=H * G, q_dtype=dtype,
+                        num_splits=splits, quant=scheme, planes=True, streams=0)
+    assert planes.config["kernel"] == "planes"
+    assert rel_err(out[keep], planes.run(q, kc, vc)[keep]) < 2 * BOUND[dtype]
+
+
+def test_streams_launch_fills_sixteen_rows():
+    consts = dict(QMODE=4, DC=64, K_TG=1, K_DG=32, V_DG=32)
+    assert streams_launch(consts, "nhd", 64, 4) == {"CW": 32, "R": 4, "BLOCK_N": 64}
+    assert streams_launch(consts, "nhd", 32, 4) == {"CW": 32, "R": 4, "BLOCK_N": 64}  # 16 tokens a stream at least
+    assert streams_launch(consts, "hnd", 128, 1, streams=16) == {"CW": 32, "R": 16, "BLOCK_N": 256}
+    assert streams_launch(consts, "nhd", 128, 16)["R"] == 1
+    assert streams_launch(dict(consts, K_DG=128, V_DG=128), "nhd", 128, 2, streams=2) == {"CW": 64, "R": 2,
+                                                                                          "BLOCK_N": 128}
+    assert streams_launch(dict(consts, V_DG=16), "nhd", 64, 4) is None  # 8-word planes: under a dot's K of 16
+    assert streams_launch(consts, "vllm", 64, 4) is None  # the split layout
+    assert streams_launch(dict(consts, K_TG=16), "nhd", 64, 4) is None  # keys per channel: groups.py
+    assert streams_launch(consts, "nhd", 64, 32) is None  # a group over 16 rows
