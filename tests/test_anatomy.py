@@ -37,14 +37,14 @@ def test_resources_are_read_from_cuobjdump():
     assert anatomy.resources(text) == {"reg": 168, "stack": 0, "shared": 1024, "local": 8}
 
 
-def test_compiles_the_planes_kernel_for_sm90_and_writes_rows(tmp_path):
+def test_compiles_the_planes_and_streams_kernels_for_sm90_and_writes_rows(tmp_path):
     run = subprocess.run([sys.executable, "-m", "workbench", "bench", "anatomy", "--schemes", "fp16,int4/token",
                           "--planes", "on", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     (path,) = tmp_path.glob("anatomy-*.json")
     rows = json.loads(path.read_text())["rows"]
     kinds = {(r["scheme"], r["kernel"]) for r in rows}
-    assert kinds == {("fp16", "generic"), ("int4/token", "planes")}
+    assert kinds == {("fp16", "generic"), ("int4/token", "planes"), ("int4/token", "streams")}
     for r in rows:
         assert r["registers"] > 0 and r["loop_instructions"] > 0 and r["loop_mma"] > 0, r
         assert 0 < r["issue_fraction"] < 20 and r["bytes_per_tile"] == r["BLOCK_N"] * r["bytes_per_token"]

@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="W1", help="comma-separated workloads (W1..W5)")
     parser.add_argument("--arch", type=int, default=90, help="the target's compute capability (90: sm_90a)")
     parser.add_argument("--planes", choices=("on", "off", "both"), default="both",
-                        help="packed schemes: the planes kernel, the generic one, or both")
+                        help="packed schemes: the planes and streams kernels (128-token tiles, 4 warps: bench "
+                             "quant_decode's variants), the generic one, or all three")
     args = parser.parse_args(argv)
     out = parser.start(args)
     rerun = _ensure_compile_backend(argv)
@@ -360,12 +361,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"warp-instr/B = {row['issue_fraction']} of the issue budget", flush=True)
     for w in args.workloads.split(",") if args.kernel == "decode" else ():
         for name in (args.schemes or ",".join(SCHEMES)).split(","):
-            variants = {"on": [True], "off": [False], "both": [True, False]}[args.planes]
+            packed = [dict(planes=True, streams=0), dict(planes=True, BLOCK_N=128, num_warps=4)]
+            variants = {"on": packed, "off": [dict(planes=False)], "both": [*packed, dict(planes=False)]}[args.planes]
             seen = set()
-            for planes in variants:
-                row = anatomy(name, w, args.arch, planes=planes)
+            for launch in variants:
+                row = anatomy(name, w, args.arch, **launch)
                 if row["kernel"] in seen:
-                    continue  # a scheme the planes kernel does not take: one row
+                    continue  # a scheme the planes or streams kernel does not take: one row each
                 seen.add(row["kernel"])
                 rows.append(row)
                 print(f"{w} {name:18s} {row['kernel']:8s} BLOCK_N {row['BLOCK_N']:4d} warps {row['num_warps']} "

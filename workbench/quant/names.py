@@ -96,7 +96,7 @@ TIER_BENCH_SCHEMES = ("fp16", "int8/token", "fp8_e4m3/token")  #: ``bench tiers`
 DELTA_SCHEMES = ("int8/token", "fp8_e4m3/token", "int4/token", "int4/kivi")
 #: ``bench anatomy``: the schemes whose compiled decode kernel is read (registers, SASS per byte of the loop).
 ANATOMY_SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token",
-                   "int2/kivi")
+                   "int2/kivi", "int4/token@head", "int2/token@head")
 
 #: Every named list above, by name (the registry test checks each names registered schemes or formats).
 SCHEME_LISTS = {"AGREEMENT_SCHEMES": AGREEMENT_SCHEMES, "AGREEMENT_GRID": AGREEMENT_GRID,
