@@ -71,8 +71,8 @@ def child(out_file: str) -> None:
         outs[f"{key}-{layout}"], times[f"{key}-{layout}"] = time_case(key, layout)
         torch.cuda.empty_cache()
     torch.save({"times": times, "outs": outs, "workbench": workbench.__file__, "kernels": workbench.kernels.__file__,
-                "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__), "triton": str(triton.__version__)},
-               out_file)
+                "gpu": torch.cuda.get_device_name(), "torch": str(torch.__version__),  # strings: a weights-only load
+                "triton": str(triton.__version__)}, out_file)
 
 
 def run_child(checkout: Path, out_file: Path) -> dict:

@@ -38,8 +38,8 @@ from . import csr
 from . import kernel as _kernel
 from . import quant as _quant
 from .groups import _groups_decode_kernel, planes_launch
-from .streams import _streams_decode_kernel, streams_launch
 from .merge import _merge_states_kernel
+from .streams import _streams_decode_kernel, streams_launch
 
 _Q_DTYPES = common.Q_DTYPES
 _describe = common.describe
