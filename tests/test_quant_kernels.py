@@ -203,12 +203,16 @@ def test_quant_bench_smoke_rows(device, tmp_path):
     from workbench.core.workloads import Workload
 
     w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
-    rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi"], 10, False, str(device))
-    # packed groups: the generic kernel (the heuristic) and the planes kernel at three tiles beside it, in the same run
+    rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi", "int4/token@head"], 10, False,
+                                   str(device))
+    # packed groups: the generic kernel (the heuristic) and the planes kernel beside it, in the same run; keys per
+    # token also the streams kernel at two tiles
     assert [(r["scheme"], r["variant"], r["launch_kernel"]) for r in rows] == [
         ("fp16", "heuristic", "generic"), ("int8/token", "heuristic", "generic"),
-        ("int4/kivi", "heuristic", "generic"),
-        *[("int4/kivi", f"planes-BLOCK_N{bn}", "planes") for bn in (32, 64, 128)]]
+        ("int4/kivi", "heuristic", "generic"), ("int4/kivi", "planes-BLOCK_N128", "planes"),
+        ("int4/token@head", "heuristic", "generic"),
+        *[("int4/token@head", f"streams-BLOCK_N{bn}", "streams") for bn in (128, 256)],
+        ("int4/token@head", "planes-BLOCK_N128", "planes")]
     for r in rows:
         assert r["section"] == "decode" and not r.get("error")
         assert r["rel_err"] < 1e-3 and r["bytes_per_token"] > 0
@@ -239,9 +243,9 @@ def test_quant_bench_rows_survive_unmeasurable_timings(monkeypatch, device):
         rows = quant_decode.run_decode(w, 0.0, ["fp16", "int4/kivi"], 10, False, str(device), timed=True)
         rows += quant_decode.run_write(0.0, ["int2/kivi"], 10, str(device), tokens=32, heads=2, head_dim=64,
                                        timed=True)
-        assert [r.get("error") for r in rows] == [None] * 6  # int4/kivi: the generic and three planes variants
+        assert [r.get("error") for r in rows] == [None] * 4  # int4/kivi: the generic and the planes variant
         assert all(r["bw_fraction"] is None and "not measur" in r["note"] for r in rows)
-        assert [r.get("speedup_vs_fp16", "-") for r in rows] == ([None] * 5 if fake == 0 else [1.0] * 5) + ["-"]
+        assert [r.get("speedup_vs_fp16", "-") for r in rows] == ([None] * 3 if fake == 0 else [1.0] * 3) + ["-"]
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3/tensor", "fp8_e5m2/head", "int8/tensor"])
