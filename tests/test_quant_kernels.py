@@ -203,16 +203,11 @@ def test_quant_bench_smoke_rows(device, tmp_path):
     from workbench.core.workloads import Workload
 
     w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
-    rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi", "int4/token@head"], 10, False,
-                                   str(device))
-    # packed groups: the generic kernel (the heuristic) and the planes kernel beside it, in the same run; keys per
-    # token also the streams kernel at two tiles
+    rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi"], 10, False, str(device))
+    # packed groups: the generic kernel (the heuristic) and the planes kernel beside it, in the same run
     assert [(r["scheme"], r["variant"], r["launch_kernel"]) for r in rows] == [
         ("fp16", "heuristic", "generic"), ("int8/token", "heuristic", "generic"),
-        ("int4/kivi", "heuristic", "generic"), ("int4/kivi", "planes-BLOCK_N128", "planes"),
-        ("int4/token@head", "heuristic", "generic"),
-        *[("int4/token@head", f"streams-BLOCK_N{bn}", "streams") for bn in (128, 256)],
-        ("int4/token@head", "planes-BLOCK_N128", "planes")]
+        ("int4/kivi", "heuristic", "generic"), ("int4/kivi", "planes-BLOCK_N128", "planes")]
     for r in rows:
         assert r["section"] == "decode" and not r.get("error")
         assert r["rel_err"] < 1e-3 and r["bytes_per_token"] > 0
@@ -222,6 +217,22 @@ def test_quant_bench_smoke_rows(device, tmp_path):
     assert [r["section"] for r in write] == ["write", "write"] and all(r["bytes"] > 0 for r in write)
     assert {n for n, _ in quant_decode.tune_variants(quant.get("fp16"), {"num_splits": 2, "BLOCK_N": 32})} >= {
         "heuristic", "w2-BLOCK_N64-stages3"}
+
+
+def test_quant_bench_times_the_streams_kernel_where_keys_are_per_token():
+    """Keys per token: the streams kernel at two tiles beside the planes kernel (a plan says which kernel it chose:
+    tests/test_decode_streams.py); KIVI's keys per channel: the planes kernel only; one group a head by name."""
+    from workbench.bench import quant_decode
+
+    names = [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int4/token@head", 64), {})]
+    assert names == ["heuristic", "streams-BLOCK_N128", "streams-BLOCK_N256", "planes-BLOCK_N128"]
+    assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/kivi"), {})] == [
+        "heuristic", "planes-BLOCK_N128"]
+    assert quant_decode.decode_variants(quant.get("int8/token"), {}) == [("heuristic", {})]
+    assert quant_decode.bench_scheme("int4/token@head", 64).value_group == 64
+    for bad, head_dim in (("int4/token@head", None), ("int8/token@head", 64), ("int4/token@g32", 64)):
+        with pytest.raises(ValueError, match="@head"):
+            quant_decode.bench_scheme(bad, head_dim)
 
 
 def test_quant_bench_rows_survive_unmeasurable_timings(monkeypatch, device):
