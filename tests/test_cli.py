@@ -311,6 +311,8 @@ def test_tour_prints_a_line_per_cell_and_writes_an_offline_report(tmp_path, monk
     (["generate", "--temperature", "-0.5"], "--temperature"),
     (["generate", "--seed", "-1"], "--seed"),
     (["generate", "--threads", "0"], "--threads"),
+    (["generate", "--quest-budget", "0"], "--quest-budget"),
+    (["generate", "--shared-prefix", "always"], "--shared-prefix"),
     (["bench", "decode", "--smoke", "--impl", "starter", "--timeout", "0"], "--timeout"),
 ])
 def test_numbers_that_must_be_positive_are_refused_before_any_work(capsys, monkeypatch, argv, needle):
@@ -408,6 +410,22 @@ def test_generate_runs_with_one_torch_thread(capsys):
     try:
         assert main(["generate", "--prompt", "a", "--prompt", "b", "--max-new-tokens", "2"]) == 0
         assert "cpu (torch, 1 torch threads)" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.skipif(not NO_GPU, reason="the CPU default")
+def test_generate_decodes_long_prompts_through_quest_and_says_how_it_attended(capsys):
+    """Issue 33: a Quest budget for long prompts; the closing line counts how each (step, layer) was attended."""
+    from workbench.model.gguf_weights import model_available
+
+    if model_available() is not None:
+        pytest.skip(f"SmolLM2-135M: {model_available()}")
+    n = torch.get_num_threads()
+    try:
+        assert main(["generate", "--prompt", "Name three fruits and say one thing about each.", "--n", "2",
+                     "--max-new-tokens", "3", "--quest-budget", "2"]) == 0
+        assert "decode attended (steps x layers): 60 Quest pages" in capsys.readouterr().out  # 2 steps x 30 layers
     finally:
         torch.set_num_threads(n)
 

@@ -59,6 +59,7 @@ class DecodeStep:
         self.slots = torch.tensor([p.slots[0] for p in self.placements], dtype=torch.int64, device=cache.device)
         self._touched = cache.written_blocks(bs, self.slots)  # key bounds: each sequence's block, recomputed per write
         self._plans: dict = {}
+        self.paths: dict[int, str] = {}  # layer -> how attend read it: "plain", or "shared" (the cascade)
         self.state = "open"  # -> "committed" | "aborted"
 
     # ---- per layer -----------------------------------------------------------------
@@ -93,6 +94,7 @@ class DecodeStep:
                                  q_dtype=q.dtype, max_seq_len=self.max_seq_len, sm_scale=sm_scale,
                                  shared_prefix=shared_prefix, ref_counts=self._ref_counts, **launch)
             self._plans[key] = plan
+        self.paths[layer] = getattr(plan, "path", "plain")  # SharedPrefixDecode says which path it chose
         k_scale, v_scale = c.layer_scales(layer)  # static scales: this layer's (per-layer scales), run's argument
         return plan.run(q, c.k_cache(layer, self.block_size), c.v_cache(layer, self.block_size), k_scale=k_scale,
                         v_scale=v_scale)

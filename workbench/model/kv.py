@@ -11,11 +11,13 @@ log-sum-exp, merge the new token's own K/V in (:func:`merge_own_token`) and appe
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 from workbench.model.llama import causal_attention
+from workbench.shared_prefix.decode import cost_model
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -86,11 +88,28 @@ class PagedKV:
     """K/V in a :class:`~workbench.cache.PagedKVCache` (any scheme); attention by its paged decode kernel.
 
     ``q_dtype``: the queries' dtype for the kernel (fp32 with an fp32 cache, for exact comparisons; fp16 for
-    quantized caches, which the kernels dequantize to)."""
+    quantized caches, which the kernels dequantize to). ``shared_prefix``: ``"off"`` (plain paged decode),
+    ``"auto"`` (the blocks a step's sequences share, e.g. forked samples of one prompt, read once by the cascade
+    where the fitted selector says it wins) or ``"shared"`` (the cascade whenever a block is shared):
+    :meth:`~workbench.cache.DecodeStep.attend`'s; ``timing``: how the caller launches steps, which the selector's
+    fitted model must match (``"eager"``: one launch at a time, as :class:`~workbench.model.runner.Runner` does,
+    where the cascade's extra launches cost most; ``"graph"``: steps replayed as CUDA graphs).
+    ``paths`` counts how each (step, layer) was attended."""
 
     name = "paged"
 
-    def __init__(self, cache, q_dtype: torch.dtype | None = None):
+    def __init__(self, cache, q_dtype: torch.dtype | None = None, *, shared_prefix: str = "off",
+                 timing: str = "eager"):
+        if shared_prefix not in ("off", "auto", "shared"):
+            raise ValueError(f"shared_prefix must be 'off', 'auto' or 'shared', got {shared_prefix!r}")
+        if timing not in ("eager", "graph"):
+            raise ValueError(f"timing must be 'eager' or 'graph', got {timing!r}")
+        if shared_prefix != "off" and cache.scheme.keeps_residual:
+            raise ValueError(f"shared_prefix={shared_prefix!r} needs a per-layer decode step, which kv_dtype "
+                             f"{cache.scheme.name} (newest tokens in an fp16 residual) has not: use 'off'")
+        self.shared_prefix = shared_prefix
+        self._select = {"model": cost_model(mode=timing)} if shared_prefix == "auto" else {}  # the selector's fit
+        self.paths: Counter = Counter()
         self.cache = cache
         self.device = cache.device  # where the runner's model must compute K/V and queries
         self.num_layers = cache.num_layers
@@ -113,9 +132,13 @@ class PagedKV:
         if isinstance(step, _Pending):
             step.keep(layer, k, v)
             o, lse = self.cache.decode(q.to(self.q_dtype), step.seq_ids, layer, sm_scale=sm_scale, return_lse=True)
+            self.paths["plain"] += 1
             return merge_own_token(o, lse, q, k, v, sm_scale)
         step.write(layer, k, v)
-        return step.attend(q.to(self.q_dtype), layer, sm_scale=sm_scale).to(q.dtype)
+        out = step.attend(q.to(self.q_dtype), layer, sm_scale=sm_scale, shared_prefix=self.shared_prefix,
+                          **self._select)
+        self.paths[step.paths[layer]] += 1
+        return out.to(q.dtype)
 
     def commit(self, step) -> None:
         if isinstance(step, _Pending):
