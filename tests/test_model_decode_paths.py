@@ -38,16 +38,23 @@ def logits_diff(a, b) -> float:
     return max(float((torch.stack(a.logits[s]) - torch.stack(b.logits[s])).abs().max()) for s in b.logits)
 
 
+@pytest.fixture(scope="module")
+def forked_plain(model):
+    """Three samples of a 40-token prompt (2 full blocks shared), 2 decode steps, plain paged decode."""
+    kv = PagedKV(cache())
+    return kv, Runner(model, kv).generate([LONG[:40]], 3, n=3, temperature=1.0, seed=2, keep_logits=True)
+
+
 @pytest.mark.parametrize("mode", ["shared", "auto"])
-def test_forked_samples_decode_through_the_cascade_with_plain_decodes_tokens(model, mode):
-    plain_kv, kv = PagedKV(cache()), PagedKV(cache(), shared_prefix=mode)
-    plain = Runner(model, plain_kv).generate([LONG], 4, n=4, temperature=1.0, seed=2, keep_logits=True)
-    got = Runner(model, kv).generate([LONG], 4, n=4, temperature=1.0, seed=2, keep_logits=True)
+def test_forked_samples_decode_through_the_cascade_with_plain_decodes_tokens(model, forked_plain, mode):
+    plain_kv, plain = forked_plain
+    kv = PagedKV(cache(), shared_prefix=mode)
+    got = Runner(model, kv).generate([LONG[:40]], 3, n=3, temperature=1.0, seed=2, keep_logits=True)
     assert got.tokens == plain.tokens and logits_diff(got, plain) < 1e-4
-    assert sum(kv.paths.values()) == 3 * CFG.num_hidden_layers  # 3 decode steps (the first token is the prefill's)
-    assert plain_kv.paths == {"plain": 3 * CFG.num_hidden_layers}
-    if mode == "shared":  # the four samples hold the prompt's 4 full blocks: the cascade reads them once
-        assert kv.paths == {"shared": 3 * CFG.num_hidden_layers}
+    assert sum(kv.paths.values()) == 2 * CFG.num_hidden_layers  # 2 decode steps (the first token is the prefill's)
+    assert plain_kv.paths == {"plain": 2 * CFG.num_hidden_layers}
+    if mode == "shared":  # the three samples hold the prompt's 2 full blocks: the cascade reads them once
+        assert kv.paths == {"shared": 2 * CFG.num_hidden_layers}
 
 
 def test_quest_with_a_budget_covering_the_prompt_is_plain_decode(model):
