@@ -14,7 +14,8 @@ BENCHMARKS = {
     "quant_decode": "GPU: paged decode of every quantization scheme on W1-W5 beside fp16, quantize-on-write, fp8 "
                     "codes vs torch (--tune; --smoke: tiny CPU check)",
     "model_decode": "GPU: SmolLM2-135M decode tokens/s, our runner (eager, CUDA graph) vs transformers' static-cache "
-                    "generate; where the step goes (--check: logits vs transformers)",
+                    "generate; where the step goes (--check: logits vs transformers); the runner through the "
+                    "shared-prefix cascade and Quest (--smoke: tiny CPU check of those)",
     "tiers": "GPU: the host link for KV blocks: bandwidth by block size x batch for the copy-engine and SM-copy paths, "
              "the slowdown of a decode beside transfers, prefetch overlap, TieredCache checks",
     "quest": "GPU: Quest page selection (scores + top-k + compacted table + decode) vs full paged decode at 32k, "

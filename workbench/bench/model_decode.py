@@ -5,9 +5,13 @@ weights, at several batch sizes, with where our step's time goes (cache kernels 
 Weights are random (values do not change the timing; the model file is too big to carry to the GPU machine),
 fp16, 512-token prompts, 256 new tokens greedy. ``--check``: our graph step's logits against transformers'
 forward on the same weights, teacher-forced on our tokens. ``--gguf FILE``: the same check with the real weights
-(tokens compared too).
+(tokens compared too). Sections ``cascade`` and ``quest`` (:mod:`workbench.bench.model_decode_paths`), in the same
+run and file: 8 forked samples of a 4096-token prompt through plain decode vs the shared-prefix cascade, and a
+32768-token prompt (batch 1 and 4) with the full cache vs Quest at 64 and 128 pages (tokens/s, how each step
+attended, greedy agreement). ``--smoke``: those two sections on tiny shapes on a CPU.
 
-    python -m workbench bench model_decode [--batches 1,16,64] [--new-tokens 256] [--out data/results]
+    python -m workbench bench model_decode [--batches 1,16,64] [--new-tokens 256] [--sections decode,cascade,quest]
+                                           [--out data/results]
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import time
 
 import torch
 
-from workbench.bench import harness
-from workbench.bench.command import BenchParser
+import workbench
+from workbench.bench import harness, model_decode_paths
+from workbench.bench.command import SMOKE_HELP, BenchParser
 from workbench.cache import PagedKVCache
 from workbench.core.argtypes import positive_int
 from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
@@ -28,6 +33,7 @@ from workbench.model.tokenizer import Tokenizer
 from workbench.results import provenance, run_files
 
 PROMPT = 512
+SECTIONS = ("decode", *model_decode_paths.SECTIONS)
 
 
 def _sync() -> None:
@@ -206,7 +212,7 @@ def check(model, weights, tokenizer=None, new_tokens: int = 32) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = BenchParser("model_decode", __doc__, gpu=True)
+    ap = BenchParser("model_decode", __doc__, gpu=True, smoke=SMOKE_HELP + ": sections cascade and quest only")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new-tokens", type=positive_int, default=256)
     ap.add_argument("--eager-steps", type=positive_int, default=32)
@@ -214,14 +220,37 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also time the graph step with Llama.compile()")
     ap.add_argument("--check", action="store_true", help="graph step vs transformers' forward (random weights)")
     ap.add_argument("--gguf", default=None, help="also check with the real weights of this GGUF file")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help="comma separated, of " + ", ".join(SECTIONS) + " (decode: our runner vs transformers' "
+                         "generate; cascade, quest: the runner through the shared-prefix cascade and Quest)")
+    model_decode_paths.add_arguments(ap)
     args = ap.parse_args(argv)
+    sections = args.sections.split(",")
+    if set(sections) - set(SECTIONS):
+        ap.error(f"argument --sections: {sorted(set(sections) - set(SECTIONS))} not among {', '.join(SECTIONS)}")
+    paths = [s for s in model_decode_paths.SECTIONS if s in sections]
+    if paths and not args.smoke:
+        try:
+            model_decode_paths.check_options(paths, args.samples, args.shared_prompt, args.long_prompt,
+                                             args.quest_batches, args.quest_budgets, args.new_tokens)
+        except ValueError as e:
+            ap.error(f"arguments of sections {','.join(paths)} (--new-tokens, --samples, --quest-budgets): {e}")
     out = ap.start(args)
     if out is None:
         return 2
+    meta, rows = provenance.machine_meta(), []
+    extra = {"weights": "random (timing does not depend on values), fp16", "prompt": PROMPT,
+             "new_tokens": args.new_tokens, "sections": sections}
+    if args.smoke:
+        cfg = SMOLLM2_135M.with_layers(2)
+        rows = model_decode_paths.smoke_rows(Llama(cfg, random_weights(cfg, seed=0), device=workbench.device()))
+        path = run_files.write_results("model-decode", rows, meta, out, extra={"mode": "smoke", "weights": "random, "
+                                                                               "fp32, 2 layers"})
+        print(f"wrote {path}")
+        return 0
     cfg = SMOLLM2_135M
     weights = {k: v.half() for k, v in random_weights(cfg, seed=0).items()}
     model = _model(cfg, weights)
-    rows = []
     if args.check or args.gguf:
         rows.append({"section": "check", **check(model, weights)})
         print(rows[-1], file=sys.stderr)
@@ -230,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         real = {k: v.half() for k, v in g.weights.items()}
         rows.append({"section": "check", **check(_model(g.config, real), real, Tokenizer.from_gguf(g))})
         print(rows[-1], file=sys.stderr)
-    for b in (int(x) for x in args.batches.split(",")):
+    for b in (int(x) for x in args.batches.split(",")) if "decode" in sections else ():
         row = {"section": "decode", **ours(model, b, args.new_tokens, args.eager_steps)}
         if args.compile:
             fused = ours(_model(cfg, weights), b, args.new_tokens, 2, compile=True)
@@ -242,10 +271,23 @@ def main(argv: list[str] | None = None) -> int:
             if args.compile:
                 row["compiled_speedup_vs_hf_static"] = row["hf_static_ms"] / row["compiled_graph_ms"]
         rows.append(row)
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
+        _print(row)
         torch.cuda.empty_cache()
-    path = run_files.write_results("model-decode", rows, provenance.machine_meta(), out,
-                                   extra={"weights": "random (timing does not depend on values), fp16",
-                                          "prompt": PROMPT, "new_tokens": args.new_tokens})
+    if rows:  # checkpoint: the same run rewrites its own file
+        run_files.write_results("model-decode", rows, meta, out, extra=extra)
+    if paths:
+        extra.update(samples=args.samples, shared_prompt=args.shared_prompt, long_prompt=args.long_prompt)
+        for row in model_decode_paths.run(model, "fp16", sections=paths, samples=args.samples,
+                                          shared_prompt=args.shared_prompt, long_prompt=args.long_prompt,
+                                          batches=args.quest_batches, budgets=args.quest_budgets,
+                                          new_tokens=args.new_tokens):
+            rows.append(row)
+            _print(row)
+            run_files.write_results("model-decode", rows, meta, out, extra=extra)
+    path = run_files.write_results("model-decode", rows, meta, out, extra=extra)
     print(f"wrote {path}")
     return 0
+
+
+def _print(row: dict) -> None:
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, file=sys.stderr)
