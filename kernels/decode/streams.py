@@ -3,7 +3,8 @@
 A dot's smallest M is 16 rows, and a GQA group has 4 query heads (1 for MHA): the planes kernel (``groups.py``) pads
 the group to 16 rows, so 3/4 of every score, softmax and scale instruction works on padding. Per token, packed codes
 are 3-4x fewer bytes than fp16 but the same per-token arithmetic; on padded rows that arithmetic, not the bytes,
-set the speed (``bench anatomy``: 1.2x the H200's issue budget at 128-token tiles, docs/quant_tuning.md).
+set the speed (``bench anatomy``, int4 with one scale a token-head: the planes kernel at 1.87x the H200's issue
+budget, docs/quant_tuning.md; 1.21x at 128-token tiles).
 
 Here the padding rows carry work. A tile of ``BLOCK_N`` tokens is cut into ``R`` *streams* of ``NR = BLOCK_N / R``
 consecutive tokens (``G * R <= 16``); row ``r = g * R + j`` of the tile's ``[16, NR]`` scores is query head ``g``
