@@ -4,7 +4,7 @@ dims, magnitudes and fp16/fp32 sources (tests/test_write_families.py holds the r
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from test_write_families import DEV, DYNAMIC, POISON, awkward, group_slots, scheme_for
 from workbench.kernels.write import dynamic as dyn
@@ -28,6 +28,11 @@ def test_family_and_generic_kernels_write_the_same_bytes(name, layout, bs, d, n_
     scheme = scheme_for(name)
     g = torch.Generator().manual_seed(seed)
     H, nb = 2, 4
+    try:  # the vllm key layout packs x = 16 bytes a run: a row of fewer code bytes (int2 at D=32: 8) is refused
+        qblocks.empty_cache(scheme, layout, "k", 1, bs, H, d, "cpu")
+    except ValueError as e:
+        assert layout == "vllm" and "vllm key layout" in str(e), e
+        assume(False)
     slots = group_slots(n_groups, 16, bs, nb, g)
     T = slots.numel()
     def source():  # finite in its dtype
