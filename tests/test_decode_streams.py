@@ -33,7 +33,7 @@ def test_streams_read_every_per_token_packed_scheme(name, params, layout, block_
                                                      streams, device):
     scheme = quant.get(name, residual=0, **params)
     g = torch.Generator().manual_seed(block_size * G + D + 7)
-    lens = [1, 47, 3 * block_size, 0, 2 * block_size + 5, 130]
+    lens = [1, 47, 3 * block_size, 0, 2 * block_size + 5, 70]
     kc, vc, table = written_sequences(scheme, layout, block_size, H, D, lens, g, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), H * G, D, generator=g).to(dtype).to(device)

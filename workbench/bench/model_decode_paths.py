@@ -264,8 +264,8 @@ def _rows(model, kv_dtype, sections, samples, shared_prompt, long_prompt, batche
 
 
 def smoke_rows(model) -> list[dict]:
-    """Both sections on tiny shapes (``model``: a 2-layer fp32 one on the CPU): a 70-token prompt (5 pages, the last
-    partial: the forks copy it on write), 3 samples, batch 2, a budget of 2 pages, 2 decode steps (the interpreter
+    """Both sections on tiny shapes (``model``: a 2-layer fp32 one on the CPU): a 40-token prompt (3 pages, the last
+    partial: the forks copy it on write), 2 samples, batch 2, a budget of 2 pages, 2 decode steps (the interpreter
     runs every kernel: each configuration costs seconds)."""
-    return list(run(model, "fp32", samples=3, shared_prompt=70, long_prompt=70, batches=(2,), budgets=(2,),
+    return list(run(model, "fp32", samples=2, shared_prompt=40, long_prompt=40, batches=(2,), budgets=(2,),
                new_tokens=3, warmup=1, chunk=32))
