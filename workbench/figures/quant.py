@@ -107,12 +107,7 @@ def quant_overview(selected: dict, layers: list[dict], schemes: list[dict], fron
         fig.layout.annotations[1].text = (f"decode on {gpu} ({date}): speed-up over fp16" if decode_scheme in order
                                           else f"{gpu} ({date}): speed-up; your choice not timed")  # one line
     else:
-        fig.update_xaxes(visible=False, row=2, col=1)
-        fig.update_yaxes(visible=False, row=2, col=1)
-        dx, dy = fig.layout.xaxis2.domain, fig.layout.yaxis2.domain
-        fig.add_annotation(text=NO_DECODE, xref="paper", yref="paper", x=(dx[0] + dx[1]) / 2,
-                           y=(dy[0] + dy[1]) / 2, xanchor="center", yanchor="middle", align="center",
-                           showarrow=False, font=dict(size=12, color="#555"))
+        _no_run(fig, row=2, col=1)
     s = setup
     fig.update_layout(
         # margins that fit the scheme names (heatmap) and the axis titles: no automargin push to settle
@@ -241,12 +236,7 @@ def speed_overview(rows: list[dict], measured: str, source: str = "") -> go.Figu
         fig.update_yaxes(type="log", range=[math.log10(min(sy) / 1.2), math.log10(max(sy) * 1.2)],
                          title_text="speed-up over fp16 (bars: min-max)", row=1, col=2)
     else:
-        fig.update_xaxes(visible=False, row=1, col=2)
-        fig.update_yaxes(visible=False, row=1, col=2)
-        dx, dy = fig.layout.xaxis2.domain, fig.layout.yaxis2.domain
-        fig.add_annotation(text=NO_DECODE, xref="paper", yref="paper", x=(dx[0] + dx[1]) / 2,
-                           y=(dy[0] + dy[1]) / 2, xanchor="center", yanchor="middle", align="center",
-                           showarrow=False, font=dict(size=12, color="#555"))
+        _no_run(fig, row=1, col=2)
     n_front = sum(r["on_front"] for r in rows)
     fig.update_layout(
         # (a)'s legend in its empty corner (few bytes and a low error: no scheme has both), (b)'s at the right
@@ -258,3 +248,13 @@ def speed_overview(rows: list[dict], measured: str, source: str = "") -> go.Figu
               + f"<br><sup>{measured or 'no run'}{', ' + source if source else ''}; \u25cb tensor, \u25a1 head, "
               "\u25c7 token, \u2606 group scales</sup>")
     return fig
+
+
+def _no_run(fig, row: int, col: int) -> None:
+    """The second subplot (axes 2) without an H200 run: its axes hidden, the note of how to make one in their place."""
+    fig.update_xaxes(visible=False, row=row, col=col)
+    fig.update_yaxes(visible=False, row=row, col=col)
+    dx, dy = fig.layout.xaxis2.domain, fig.layout.yaxis2.domain
+    fig.add_annotation(text=NO_DECODE, xref="paper", yref="paper", x=(dx[0] + dx[1]) / 2, y=(dy[0] + dy[1]) / 2,
+                       xanchor="center", yanchor="middle", align="center", showarrow=False,
+                       font=dict(size=12, color="#555"))
