@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"generate: argument --kv-dtype/--block-size{'/--quest-budget' if args.quest_budget else ''}: {e}",
               file=sys.stderr)
         return 2
-    shared = "off" if cache.scheme.keeps_residual else args.shared_prefix  # KIVI: no per-layer step to cascade
+    # KIVI has no per-layer step to cascade; one prompt and one sample share nothing (auto would read the tables back
+    # every step to find that out)
+    shared = "off" if cache.scheme.keeps_residual or (len(prompts) == 1 and args.n == 1) else args.shared_prefix
     try:
         kv = (QuestKV(cache, args.quest_budget, shared_prefix=shared) if args.quest_budget is not None else
               PagedKV(cache, shared_prefix=shared))
