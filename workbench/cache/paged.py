@@ -406,6 +406,15 @@ class PagedKVCache:
             self._refresh_bounds(layer, block_size, touched if touched is not None
                                  else self._bounds.touched(block_size, slots))
 
+    def write_staged(self, staged, layer: int, block_size: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     k_scale=None, v_scale=None, nonfinite: torch.Tensor | None = None) -> None:
+        """K/V ``[T, heads, head_dim]`` into blocks outside the pool with this cache's ops backend (its kernels or
+        their references, as its own writes): ``staged`` has ``scheme``, ``layout`` and ``plane_view(layer, kind,
+        block_size)`` (a tier's staging buffer, ``workbench.tiers.formats``). Unchecked."""
+        if nonfinite is None:
+            nonfinite = torch.zeros(1, dtype=torch.int32, device=k.device)
+        self._ops.write(staged, layer, block_size, slots, k, v, k_scale, v_scale, nonfinite)
+
     def _write_layers(self, bs: int, slot_t: torch.Tensor, src_k: torch.Tensor, src_v: torch.Tensor,
                       touched=None) -> None:
         if touched is None:

@@ -89,5 +89,9 @@ def empty_cache(scheme: Scheme, layout, kind: str, num_blocks: int, block_size: 
 
 
 def plane_of(cache: torch.Tensor) -> torch.Tensor:
-    """The ``[num_blocks, block_stride]`` plane under a layout view of blocks (``empty_cache``, ``k_cache``)."""
-    return cache.as_strided((cache.shape[0], cache.stride(0)), (cache.stride(0), 1))
+    """The ``[num_blocks, block_stride]`` plane under a layout view of blocks (``empty_cache``, ``k_cache``). Rows
+    of planes that interleave (a tier's staging: block ``i``'s K row, then its V row) are cut where the storage
+    ends: only their starts and the stride matter to the scale views."""
+    n, stride = cache.shape[0], cache.stride(0)
+    room = cache.untyped_storage().nbytes() // cache.element_size() - cache.storage_offset() - (n - 1) * stride
+    return cache.as_strided((n, min(stride, room)), (stride, 1))

@@ -25,10 +25,11 @@ import torch
 
 from workbench.allocator.errors import positive
 from workbench.tiers import eviction as eviction_policies
+from workbench.tiers import formats
 from workbench.tiers.disk import DiskPool
 from workbench.tiers.errors import CorruptBlock, DiskFull, HostFull, NotInTier, TierError
 from workbench.tiers.host import HostPool
-from workbench.tiers.transfer import BlockMover, Transfer, TransferStats, block_bytes
+from workbench.tiers.transfer import BlockMover, Transfer, TransferStats
 
 
 @dataclass
@@ -65,16 +66,17 @@ class LowerTiers:
     """
 
     def __init__(self, cache, *, host_bytes: int, disk_path: str | os.PathLike | None, disk_bytes: int,
-                 eviction="lru", path: str = "auto", sm_programs: int | None = None, fsync: bool = True):
-        self.cache = cache
+                 eviction="lru", path: str = "auto", sm_programs: int | None = None, fsync: bool = True,
+                 fmt: formats.TierFormat = formats.DEVICE):
+        self.cache, self.fmt = cache, fmt
         self.policy = eviction_policies.get(eviction)
-        self.unit_bytes = block_bytes(cache, min(cache.pool_sizes))
+        self.unit_bytes = formats.block_bytes(cache, fmt, min(cache.pool_sizes))
         positive("host_bytes", host_bytes)
         if host_bytes < self.unit_bytes:
             raise ValueError(f"host_bytes must hold at least one block of the cache ({self.unit_bytes} bytes), "
                              f"got {host_bytes}")
         self.host = HostPool(host_bytes, self.unit_bytes, pin=cache.device.type == "cuda")
-        self.mover = BlockMover(cache, self.host, path=path, sm_programs=sm_programs)
+        self.mover = BlockMover(cache, self.host, path=path, sm_programs=sm_programs, fmt=fmt)
         self.disk = None
         if disk_path is not None:
             self.disk = DiskPool(disk_path, disk_bytes, fsync=fsync)

@@ -17,6 +17,8 @@ def promote_prefix(tc, tokens: list[int], expected_len: int | None, extra_key: o
     m = tc.cache.manager
     pool = m.pool
     tc.cache.flush_evictions()  # blocks evicted since the last write (PagedKVCache.evict, say) go down first
+    if tc.lossy and not tc.accept_lossy:
+        return 0  # everything below is another format's roundtrip: the prompt is computed again
     bs, hits = m.cached_prefix(tokens, expected_len=expected_len, extra_key=extra_key)
     eligible = (len(tokens) - 1) // bs  # the block with the last prompt token is never a hit
     if eligible <= len(hits):
@@ -51,8 +53,11 @@ def promote_prefix(tc, tokens: list[int], expected_len: int | None, extra_key: o
             tc._protect = set()
         tc.lower.load(bs, list(zip(table[first:], keys, strict=True)), fetched)
         m.publish(temp)
-        for e, d in zip(m.published(temp), digests, strict=False):
+        published = m.published(temp)
+        for e, d in zip(published, digests, strict=False):
             tc._entry_digest[e] = (d, tc.lower.entries[d].priority if d in tc.lower.entries else 0)
+        if tc.lossy:
+            tc._lossy_entries.update(published[first:])
     finally:
         m.free(temp, observe=False)
     return len(table) - first

@@ -124,6 +124,7 @@ def swap_out(tc, seq_ids: list) -> Transfer:
                                  quantized, host_res, tc._priority.pop(s, 0), m.publishes(s))
         cache.free(s, observe=False)  # not finished: the block-size policy does not learn from it
         tc._chain.pop(s, None)
+        tc._lossy_seqs.discard(s)  # it comes back lossy again (swap_in): its blocks below are the format's
         tc.counters.swapped_out += 1
     return transfer
 
@@ -164,6 +165,7 @@ def swap_in(tc, seq_ids: list) -> Transfer:
     holders: dict[tuple[int, bytes], int] = {}
     fresh: dict[int, list[bytes]] = {}  # block size -> keys to fill, each once
     valid: dict[tuple[int, bytes], int] = {}
+    lossy_now: set = set()  # sequences whose blocks come back from a lossy format
     for _s, sw in recs:
         bs, n = sw.block_size, len(sw.tokens)
         hits = _device_hits(sp, sw, tc.digests(sw.tokens, bs, sw.extra_key))
@@ -191,8 +193,11 @@ def swap_in(tc, seq_ids: list) -> Transfer:
                 sp.incref(bs, [b] * (holders[(bs, k)] - 1))
     for s, sw in recs:
         table = [at[(sw.block_size, k)] for k in sw.keys]
+        lossy = tc.lossy and any((sw.block_size, k) in valid for k in sw.keys)  # a block comes from below
         scratch.insert(s, sw.block_size, table, sw.tokens, prompt_len=sw.prompt_len, extra_key=sw.extra_key,
-                       publishing=sw.publishing)
+                       publishing=sw.publishing and (tc.accept_lossy or not lossy))
+        if lossy:
+            lossy_now.add(s)
         sp.touch(sw.block_size, table)
     # ---- disk blocks read and checked before the device changes ----
     fetched = {}
@@ -223,6 +228,10 @@ def swap_in(tc, seq_ids: list) -> Transfer:
         cache.set_residual_state(s, sw.quantized, residual)
         m.publish(s, upto=cache.quantized_tokens(s))
         tc._priority[s] = sw.priority
+        if s in lossy_now:
+            tc._lossy_seqs.add(s)
+            tc._lossy_entries.update(e for e, k in zip(m.published(s), sw.keys, strict=False)
+                                     if (sw.block_size, k) in valid)
         lower.unpin(sw.keys)
         tc._note(s)
         tc.counters.swapped_in += 1
@@ -245,7 +254,9 @@ def check(tc) -> None:
         assert e.pins == pins.get(d, 0), f"entry {d.hex()}: pins {e.pins} != {pins.get(d, 0)}"
     live = set(m.seq_ids)
     assert set(tc._chain) <= live and set(tc._priority) <= live, "bookkeeping of a sequence that is gone"
+    assert tc._lossy_seqs <= live, "a lossy mark of a sequence that is not resident"
     pool = m.pool
     alive = {pool.entry_id(bs, b) for bs in pool.block_sizes for b in range(pool.num_blocks(bs))}
     alive |= {e for _, _, e in pool.evicted or ()}  # evicted, not yet handed down
     assert set(tc._entry_digest) <= alive, "digests kept for device entries that are gone"
+    assert tc._lossy_entries <= alive, "lossy marks kept for device entries that are gone"

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from workbench.allocator.errors import SequenceExists, hashable, positive, token_ids
-from workbench.tiers import promote, swap
+from workbench.tiers import formats, promote, swap
 from workbench.tiers.errors import NotResident
 from workbench.tiers.host_disk_store import LowerEntry, LowerTiers
 from workbench.tiers.transfer import Transfer
@@ -85,11 +85,19 @@ class TieredCache:
         sm_programs: grid cap of the SM copy.
         on_miss: ``"fetch"`` (a decode of a swapped-out sequence swaps it in first) or ``"raise"`` (NotResident).
         fsync: the disk pool's durability (False: faster, for tests and benchmarks of the link).
+        host_format: what blocks are below the device (``workbench.tiers.formats``): None keeps the device's bytes;
+            a scheme name (``"int4/token"``, ``"fp8_e4m3/token"``, ``"int4/kivi"``, ...) transcodes each batch on
+            the device on its way down and back, so the link and the tiers carry fewer bytes per token.
+        disk_format: the disk's format: None (or the host's) keeps what the host holds. Another scheme is refused
+            for now: a push from host to disk would have to cross the link twice to be transcoded.
+        accept_lossy: whether a prompt may reuse prefix blocks that come back from a lossy format (they are not
+            the bytes the prefix was computed with). False: such a prefix is computed again, and a sequence
+            swapped back from a lossy tier does not publish its blocks.
     """
 
     def __init__(self, cache, *, host_bytes: int, disk_path: str | os.PathLike | None = None, disk_bytes: int = 0,
                  eviction="lru", path: str = "auto", sm_programs: int | None = None, on_miss: str = "fetch",
-                 fsync: bool = True):
+                 fsync: bool = True, host_format=None, disk_format=None, accept_lossy: bool = True):
         from workbench.cache import PagedKVCache  # here: importing workbench.tiers (its simulators) stays kernel-free
 
         if not isinstance(cache, PagedKVCache):
@@ -106,19 +114,32 @@ class TieredCache:
             raise ValueError(f"disk_bytes needs a disk_path (no disk tier without one), got disk_bytes={disk_bytes!r}")
         if not isinstance(fsync, bool):
             raise ValueError(f"fsync must be a bool, got {fsync!r}")
-        self.cache, self.on_miss = cache, on_miss
+        if not isinstance(accept_lossy, bool):
+            raise ValueError(f"accept_lossy must be a bool, got {accept_lossy!r}")
+        fmt = formats.tier_format(cache, host_format, "host_format")
+        disk_fmt = formats.tier_format(cache, disk_format, "disk_format") if disk_format is not None else fmt
+        if disk_fmt != fmt:
+            raise ValueError(f"disk_format must be None or the host's format {fmt.name!r}, got {disk_fmt.name!r}: "
+                             f"the disk holds what the host pushes down, byte for byte")
+        if disk_format is not None and disk_path is None:
+            raise ValueError("disk_format needs a disk_path (no disk tier without one)")
+        self.cache, self.on_miss, self.accept_lossy = cache, on_miss, accept_lossy
+        self.format = fmt
+        self.lossy = fmt.lossy(cache.scheme)  # blocks that come back may differ from what went down
         self.lower = LowerTiers(cache, host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
-                                eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync)
+                                eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync, fmt=fmt)
         self._swapped: dict[object, swap.Swapped] = {}
         self._chain: dict[object, list[bytes]] = {}  # seq -> digests of its published blocks, in order
         self._entry_digest: dict[int, tuple[bytes, int]] = {}  # device entry id -> (digest, priority), for eviction
         self._priority: dict[object, int] = {}
         self._protect: set = set()  # keys an operation in flight reads: a demotion meanwhile leaves them be
         self._temp_ids = itertools.count()
+        self._lossy_entries: set[int] = set()  # device prefix entries whose bytes came back from a lossy format
+        self._lossy_seqs: set = set()  # sequences swapped back in from a lossy format
         self.counters = _Counters()
         c = cache
         self._salt = hashlib.blake2b(repr((c.num_layers, c.num_kv_heads, c.head_dim, c.scheme.name, c.layout.value,
-                                           c.manager.pool.page_tokens)).encode(), digest_size=16).digest()
+                                           c.manager.pool.page_tokens, fmt.name)).encode(), digest_size=16).digest()
         cache.manager.pool.evicted = []
         cache.on_evict = self._on_evict
 
@@ -251,6 +272,8 @@ class TieredCache:
         self._new_id("child_id", child_id)
         self._resident([parent_id])
         self.cache.fork(parent_id, child_id)
+        if parent_id in self._lossy_seqs:
+            self._lossy_seqs.add(child_id)
         self._chain[child_id] = list(self._chain.get(parent_id, []))
         self._priority[child_id] = self._priority.get(parent_id, 0)
 
@@ -261,6 +284,7 @@ class TieredCache:
             self.counters.extra["freed_swapped"] = self.counters.extra.get("freed_swapped", 0) + 1
             return
         self.cache.free(seq_id)
+        self._lossy_seqs.discard(seq_id)
         self._chain.pop(seq_id, None)
         self._priority.pop(seq_id, None)
 
@@ -270,6 +294,15 @@ class TieredCache:
         done = self.cache.manager.pool.evict(n)
         self.cache.flush_evictions()
         return done
+
+    def is_lossy(self, seq_id) -> bool:
+        """Whether a resident sequence reads blocks that came back from a lossy format (a promoted prefix, or its
+        own blocks swapped back in): its K/V are that format's roundtrip of what was computed."""
+        if hashable("seq_id", seq_id) in self._swapped:
+            raise NotResident(f"sequence {seq_id!r} is swapped out")
+        if seq_id in self._lossy_seqs:
+            return True
+        return any(e in self._lossy_entries for e in self.cache.manager.published(seq_id))
 
     # ---- residency -------------------------------------------------------------------
     def is_resident(self, seq_id) -> bool:
@@ -336,6 +369,7 @@ class TieredCache:
         heal: dict[int, list[tuple[int, bytes]]] = {}
         priorities = {}
         for bs, bid, entry in batch:
+            self._lossy_entries.discard(entry)
             d, priorities[bid] = self._entry_digest.pop(entry, (None, 0))
             e = self.lower.entries.get(d) if d is not None else None
             if d is None:
@@ -371,7 +405,9 @@ class TieredCache:
             "demoted": c.demoted, "demote_skipped": c.demote_skipped, "dropped": c.dropped, "to_disk": low.to_disk,
             "disk_dropped": low.disk_dropped, "promoted_host": low.promoted_host, "promoted_disk": low.promoted_disk,
             "corrupt": low.corrupt, "swapped_out": c.swapped_out, "swapped_in": c.swapped_in,
-            "swapped_now": len(self._swapped),
+            "swapped_now": len(self._swapped), "format": self.format.name, "lossy": self.lossy,
+            "lossy_entries": len(self._lossy_entries), "lossy_sequences": len(self._lossy_seqs),
+            "nonfinite": int(self.lower.mover.nonfinite),
         }
 
     def close(self) -> None:

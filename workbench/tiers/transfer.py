@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from workbench.tiers import formats
 from workbench.tiers.host import HostPool, contiguous_runs
 
 PATHS = ("dma", "sm", "auto")
@@ -116,13 +117,17 @@ class BlockMover:
         sm_programs: grid cap of the SM path (default: one program per 16 KiB piece, at most 4096).
         dma_programs: grid cap of the DMA path's gather / scatter kernels (a prefetch beside a decode: fewer
             programs take fewer SMs from it).
+        fmt: what the blocks are below the device (``workbench.tiers.formats``): the device's bytes, or another
+            scheme, transcoded on the device between the gather and the copy (and between the copy and the
+            scatter); such moves always stage (``"dma"``), and a block takes ``units`` of the format's size.
     """
 
     def __init__(self, cache, host: HostPool, *, path: str = "auto", sm_programs: int | None = None,
-                 dma_programs: int | None = None):
+                 dma_programs: int | None = None, fmt: formats.TierFormat = formats.DEVICE):
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-        unit = block_bytes(cache, min(cache.pool_sizes))
+        self.fmt = fmt
+        unit = formats.block_bytes(cache, fmt, min(cache.pool_sizes))
         if host.unit_bytes != unit:
             raise ValueError(f"host unit_bytes must be the cache's smallest block, {unit} bytes, got {host.unit_bytes}")
         for name, v in (("sm_programs", sm_programs), ("dma_programs", dma_programs)):
@@ -134,11 +139,16 @@ class BlockMover:
         self.side = torch.cuda.Stream(cache.device) if self.cuda else None
         self.ids = PinnedIds() if self.cuda else None
         self.stats = TransferStats()
+        self.nonfinite = torch.zeros(1, dtype=torch.int32, device=cache.device)  # NaN/Inf a transcode stored as 0
 
     # ---- geometry ------------------------------------------------------------------
     def units(self, block_size: int) -> int:
-        """Host units a block of this size class takes."""
-        return block_size // min(self.cache.pool_sizes)
+        """Host units a block of this size class takes (the format's bytes, rounded up to whole units)."""
+        return -(-formats.block_bytes(self.cache, self.fmt, block_size) // self.host.unit_bytes)
+
+    def wire_bytes(self, block_size: int) -> int:
+        """Bytes a block of this size class takes below the device (and on the link): whole units."""
+        return self.units(block_size) * self.host.unit_bytes
 
     def _space(self, block_size: int) -> dict:
         c = self.cache
@@ -186,7 +196,7 @@ class BlockMover:
         nblk = c.manager.pool.num_blocks(bs)
         if n and (dev.min() < 0 or dev.max() >= nblk or np.unique(dev).size != n):
             raise ValueError(f"device_ids must be distinct block ids in [0, {nblk}) of size {bs}, got {dev.tolist()}")
-        bb = g["num_rows"] * g["row_bytes"]
+        bb = self.wire_bytes(bs)
         units = self.units(bs)
         if buffer is None:
             if len(starts) != n:
@@ -202,8 +212,8 @@ class BlockMover:
         if n == 0:
             return Transfer(src_tier, dst_tier, 0, 0, path, 0)
         to_host = dst_tier != "device"
-        if path == "sm" and buffer is not None:
-            path = "dma"  # a foreign buffer is not a host-tier space with unit strides: stage it
+        if path == "sm" and (buffer is not None or self.fmt.transcodes):
+            path = "dma"  # a foreign buffer is not a host-tier space with unit strides, a transcode needs staging
         t0 = time.perf_counter()
         events = None
         both = np.concatenate((dev, np.asarray(starts, dtype=np.int64))) if path == "sm" else dev
@@ -219,19 +229,19 @@ class BlockMover:
             # swap-out: the device reads on the current stream (ordered before any reuse of the blocks)
             (main if to_host else self.side).record_event(start)
             with torch.cuda.stream(main if (to_host and path == "sm") else self.side):
-                keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, main)
+                keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, main, bs)
                 torch.cuda.current_stream().record_event(end)
             events = (start, end)
             event = end
             self.ids.done(end)
         else:
-            keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, None)
+            keep = self._run(path, to_host, g, dev_t, ids_h, runs, bb, None, bs)
             event = None
         copies = 1 if path == "sm" else len(runs)
         self.stats.add(src_tier, dst_tier, n * bb, n, copies, 0.0 if self.cuda else time.perf_counter() - t0, events)
         return Transfer(src_tier, dst_tier, n * bb, n, path, copies, event, keep)
 
-    def _run(self, path, to_host, g, dev_t, ids_h, runs, bb, main) -> list:
+    def _run(self, path, to_host, g, dev_t, ids_h, runs, bb, main, bs) -> list:
         from workbench.kernels import move_blocks  # here: importing workbench.tiers stays free of Triton (+0.25 s)
 
         c = self.cache
@@ -251,25 +261,53 @@ class BlockMover:
         # are made on the stream whose kernel uses them: a swap-out's gather runs on the current stream, and an
         # arange queued on the side stream could still be unwritten when it read it (blocks gathered to the wrong
         # place: the H200 run lost a block's bytes on a round trip through the disk).
-        stage_space = dict(row=g["row_bytes"], blk=bb)
+        # A format below the device: the batch is transcoded on the side stream between the gather and the copy
+        # (after the copy, before the scatter, on the way back), so a decode on the current stream overlaps it.
+        dev_bb = g["num_rows"] * g["row_bytes"]
+        stage_space = dict(row=g["row_bytes"], blk=dev_bb)
         geometry = dict(num_rows=g["num_rows"], row_bytes=g["row_bytes"])
         with torch.cuda.stream(main) if (to_host and main is not None) else _nullcontext():
-            staging = torch.empty(n * bb, dtype=torch.uint8, device=c.device)
+            staging = torch.empty(n * dev_bb, dtype=torch.uint8, device=c.device)
             seq = torch.arange(n, dtype=torch.int64, device=c.device)
             if to_host:
                 self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
+        keep = [staging]
         if to_host:
             if main is not None:
-                self.side.wait_stream(main)  # the copies read what the gather wrote
+                self.side.wait_stream(main)  # the copies (and a transcode) read what the gather wrote
+            wire = self._encode(staging.view(n, dev_bb), bs, bb).reshape(-1)
+            keep.append(wire)
             for first, host_run, count in runs:
-                host_run.copy_(staging[first * bb:(first + count) * bb], non_blocking=self.cuda)
+                host_run.copy_(wire[first * bb:(first + count) * bb], non_blocking=self.cuda)
         else:
+            wire = staging if not self.fmt.transcodes else torch.empty(n * bb, dtype=torch.uint8, device=c.device)
+            keep.append(wire)
             for first, host_run, count in runs:
-                staging[first * bb:(first + count) * bb].copy_(host_run[:count * bb], non_blocking=self.cuda)
+                wire[first * bb:(first + count) * bb].copy_(host_run[:count * bb], non_blocking=self.cuda)
+            if self.fmt.transcodes:
+                staging = self._decode(wire.view(n, bb), bs).reshape(-1)
+                keep.append(staging)
             self._scatter(staging, seq, dev_t, stage_space, pool_space, geometry)
         if self.cuda:
-            staging.record_stream(self.side)
-        return [staging]
+            keep[0].record_stream(self.side)
+        return keep
+
+    def _encode(self, staged: torch.Tensor, bs: int, wire_bytes: int) -> torch.Tensor:
+        """Device-format blocks ``[n, device block bytes]`` -> what goes on the link ``[n, wire_bytes]``."""
+        if not self.fmt.transcodes:
+            return staged
+        packed = formats.encode(self.cache, self.fmt, bs, staged, self.nonfinite)
+        if packed.shape[1] == wire_bytes:
+            return packed
+        wire = torch.zeros((packed.shape[0], wire_bytes), dtype=torch.uint8, device=packed.device)
+        wire[:, :packed.shape[1]] = packed
+        return wire
+
+    def _decode(self, wire: torch.Tensor, bs: int) -> torch.Tensor:
+        """What came over the link ``[n, wire bytes]`` -> device-format blocks ``[n, device block bytes]``."""
+        fmt_bytes = formats.block_bytes(self.cache, self.fmt, bs)
+        packed = wire if wire.shape[1] == fmt_bytes else wire[:, :fmt_bytes].contiguous()
+        return formats.decode(self.cache, self.fmt, bs, packed)
 
     def _gather(self, staging, dev_t, seq, pool_space, stage_space, geometry) -> None:
         """Scattered device blocks -> staging (block-major)."""

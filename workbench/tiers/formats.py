@@ -1,0 +1,247 @@
+"""What a tier below the device stores a block as: the device's own bytes, or another K/V scheme of the registry
+(``workbench.quant``), transcoded on the cache's device as blocks go down and come back.
+
+    fmt = tier_format(cache, "int4/token")       # TieredCache(..., host_format="int4/token")
+    packed = encode(cache, fmt, 16, staged)      # [n, device block bytes] -> [n, format block bytes]
+    staged = decode(cache, fmt, 16, packed)      # and back: device codes of fmt's roundtrip of the values
+
+Why: the host link is the bottleneck of swaps and prefetch (~54 GB/s pinned on the H200, and only for large
+batches: docs/tiers.md) while the device reads its own memory ~80x faster, so a block that crosses the link in
+int4 instead of fp16 moves ~3.8x more tokens per second for the price of two passes over device memory. Lossless
+coding of real fp16 K/V gains only ~1.17x (docs/compression.md), and a CPU codec sees the bytes only after they
+crossed the link, so the lever is fewer bytes per token before the copy: a lossy format, chosen per tier.
+
+A block in a tier format is ``[layers, 2 (K, V), row]``: each layer's K (then V) of the block as a block of the
+format's scheme would hold it in the NHD layout, codes then scales and zero points (``workbench.quant.blocks``),
+the row rounded up to 16 bytes. Transcoding treats the ``n * layers`` rows of a batch as one set of blocks, so
+each direction is one dequantization and one quantize-on-write for the whole batch (per layer only where the
+device's static scales differ by layer), through the cache's own ops backend: the write kernel
+(``workbench.kernels.write_kv``) or its PyTorch reference, whichever the cache writes with. A demoted block holds
+the format's codes of the device block's values, code for code what the format's write would store; a promoted
+block holds the device scheme's codes of those codes' values (the format's roundtrip, then the device's).
+
+Formats a tier may take: a cast (fp16, bf16, fp32) or a scheme whose scales are computed on write (``token``
+and ``groups`` families: fp8 / int8 / int8_asym per token, int4 / int2 per token or KIVI). Static-scale schemes
+(fp8 / int8 per tensor or head) are refused: their scales come from a calibration the tier does not have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbench import quant
+from workbench.core.layout import Layout, block_view
+from workbench.kernels.write.reference import dequantize_cache_ref
+from workbench.quant import blocks as qblocks
+
+ROW_ALIGN = 16  # bytes: a format row starts where its scales' alignment (SCALE_ALIGN) holds
+
+
+@dataclass(frozen=True)
+class TierFormat:
+    """How a tier stores a block: ``scheme`` None keeps the device's bytes (no transcoding)."""
+
+    scheme: quant.Scheme | None = None
+
+    @property
+    def name(self) -> str:
+        return "device" if self.scheme is None else self.scheme.name
+
+    @property
+    def transcodes(self) -> bool:
+        return self.scheme is not None
+
+    def lossy(self, device_scheme: quant.Scheme) -> bool:
+        """Whether a block that went down and came back may differ from the device's (an fp32 tier under an fp16
+        or bf16 cache holds every value exactly; any other scheme may round)."""
+        if self.scheme is None:
+            return False
+        exact = (self.scheme.family == "cast" and device_scheme.family == "cast"
+                 and self.scheme.format.storage.itemsize >= 4)
+        return not exact
+
+
+DEVICE = TierFormat()
+
+
+def tier_format(cache, value, name: str = "host_format") -> TierFormat:
+    """The :class:`TierFormat` a ``host_format`` / ``disk_format`` argument names: None (the device's bytes), a
+    scheme name or alias of ``workbench.quant`` or a :class:`~workbench.quant.Scheme`. The cache's own scheme is
+    its bytes. Raises ValueError naming ``name`` for static-scale schemes and for shapes the scheme cannot store."""
+    if value is None or isinstance(value, TierFormat):
+        return value or DEVICE
+    if not isinstance(value, (str, quant.Scheme)):
+        raise ValueError(f"{name} must be None, a scheme name of workbench.quant.SCHEMES or a Scheme, "
+                         f"got {type(value).__name__}")
+    try:
+        scheme = quant.get(value)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+    if scheme.needs_static_scales:
+        raise ValueError(f"{name} must be a cast or a scheme whose scales are computed on write (token or groups "
+                         f"family: fp8_e4m3/token, int8/token, int4/token, int4/kivi, ...); {scheme.name} needs "
+                         f"static scales calibrated ahead, which a tier does not have")
+    scheme = scheme.without_residual()  # a tier holds whole blocks: no fp16 window of newest tokens
+    if scheme.name == cache.scheme.without_residual().name and scheme == cache.scheme.without_residual():
+        return DEVICE
+    H, D = cache.num_kv_heads, cache.head_dim
+    for bs in cache.pool_sizes:
+        try:
+            scheme.check_shape(H, D)
+            if bs % scheme.write_group:
+                raise ValueError(f"its groups of {scheme.write_group} tokens do not tile a block of {bs}")
+            qblocks.block_bytes(scheme, bs, H, D)
+        except ValueError as e:
+            raise ValueError(f"{name} {scheme.name} cannot store blocks of {bs} tokens x {H} heads x {D} dims: "
+                             f"{e}") from None
+    return TierFormat(scheme)
+
+
+# ---- geometry --------------------------------------------------------------------------------
+def row_bytes(cache, fmt: TierFormat, block_size: int) -> int:
+    """Bytes of one layer's K (or V) of one block in ``fmt``: the device's block stride, or the format's codes and
+    scales rounded up to :data:`ROW_ALIGN`."""
+    if fmt.scheme is None:
+        return cache.block_stride(block_size) * cache.dtype.itemsize
+    return qblocks.block_stride_bytes(fmt.scheme, block_size, cache.num_kv_heads, cache.head_dim, ROW_ALIGN)
+
+
+def block_bytes(cache, fmt: TierFormat, block_size: int) -> int:
+    """Bytes of one block of ``block_size`` tokens in ``fmt``: every layer's K and V."""
+    return cache.num_layers * 2 * row_bytes(cache, fmt, block_size)
+
+
+# ---- transcoding -----------------------------------------------------------------------------
+class _Staged:
+    """``n`` blocks laid out ``[n, layers, 2, row]`` in one buffer, as the cache's ops backend writes them: a
+    ``Storage`` look-alike whose layer ``None`` is every layer at once (``n * layers`` blocks)."""
+
+    def __init__(self, buf: torch.Tensor, n: int, num_layers: int, row: int, scheme, layout: Layout, H: int, D: int):
+        self.buf, self.n, self.num_layers, self.row = buf, n, num_layers, row
+        self.scheme, self.layout, self.num_kv_heads, self.head_dim = scheme, layout, H, D
+        self.code_dim = qblocks.code_dim(scheme, D)
+
+    def plane_view(self, layer: int | None, kind: int, block_size: int) -> torch.Tensor:
+        L, row = self.num_layers, self.row
+        if layer is None:  # blocks (i, l) -> i * L + l, one stride of 2 rows
+            plane = self.buf.as_strided((self.n * L, row), (2 * row, 1), self.buf.storage_offset() + kind * row)
+        else:
+            plane = self.buf.as_strided((self.n, row), (L * 2 * row, 1),
+                                        self.buf.storage_offset() + (layer * 2 + kind) * row)
+        return block_view(plane, self.layout, "kv"[kind], block_size, self.num_kv_heads, self.code_dim)
+
+
+def _staged(cache, scheme, layout, buf_bytes: torch.Tensor, n: int, row_bytes_: int) -> _Staged:
+    dtype = scheme.format.storage
+    typed = buf_bytes.view(torch.uint8).reshape(-1).view(dtype)
+    return _Staged(typed, n, cache.num_layers, row_bytes_ // dtype.itemsize, scheme, layout, cache.num_kv_heads,
+                   cache.head_dim)
+
+
+def _static_scales(cache, kind: str) -> torch.Tensor | None:
+    """The device's static scales of ``kind`` as ``[1, L or 1, 1, H or 1, 1]`` (None without)."""
+    s = cache.k_scale if kind == "k" else cache.v_scale
+    if s is None:
+        return None
+    s = s.float().reshape(-1 if s.dim() == 2 else 1, s.shape[-1])  # [L or 1, S]
+    return s[None, :, None, :, None]
+
+
+def _values(cache, st: _Staged, kind: int, static: torch.Tensor | None, block_size: int) -> torch.Tensor:
+    """fp32 values ``[n, L, bs, H, D]`` of every block of ``st`` (static scales applied)."""
+    planes = st.plane_view(None, kind, block_size)
+    x = dequantize_cache_ref(st.scheme, planes, st.layout, "kv"[kind], st.head_dim)  # [n*L, bs, H, D]
+    x = x.view(st.n, st.num_layers, *x.shape[1:])
+    return x * static if static is not None else x
+
+
+def _write(cache, st: _Staged, block_size: int, k: torch.Tensor, v: torch.Tensor, per_layer: bool) -> None:
+    """Values ``[n, L, bs, H, D]`` into every block of ``st`` through the cache's ops backend (its write kernel
+    or its reference): one write for the batch, or one per layer where the device's static scales differ."""
+    n, L, bs, H, D = k.shape
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=k.device)
+    if not per_layer:
+        slots = torch.arange(n * L * bs, dtype=torch.int64, device=k.device)
+        scale_k, scale_v = cache.layer_scales(0) if st.scheme.needs_static_scales else (None, None)
+        cache.write_staged(_AllLayers(st), 0, block_size, slots, k.reshape(-1, H, D), v.reshape(-1, H, D),
+                           scale_k, scale_v, nonfinite)
+        return
+    slots = torch.arange(n * bs, dtype=torch.int64, device=k.device)
+    for layer in range(L):
+        scale_k, scale_v = cache.layer_scales(layer)
+        cache.write_staged(st, layer, block_size, slots, k[:, layer].reshape(-1, H, D),
+                           v[:, layer].reshape(-1, H, D), scale_k, scale_v, nonfinite)
+
+
+class _AllLayers:
+    """``st`` with layer 0 standing for all layers (what ``ops.write`` asks for by index)."""
+
+    def __init__(self, st: _Staged):
+        self.st = st
+        self.scheme, self.layout = st.scheme, st.layout
+        self.num_kv_heads, self.head_dim = st.num_kv_heads, st.head_dim
+
+    def plane_view(self, layer: int, kind: int, block_size: int) -> torch.Tensor:
+        return self.st.plane_view(None, kind, block_size)
+
+
+def _check_batch(cache, name: str, buf: torch.Tensor, want_row: int) -> int:
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 2 or not buf.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous uint8 tensor [n blocks, block bytes], got "
+                         f"{getattr(buf, 'dtype', type(buf).__name__)} {tuple(getattr(buf, 'shape', ()))}")
+    if buf.shape[1] != cache.num_layers * 2 * want_row:
+        raise ValueError(f"{name} rows must be {cache.num_layers * 2 * want_row} bytes (a block of every layer's "
+                         f"K and V), got {buf.shape[1]}")
+    if buf.device != cache.device:
+        raise ValueError(f"{name} must be on the cache's device {cache.device}, got {buf.device}")
+    return buf.shape[0]
+
+
+def encode(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor,
+           nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+    """Device blocks ``staged`` ``[n, block bytes]`` (as gathered: every layer's K and V rows in the cache's
+    layout) -> the same blocks in ``fmt`` ``[n, block_bytes(fmt)]``: dequantized to fp32, quantized by
+    ``fmt.scheme`` on write. NaN and Inf are stored as 0 and counted into ``nonfinite`` (a one-element tensor on
+    the device, no sync): a swapped block's unwritten slots hold whatever the pool held, and a scale must not
+    be spread by them (its written tokens are still coded as they are)."""
+    if fmt.scheme is None:
+        return staged
+    dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
+    n = _check_batch(cache, "staged", staged, dev_row)
+    src = _staged(cache, cache.scheme, cache.layout, staged, n, dev_row)
+    out = torch.zeros((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
+    dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
+    k = _values(cache, src, 0, _static_scales(cache, "k"), block_size)
+    v = _values(cache, src, 1, _static_scales(cache, "v"), block_size)
+    if nonfinite is not None:
+        nonfinite += (~torch.isfinite(k)).sum() + (~torch.isfinite(v)).sum()
+    k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
+    _write(cache, dst, block_size, k, v, per_layer=False)
+    return out
+
+
+def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> torch.Tensor:
+    """Blocks in ``fmt`` ``[n, block_bytes(fmt)]`` -> device blocks ``[n, device block bytes]`` in the cache's
+    scheme and layout (its static scales, per layer if it has them), ready to scatter into the pool."""
+    if fmt.scheme is None:
+        return packed
+    dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
+    n = _check_batch(cache, "packed", packed, row)
+    src = _staged(cache, fmt.scheme, Layout.NHD, packed, n, row)
+    out = torch.zeros((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
+    dst = _staged(cache, cache.scheme, cache.layout, out, n, dev_row)
+    k, v = _values(cache, src, 0, None, block_size), _values(cache, src, 1, None, block_size)
+    _write(cache, dst, block_size, k, v, per_layer=cache.scheme.needs_static_scales and cache.per_layer_scales)
+    return out
+
+
+def roundtrip_values(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor) -> torch.Tensor:
+    """What a block's values become below and back (fp32 ``[n, L, 2, bs, H, D]``): the reference the tests and
+    the quality study compare with (``fmt``'s reference quantize of the device values, then the device's)."""
+    back = decode(cache, fmt, block_size, encode(cache, fmt, block_size, staged))
+    n, dev_row = back.shape[0], row_bytes(cache, DEVICE, block_size)
+    st = _staged(cache, cache.scheme, cache.layout, back, n, dev_row)
+    return torch.stack([_values(cache, st, kind, _static_scales(cache, "kv"[kind]), block_size)
+                        for kind in (0, 1)], dim=2)
