@@ -27,6 +27,7 @@ from workbench.allocator.errors import positive
 from workbench.tiers import eviction as eviction_policies
 from workbench.tiers import formats
 from workbench.tiers.disk import DiskPool
+from workbench.tiers.disk_coding import CodedDisk
 from workbench.tiers.errors import CorruptBlock, DiskFull, HostFull, NotInTier, TierError
 from workbench.tiers.host import HostPool
 from workbench.tiers.transfer import BlockMover, Transfer, TransferStats
@@ -67,7 +68,7 @@ class LowerTiers:
 
     def __init__(self, cache, *, host_bytes: int, disk_path: str | os.PathLike | None, disk_bytes: int,
                  eviction="lru", path: str = "auto", sm_programs: int | None = None, fsync: bool = True,
-                 fmt: formats.TierFormat = formats.DEVICE):
+                 fmt: formats.TierFormat = formats.DEVICE, disk_coding: str | None = None):
         self.cache, self.fmt = cache, fmt
         self.policy = eviction_policies.get(eviction)
         self.unit_bytes = formats.block_bytes(cache, fmt, min(cache.pool_sizes))
@@ -80,6 +81,9 @@ class LowerTiers:
         self.disk = None
         if disk_path is not None:
             self.disk = DiskPool(disk_path, disk_bytes, fsync=fsync)
+            if disk_coding is not None:  # the disk's blocks coded losslessly (workbench.tiers.disk_coding)
+                storage = fmt.scheme.format.storage if fmt.scheme is not None else cache.dtype
+                self.disk = CodedDisk(self.disk, storage, cache.num_layers * 2)
         self.entries: dict[bytes, LowerEntry] = {}
         self.clock = itertools.count(1)  # last_access stamps
         self.counters = LowerCounters()

@@ -45,6 +45,7 @@ import torch
 
 from workbench.allocator.errors import SequenceExists, hashable, positive, token_ids
 from workbench.tiers import formats, promote, swap
+from workbench.tiers.disk_coding import CODINGS
 from workbench.tiers.errors import NotResident
 from workbench.tiers.host_disk_store import LowerEntry, LowerTiers
 from workbench.tiers.transfer import Transfer
@@ -88,8 +89,10 @@ class TieredCache:
         host_format: what blocks are below the device (``workbench.tiers.formats``): None keeps the device's bytes;
             a scheme name (``"int4/token"``, ``"fp8_e4m3/token"``, ``"int4/kivi"``, ...) transcodes each batch on
             the device on its way down and back, so the link and the tiers carry fewer bytes per token.
-        disk_format: the disk's format: None (or the host's) keeps what the host holds. Another scheme is refused
-            for now: a push from host to disk would have to cross the link twice to be transcoded.
+        disk_format: the disk's format: None (or the host's) keeps what the host holds; ``"zstd"`` codes it
+            losslessly on its way to disk (``workbench.tiers.disk_coding``: byte-plane shuffle + zstd, bit-exact).
+            Another scheme is refused for now: a push from host to disk would cross the link twice to be
+            transcoded.
         accept_lossy: whether a prompt may reuse prefix blocks that come back from a lossy format (they are not
             the bytes the prefix was computed with). False: such a prefix is computed again, and a sequence
             swapped back from a lossy tier does not publish its blocks.
@@ -117,17 +120,20 @@ class TieredCache:
         if not isinstance(accept_lossy, bool):
             raise ValueError(f"accept_lossy must be a bool, got {accept_lossy!r}")
         fmt = formats.tier_format(cache, host_format, "host_format")
-        disk_fmt = formats.tier_format(cache, disk_format, "disk_format") if disk_format is not None else fmt
+        coding = disk_format if disk_format in CODINGS else None
+        disk_fmt = formats.tier_format(cache, disk_format, "disk_format") if disk_format not in (None, *CODINGS) \
+            else fmt
         if disk_fmt != fmt:
-            raise ValueError(f"disk_format must be None or the host's format {fmt.name!r}, got {disk_fmt.name!r}: "
-                             f"the disk holds what the host pushes down, byte for byte")
+            raise ValueError(f"disk_format must be None, the host's format {fmt.name!r} or a lossless coding "
+                             f"{CODINGS}, got {disk_fmt.name!r}: the disk holds what the host pushes down")
         if disk_format is not None and disk_path is None:
             raise ValueError("disk_format needs a disk_path (no disk tier without one)")
         self.cache, self.on_miss, self.accept_lossy = cache, on_miss, accept_lossy
         self.format = fmt
         self.lossy = fmt.lossy(cache.scheme)  # blocks that come back may differ from what went down
         self.lower = LowerTiers(cache, host_bytes=host_bytes, disk_path=disk_path, disk_bytes=disk_bytes,
-                                eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync, fmt=fmt)
+                                eviction=eviction, path=path, sm_programs=sm_programs, fsync=fsync, fmt=fmt,
+                                disk_coding=coding)
         self._swapped: dict[object, swap.Swapped] = {}
         self._chain: dict[object, list[bytes]] = {}  # seq -> digests of its published blocks, in order
         self._entry_digest: dict[int, tuple[bytes, int]] = {}  # device entry id -> (digest, priority), for eviction
