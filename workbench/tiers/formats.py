@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench import quant
-from workbench.core.layout import Layout, block_view
+from workbench.core.layout import Layout, block_view, to_nhd
 from workbench.kernels.write.reference import dequantize_cache_ref
 from workbench.quant import blocks as qblocks
 
@@ -150,8 +150,11 @@ def _static_scales(cache, kind: str) -> torch.Tensor | None:
 
 
 def _values(cache, st: _Staged, kind: int, static: torch.Tensor | None, block_size: int) -> torch.Tensor:
-    """fp32 values ``[n, L, bs, H, D]`` of every block of ``st`` (static scales applied)."""
+    """Values ``[n, L, bs, H, D]`` of every block of ``st``: fp32 (static scales applied), or a cast's own dtype."""
     planes = st.plane_view(None, kind, block_size)
+    if st.scheme.family == "cast":  # the values themselves: no fp32 copy (the write upcasts in registers)
+        x = to_nhd(planes, st.layout, "kv"[kind])
+        return x.reshape(st.n, st.num_layers, *x.shape[1:])
     x = dequantize_cache_ref(st.scheme, planes, st.layout, "kv"[kind], st.head_dim)  # [n*L, bs, H, D]
     x = x.view(st.n, st.num_layers, *x.shape[1:])
     return x * static if static is not None else x
@@ -243,5 +246,5 @@ def roundtrip_values(cache, fmt: TierFormat, block_size: int, staged: torch.Tens
     back = decode(cache, fmt, block_size, encode(cache, fmt, block_size, staged))
     n, dev_row = back.shape[0], row_bytes(cache, DEVICE, block_size)
     st = _staged(cache, cache.scheme, cache.layout, back, n, dev_row)
-    return torch.stack([_values(cache, st, kind, _static_scales(cache, "kv"[kind]), block_size)
+    return torch.stack([_values(cache, st, kind, _static_scales(cache, "kv"[kind]), block_size).float()
                         for kind in (0, 1)], dim=2)
