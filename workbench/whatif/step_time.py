@@ -1,0 +1,141 @@
+"""How long one serving step takes, built from a :class:`~workbench.whatif.profile.GpuProfile`: a list of parts,
+each with its seconds and the source of the number it came from (the "why" of a what-if).
+
+    sm = StepModel(profile, cfg, scheme="int4/token")
+    parts = sm.decode(batch=16, context_tokens=16 * 767)     # [Part("weights", s, source), ...]
+    step_seconds(parts)
+
+A decode step of ``batch`` sequences holding ``context_tokens`` in all:
+
+- ``weights``: the linear layers' weights read once (``weight_bytes`` a parameter) at the profile's weight-read
+  fraction of copy bandwidth, or their FLOPs at the tensor-core peak when the batch makes them compute-bound;
+- ``attention``: every layer's stored K/V (the scheme's bytes per token, scales counted) read by paged decode at
+  the scheme's measured fraction of copy bandwidth;
+- ``write``: the new tokens' K/V quantized on write at the scheme's measured write fraction;
+- ``overhead``: the kernels' floors, ``layer_us`` a layer (every kernel of a layer at batch 1: fitted to the real
+  model's CUDA-graph step, see :func:`fit_layer_overhead`, until a profile run measures it).
+
+A prefill of ``tokens`` (after ``context`` cached ones) is compute-bound: FLOPs at ``peak_tflops x prefill_mfu``
+(assumed until measured), never faster than reading the weights once, plus the same overhead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from workbench import quant
+from workbench.model.config import LlamaConfig
+from workbench.whatif import models
+from workbench.whatif.profile import RESULTS, GpuProfile, Measured
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a step: its name, seconds and where the number came from."""
+
+    name: str
+    seconds: float
+    source: str
+
+
+def step_seconds(parts: list[Part]) -> float:
+    return sum(p.seconds for p in parts)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """See the module docstring. ``frac`` picks the decode fraction: ``"median"``, ``"min"`` or ``"max"`` of the
+    measured workloads (the sensitivity study varies it)."""
+
+    profile: GpuProfile
+    cfg: LlamaConfig
+    scheme: str = "fp16"
+    weight_bytes: float = 2.0
+    frac: str = "median"
+
+    def __post_init__(self) -> None:
+        quant.get(self.scheme)  # a known scheme (ValueError naming it)
+        self.profile.decode_frac(self.scheme)  # ... that the profile measured
+        if self.frac not in ("median", "min", "max"):
+            raise ValueError(f"frac must be 'median', 'min' or 'max', got {self.frac!r}")
+        if not self.weight_bytes > 0:
+            raise ValueError(f"weight_bytes must be > 0, got {self.weight_bytes!r}")
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V of one token in every layer, as ``scheme`` stores it (scales counted)."""
+        c = self.cfg
+        return quant.get(self.scheme).bytes_per_token(c.num_key_value_heads, c.head_dim) * c.num_hidden_layers
+
+    @property
+    def weights_bytes(self) -> float:
+        return models.linear_params(self.cfg) * self.weight_bytes
+
+    def _overhead(self) -> Part:
+        lu = self.profile.launch_us
+        return Part("overhead", self.cfg.num_hidden_layers * lu.value * 1e-6,
+                    f"{self.cfg.num_hidden_layers} layers x {lu.value:.1f} us ({lu.source})")
+
+    def decode(self, batch: int, context_tokens: int) -> list[Part]:
+        _check_count("batch", batch, 1)
+        _check_count("context_tokens", context_tokens, 0)
+        p, copy = self.profile, self.profile.copy_gbps.value * 1e9
+        mem = self.weights_bytes / (p.gemv_frac.value * copy)
+        flops = 2.0 * models.linear_params(self.cfg) * batch
+        compute = flops / (p.peak_tflops.value * 1e12)
+        weights = Part("weights", max(mem, compute),
+                       f"{self.weights_bytes / 1e6:.0f} MB at {p.gemv_frac.value:.2f} of copy bandwidth "
+                       f"({p.copy_gbps.source}; {p.gemv_frac.source})" if mem >= compute else
+                       f"{flops / 1e9:.0f} GFLOP at {p.peak_tflops.value:.0f} TFLOP/s ({p.peak_tflops.source})")
+        med, lo, hi, src = p.decode_frac(self.scheme)
+        f = {"median": med, "min": lo, "max": hi}[self.frac]
+        kv = context_tokens * self.kv_bytes_per_token
+        attention = Part("attention", kv / (f * copy), f"{kv / 1e6:.1f} MB of K/V at {f:.2f} of copy bandwidth ({src})")
+        wf, wsrc = p.write_frac(self.scheme)
+        new = batch * self.kv_bytes_per_token
+        write = Part("write", new / (wf * copy), f"{new / 1e3:.0f} KB written at {wf:.2f} ({wsrc})")
+        return [weights, attention, write, self._overhead()]
+
+    def prefill(self, tokens: int, context: int = 0) -> list[Part]:
+        """A prefill of ``tokens`` new tokens after ``context`` cached ones (one sequence, or a chunk)."""
+        _check_count("tokens", tokens, 1)
+        _check_count("context", context, 0)
+        p = self.profile
+        mean_ctx = context + (tokens - 1) / 2  # each new token attends to the cache and the tokens before it
+        flops = models.flops_per_token(self.cfg, int(mean_ctx)) * tokens
+        rate = p.peak_tflops.value * p.prefill_mfu.value * 1e12
+        floor = self.weights_bytes / (p.gemv_frac.value * p.copy_gbps.value * 1e9)
+        t = max(flops / rate, floor)
+        src = (f"{flops / 1e12:.2f} TFLOP at {p.peak_tflops.value:.0f} x {p.prefill_mfu.value:.2f} "
+               f"({p.peak_tflops.source}; {p.prefill_mfu.source})")
+        return [Part("prefill", t, src), self._overhead()]
+
+
+def fit_layer_overhead(profile: GpuProfile, cfg: LlamaConfig, run: Path | str | None = None,
+                       batch: int = 1, column: str = "compiled_replay_ms") -> GpuProfile:
+    """``profile`` with ``launch_us`` (a layer's kernels' floors) fitted to the real model's measured CUDA-graph
+    decode step at ``batch`` (``bench model_decode``, its ``column``): what the step's weights, attention and
+    write do not explain, spread over the layers. Only that batch is used; the others validate."""
+    if run is None:
+        runs = sorted(RESULTS.glob(f"model-decode-{profile.name}-*.json"))
+        if not runs:
+            raise ValueError(f"no model-decode-{profile.name}-*.json under {RESULTS} to fit the overhead to")
+        run = runs[-1]
+    path = Path(run)
+    doc = json.loads(Path(path).read_text())
+    row = next((r for r in doc["rows"] if r.get("section") == "decode" and r.get("batch") == batch), None)
+    if row is None or column not in row:
+        raise ValueError(f"{Path(path).name} has no decode row at batch {batch} with {column!r}")
+    ctx = int(row["context_end"])
+    base = StepModel(profile.with_launch(Measured(0.0, "fitted")), cfg, "fp16", weight_bytes=2.0)
+    rest = step_seconds(base.decode(batch, batch * ctx))
+    per_layer = max(0.0, (row[column] * 1e-3 - rest) / cfg.num_hidden_layers) * 1e6
+    src = f"fitted: {Path(path).name} batch {batch} {column} {row[column]:.3f} ms"
+    return replace(profile, launch_us=Measured(per_layer, src), files=(*profile.files, Path(path).name))
+
+
+def _check_count(name: str, v, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
