@@ -1,7 +1,8 @@
 """GPU: the host link for KV blocks: bandwidth by block size and batch for both copy paths and directions, what a
 transfer costs a decode kernel running beside it, and how much of a prefetch hides behind decode.
 
-    python -m workbench bench tiers [--out data/results] [--quick]
+    python -m workbench bench tiers [--out data/results] [--quick] [--only SECTION ...]
+    python -m workbench bench tiers --smoke     # the formats section alone, tiny shapes on the CPU
 
 Sections (every figure a ratio to something measured in the same run):
 
@@ -20,6 +21,9 @@ Sections (every figure a ratio to something measured in the same run):
   run: the share of the transfer time hidden and the decode's slowdown.
 - ``check``: a :class:`~workbench.tiers.TieredCache` on the GPU: swap out / in and prefix demotion / promotion by
   both paths, bit-exact; the disk pool's write / read bandwidth on this machine's disk.
+- ``formats``: blocks demoted and promoted in another format than the device's (``host_format``): tokens/s per
+  format against fp16's, the transcode's bandwidth, the break-even link bandwidth, a decode beside transcoding
+  swaps (``workbench.bench.tier_formats``; ``--smoke`` runs it alone on the CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 
 import torch
 
+from workbench.bench import tier_formats
 from workbench.bench.command import BenchParser
 from workbench.cache import PagedKVCache
 from workbench.kernels import DecodePlan, move_blocks
@@ -43,6 +48,7 @@ from workbench.tiers.transfer import BlockMover, block_bytes
 SIZES_KIB = (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 BATCHES = (1, 4, 16, 64, 256)
 SM_CAPS = (8, 16, 32, 66, None)  # programs of the SM copy beside the decode (None: the default grid)
+SECTIONS = ("link", "beside", "overlap", "check", "formats")
 
 
 def _time_us(fn, reps: int = 10, rounds: int = 3, stream=None) -> float:
@@ -160,14 +166,19 @@ def _w1_cache(extra_blocks: int):
     return cache, q, list(range(B))
 
 
-def beside_rows(pinned: dict) -> list[dict]:
-    """Decode alone vs decode with transfers queued on a side stream the whole time."""
+def w1_decode():
+    """One W1 decode step (64 sequences x 4k tokens, one layer) as a call: what ``beside`` rows run transfers by."""
     cache, q, seqs = _w1_cache(extra_blocks=16)
     meta = cache.vllm_metadata(seqs)
     kc, vc = cache.k_cache(0), cache.v_cache(0)
     plan = DecodePlan(meta.block_table, meta.seq_lens, layout=cache.layout, k_cache=kc, v_cache=vc, num_q_heads=32,
                       q_dtype=q.dtype)
-    decode = lambda: plan.run(q, kc, vc)
+    return lambda: plan.run(q, kc, vc)
+
+
+def beside_rows(pinned: dict) -> list[dict]:
+    """Decode alone vs decode with transfers queued on a side stream the whole time."""
+    decode = w1_decode()
     steps = 100
     alone = _time_us(decode, reps=steps)
     chunk = 16 << 20
@@ -308,7 +319,9 @@ def check_rows() -> list[dict]:
     return rows
 
 
-def _summary(rows: list[dict], pinned: dict) -> None:
+def _summary(rows: list[dict], pinned: dict | None) -> None:
+    if pinned is None:  # --smoke: the formats section alone
+        return
     print(f"pinned h2d {pinned['pinned_h2d']:.1f} GB/s, d2h {pinned['pinned_d2h']:.1f} GB/s; pageable "
           f"{pinned['pageable_h2d']:.1f} / {pinned['pageable_d2h']:.1f}")
     link = [r for r in rows if r["section"] == "link"]
@@ -326,16 +339,19 @@ def _summary(rows: list[dict], pinned: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = BenchParser("tiers", __doc__, gpu=True)
-    parser.add_argument("--quick", action="store_true", help="every third block size only")
-    parser.add_argument("--only", action="append", choices=("link", "beside", "overlap", "check"), default=None)
+    parser = BenchParser("tiers", __doc__, smoke=tier_formats.SMOKE_HELP, gpu=True)
+    parser.add_argument("--quick", action="store_true", help="every third block size only (formats: blocks of 16, "
+                                                             "batches of 64 and 256)")
+    parser.add_argument("--only", action="append", choices=SECTIONS, default=None)
     args = parser.parse_args(argv)
+    if args.smoke and set(args.only or ["formats"]) != {"formats"}:
+        parser.error(f"argument --smoke: runs the formats section alone, got --only {' '.join(args.only)}")
     out = parser.start(args)
     if out is None:
         return 2
-    only = set(args.only or ("link", "beside", "overlap", "check"))
+    only = {"formats"} if args.smoke else set(args.only or SECTIONS)
     t0 = time.perf_counter()
-    pinned = pinned_bandwidth()
+    pinned = None if args.smoke else pinned_bandwidth()
     rows: list[dict] = []
     if "link" in only:
         rows += link_rows(pinned, args.quick)
@@ -345,13 +361,19 @@ def main(argv: list[str] | None = None) -> int:
         rows += overlap_rows(pinned)
     if "check" in only:
         rows += check_rows()
+    if "formats" in only:
+        rows += tier_formats.format_rows(pinned, smoke=args.smoke, quick=args.quick,
+                                         decode=None if args.smoke else w1_decode())
     meta = provenance.machine_meta()
     link = [{k: r[k] for k in ("path", "direction", "bytes", "gbps", "block_bytes", "blocks")}
             for r in rows if r["section"] == "link" and r["path"] in ("dma", "sm")]
-    extra = {"pinned_gbps": {"h2d": pinned["pinned_h2d"], "d2h": pinned["pinned_d2h"]}, "pageable_gbps": {
-        "h2d": pinned["pageable_h2d"], "d2h": pinned["pageable_d2h"]}, "link": link, "quick": args.quick,
-        "wall_s": round(time.perf_counter() - t0, 1)}
+    extra = {"pinned_gbps": pinned and {"h2d": pinned["pinned_h2d"], "d2h": pinned["pinned_d2h"]},
+             "pageable_gbps": pinned and {"h2d": pinned["pageable_h2d"], "d2h": pinned["pageable_d2h"]},
+             "link": link, "quick": args.quick, "smoke": args.smoke, "sections": sorted(only),
+             "wall_s": round(time.perf_counter() - t0, 1)}
     _summary(rows, pinned)
+    if "formats" in only:
+        tier_formats.summary(rows)
     path = run_files.write_results("tiers", rows, meta, out, extra=extra)
     print(f"results: {path}  ({extra['wall_s']} s)")
     bad = [r for r in rows if r.get("ok") is False or r.get("exact") is False]

@@ -92,6 +92,9 @@ WRITE_BENCH_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token"
                        "int4/kivi", "int2/kivi")
 QUALITY_SMOKE_SCHEMES = ("fp16", "int8/tensor", "int4/token")  #: ``bench model_quality --smoke``
 TIER_BENCH_SCHEMES = ("fp16", "int8/token", "fp8_e4m3/token")  #: ``bench tiers``: swap paths per stored format
+#: A tier's formats below an fp16 device (``TieredCache(host_format=...)``): ``bench tiers``' formats section and
+#: ``bench model_quality``'s tier rows; "fp16" is the device's own bytes (nothing transcoded), the reference.
+TIER_FORMATS = ("fp16", "fp8_e4m3/token", "int8/token", "int4/token", "int4/kivi", "int2/token")
 #: ``workbench.compress.delta_study``: quantized codes whose lossless compression is measured.
 DELTA_SCHEMES = ("int8/token", "fp8_e4m3/token", "int4/token", "int4/kivi")
 #: ``bench anatomy``: the schemes whose compiled decode kernel is read (registers, SASS per byte of the loop).
@@ -102,7 +105,7 @@ ANATOMY_SCHEMES = ("fp16", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "
 SCHEME_LISTS = {"AGREEMENT_SCHEMES": AGREEMENT_SCHEMES, "AGREEMENT_GRID": AGREEMENT_GRID,
                 "DECODE_BENCH_SCHEMES": DECODE_BENCH_SCHEMES, "DECODE_SMOKE_SCHEMES": DECODE_SMOKE_SCHEMES,
                 "WRITE_BENCH_SCHEMES": WRITE_BENCH_SCHEMES, "QUALITY_SMOKE_SCHEMES": QUALITY_SMOKE_SCHEMES,
-                "TIER_BENCH_SCHEMES": TIER_BENCH_SCHEMES, "DELTA_SCHEMES": DELTA_SCHEMES,
+                "TIER_BENCH_SCHEMES": TIER_BENCH_SCHEMES, "TIER_FORMATS": TIER_FORMATS, "DELTA_SCHEMES": DELTA_SCHEMES,
                 "ANATOMY_SCHEMES": ANATOMY_SCHEMES}
 FORMAT_LISTS = {"STUDY_FAMILIES": STUDY_FAMILIES, "STUDY_SCALED_FAMILIES": STUDY_SCALED_FAMILIES,
                 "STUDY_GROUP_FAMILIES": STUDY_GROUP_FAMILIES, "QUANT_SWEEP_GRID": QUANT_SWEEP_GRID}
