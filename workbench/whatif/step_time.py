@@ -113,6 +113,37 @@ class StepModel:
         return [Part("prefill", t, src), self._overhead()]
 
 
+    # ---- the same sums without their sources: what the simulator calls every step ----------------------------
+    def decode_seconds(self, batch: int, context_tokens: int) -> float:
+        """``step_seconds(self.decode(batch, context_tokens))``, fast (no checks, no sources)."""
+        k = self._coefficients
+        return max(k[0], k[1] * batch) + k[2] * context_tokens + k[3] * batch + k[4]
+
+    def prefill_seconds(self, tokens: int, context: int = 0) -> float:
+        """``step_seconds(self.prefill(tokens, context))``, fast."""
+        k = self._coefficients
+        c = self.cfg
+        mean_ctx = int(context + (tokens - 1) / 2)
+        flops = (2.0 * k[5] + 4 * c.num_attention_heads * c.head_dim * mean_ctx * c.num_hidden_layers) * tokens
+        return max(flops * k[6], k[0]) + k[4]
+
+    @property
+    def _coefficients(self) -> tuple[float, ...]:
+        cached = self.__dict__.get("_k")
+        if cached is None:
+            p, copy = self.profile, self.profile.copy_gbps.value * 1e9
+            lin = models.linear_params(self.cfg)
+            wf = p.write_frac(self.scheme)[0]
+            med, lo, hi, _ = p.decode_frac(self.scheme)
+            f = {"median": med, "min": lo, "max": hi}[self.frac]
+            cached = (self.weights_bytes / (p.gemv_frac.value * copy), 2.0 * lin / (p.peak_tflops.value * 1e12),
+                      self.kv_bytes_per_token / (f * copy), self.kv_bytes_per_token / (wf * copy),
+                      self.cfg.num_hidden_layers * p.launch_us.value * 1e-6, lin,
+                      1.0 / (p.peak_tflops.value * p.prefill_mfu.value * 1e12))
+            object.__setattr__(self, "_k", cached)
+        return cached
+
+
 def fit_layer_overhead(profile: GpuProfile, cfg: LlamaConfig, run: Path | str | None = None,
                        batch: int = 1, column: str = "compiled_replay_ms") -> GpuProfile:
     """``profile`` with ``launch_us`` (a layer's kernels' floors) fitted to the real model's measured CUDA-graph
