@@ -15,7 +15,7 @@ from workbench.sweeps import runner
 from workbench.tiers import prefetch
 from workbench.tiers.link import LinkModel
 
-SWEEPS = ("quant", "prefetch", "preemption")
+SWEEPS = ("quant", "prefetch", "preemption", "tier_formats")
 
 
 @pytest.mark.parametrize("name", SWEEPS)

@@ -141,10 +141,11 @@ def ui():
 @pytest.fixture(scope="module")
 def panels(ui):
     tp, _, _ = ui
-    return {"bandwidth": tp.bandwidth_panel(), "prefetch": tp.prefetch_panel(), "preemption": tp.preemption_panel()}
+    return {"bandwidth": tp.bandwidth_panel(), "prefetch": tp.prefetch_panel(), "preemption": tp.preemption_panel(),
+            "format": tp.format_panel()}
 
 
-@pytest.mark.parametrize("name", ["bandwidth", "prefetch", "preemption"])
+@pytest.mark.parametrize("name", ["bandwidth", "prefetch", "preemption", "format"])
 def test_every_control_changes_the_figure_and_redraws_fast(ui, panels, name):
     _, _, figure_json = ui
     panel = panels[name]

@@ -218,3 +218,68 @@ def preemption_curve(rows: Sequence[dict], setup: Mapping) -> go.Figure:
                       legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.2, yanchor="top"),
                       title=top["title"])
     return fig
+
+
+FORMAT_COLORS = {"down": "#2a9d8f", "up": "#264653", "copy": "#8d99ae", "transcode": "#e76f51", "kl": "#e9c46a"}
+
+
+def format_overview(rows: Sequence[dict], chosen: str, setup: Mapping) -> go.Figure:
+    """What a storage format per tier buys and costs, one bar per format.
+
+    Args:
+        rows: ``workbench.studies.tiers.formats_table`` rows (``format``, ``transcodes``, ``bytes_per_token``,
+            ``down_`` / ``up_tokens_per_s``, ``_speedup``, ``_copy_s``, ``_transcode_s``, ``_hidden``, ``mean_kl``,
+            ``agreement``, ``ppl_change``), the device's own format (``transcodes`` False) among them.
+        chosen: the format ringed (none is when no row has it: a format that cannot store the block size).
+        setup: ``{"title", "subtitle"}``.
+
+    Returns:
+        Top, tokens/s moved down and up per format, the device format's down rate as a dashed line; bottom left,
+        a batch's copy against its transcode (down); bottom right, the quality cost (mean KL against fp16, log).
+    """
+    fig = make_subplots(rows=2, cols=2, specs=[[{"colspan": 2}, None], [{}, {}]], row_heights=[0.5, 0.5],
+                        vertical_spacing=0.2, horizontal_spacing=0.12, subplot_titles=(
+                            "tokens moved per second (millions); labels: x the device format's",
+                            "a batch down: copy and transcode (µs)", "quality cost: mean KL against fp16"))
+    names = [r["format"] for r in rows]
+    ring = ["#d62828" if n == chosen else "rgba(0,0,0,0)" for n in names]
+    for d, word in (("down", "down (to the tier)"), ("up", "up (back to the device)")):
+        fig.add_bar(x=names, y=[1e-6 * r[f"{d}_tokens_per_s"] for r in rows], name=word,
+                    marker=dict(color=FORMAT_COLORS[d], line=dict(color=ring, width=3)), offsetgroup=d,
+                    text=[f"x{r[f'{d}_speedup']:.2f}" for r in rows], textposition="outside", textfont_size=10,
+                    hovertext=[f"{r['format']} {d}: {r[f'{d}_tokens_per_s'] / 1e6:.2f} M tokens/s (x"
+                               f"{r[f'{d}_speedup']:.2f}), {r['bytes_per_token']:,.0f} B a token, link "
+                               f"{r[f'{d}_link_gbps']:.1f} GB/s" for r in rows], hoverinfo="text", row=1, col=1)
+    ref = next((r for r in rows if not r["transcodes"]), None)
+    if ref is not None:
+        fig.add_scatter(x=names, y=[1e-6 * ref["down_tokens_per_s"]] * len(names), mode="lines",
+                        name=f"{ref['format']} (the device's bytes) down", hoverinfo="skip",
+                        line=dict(color="#111", dash="dash", width=1.5), row=1, col=1)
+    top = max(1e-6 * r[f"{d}_tokens_per_s"] for r in rows for d in ("down", "up"))
+    fig.update_yaxes(title_text="M tokens/s", range=[0, top * 1.25], row=1, col=1)
+    for key, word in (("down_copy_s", "copy"), ("down_transcode_s", "transcode")):
+        fig.add_bar(x=names, y=[1e6 * r[key] for r in rows], name=f"{word} a batch (down)",
+                    marker=dict(color=FORMAT_COLORS[word], line=dict(color=ring, width=3)), offsetgroup=key,
+                    hovertext=[f"{r['format']}: {word} {1e6 * r[key]:.1f} µs a batch; transcode "
+                               f"{r['down_hidden']:.0%} hidden" for r in rows], hoverinfo="text", row=2, col=1)
+    fig.update_yaxes(title_text="µs a batch", row=2, col=1)
+    kl = [r["mean_kl"] if r["mean_kl"] > 0 else None for r in rows]  # NaN (no row) and fp16's 0 have no bar
+    fig.add_bar(x=names, y=kl, name="mean KL", showlegend=False,
+                marker=dict(color=FORMAT_COLORS["kl"], line=dict(color=ring, width=3)),
+                text=[f"{r['agreement']:.2f}" if not math.isnan(r["agreement"]) else "" for r in rows],
+                textposition="outside", textfont_size=10,
+                hovertext=[f"{r['format']}: mean KL {r['mean_kl']:.3g}, greedy agreement {r['agreement']:.2f}, "
+                           f"perplexity {r['ppl_change']:+.1%}" for r in rows], hoverinfo="text", row=2, col=2)
+    shown = [v for v in kl if v]
+    if shown:
+        lo, hi = math.log10(min(shown)) - 0.3, math.log10(max(shown)) + 0.6
+        fig.update_yaxes(type="log", range=[lo, hi], row=2, col=2)
+    fig.update_yaxes(title_text="mean KL (labels: agreement)", row=2, col=2)
+    for row, col in ((1, 1), (2, 1), (2, 2)):
+        fig.update_xaxes(tickangle=-35, tickfont_size=10, row=row, col=col)
+    head = setup_title(setup, margin_t=130, height=700)  # wrapped to fit
+    # the title's lines from the top (plotly centres them in the margin, onto the first subplot's title)
+    fig.update_layout(height=head["height"], barmode="group", margin=dict(t=head["margin_t"], r=10, l=60, b=50),
+                      title=dict(text=head["title"], font_size=14, y=1 - 12 / head["height"], yanchor="top"),
+                      legend=dict(orientation="h", x=0.0, xanchor="left", y=-0.2, yanchor="top", font_size=11))
+    return fig

@@ -1,21 +1,26 @@
-"""The tiers studies: notebook 05 (prefetch and tiers), prefetch strategies on one sequence's decode and swap against
-recompute of a preempted request. ``PREFETCH`` and ``PREEMPTION`` are both the panels' controls
-(``workbench.ui.tier_panels``) and the sweeps; :func:`replay_strategy` and :func:`preemption_curve` are what each
-computes. Transfer times come from a ``LinkModel``: ``link=latest`` is the newest committed ``bench tiers`` run
-(``latest_link_model()``, what the panels use), ``link=default`` the DESIGN.md figures (``LinkModel.default()``);
-both are fixed files or constants, so a point stays a pure function."""
+"""The tiers studies: notebook 05 (prefetch and tiers), prefetch strategies on one sequence's decode, swap against
+recompute of a preempted request, and a storage format per tier. ``PREFETCH``, ``PREEMPTION`` and
+``FORMAT_PER_TIER`` are both the panels' controls (``workbench.ui.tier_panels``) and the sweeps;
+:func:`replay_strategy`, :func:`preemption_curve` and :func:`formats_table` are what each computes. Transfer times
+come from a ``LinkModel``: ``link=latest`` is the newest committed ``bench tiers`` run (``latest_link_model()``,
+what the panels use), ``link=default`` the DESIGN.md figures (``LinkModel.default()``); the format study's
+``link=host`` is the newest run too. All are fixed files or constants, so a point stays a pure function."""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from workbench.core import kv_spec as model_spec
 from workbench.model.capture import PROMPTS, SAVED_LAYERS
+from workbench.quant.names import TIER_FORMATS
+from workbench.results import format_quality
+from workbench.results import tiers as tier_runs
 from workbench.sim import preemption_cost as pc
 from workbench.studies.base import BLOCK_SIZES, Param, Study
-from workbench.tiers import access, prefetch
+from workbench.tiers import access, format_cost, prefetch
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.replay import ReplayResult, replay
 
@@ -229,4 +234,120 @@ PREEMPTION = Study(
     preemption_point, notebook="05_prefetch_and_tiers", panel="preemption_panel", x="block_size", color="copies",
     y=("swap_per_block_s", "swap_batched_s", "recompute_s", "per_block_vs_recompute"), columns=PREEMPTION_COLUMNS,
     controls=("model", "copies", "path", "tokens"), draw=draw_preemption)
-STUDIES = (PREFETCH, PREEMPTION)
+
+
+# ---- a format per tier -------------------------------------------------------------------------------------------
+FORMAT_LINKS = {"host": "host link (measured)", "disk": "disk (assumed NVMe)", "flat": "flat bandwidth"}
+DEVICE_FORMAT = "fp16"  # what the device holds: the reference of every speed-up and of the quality rows
+QUALITY_KEYS = ("agreement", "mean_kl", "ppl_change")
+
+
+@functools.lru_cache(maxsize=1)
+def quality_table() -> format_quality.QualityTable:
+    """The committed quality rows per format (``format_quality.quality_costs``), read once."""
+    return format_quality.quality_costs()
+
+
+@functools.lru_cache(maxsize=1)
+def measured_transcodes() -> dict[str, tuple[format_cost.Transcode, format_cost.Transcode]]:
+    """The transcode throughput per format measured by the newest committed H200 ``bench tiers`` run with a
+    ``formats`` section (``format_cost.measured_transcodes``); empty while none is committed (then assumed)."""
+    for run in reversed(tier_runs.runs()):
+        found = format_cost.measured_transcodes(run["rows"], tier_runs.run_name(run))
+        if found:
+            return found
+    return {}
+
+
+def formats_table(model: str, block_size: int, batch: int, link: str, bandwidth_gbps: int, transcode: float,
+                  formats=TIER_FORMATS) -> tuple[format_cost.FormatTable, dict]:
+    """``format_cost.format_table`` of ``formats`` for ``model``'s KV shape on ``link`` (``host``: the newest
+    committed ``bench tiers`` run; ``disk``: its assumed NVMe curve; ``flat``: ``bandwidth_gbps``), the transcode as
+    a committed run measured it (:func:`measured_transcodes`), else at ``transcode`` of the H200's copy bandwidth
+    (assumed); each row with its quality cost (:data:`QUALITY_KEYS`, NaN where no committed row has the format).
+    Also the sources, in words: ``link``, ``transcode``, ``quality``."""
+    shape = model_spec.model(model)
+    curves = link_model("latest")
+    measured = measured_transcodes()
+    assumed = format_cost.Transcode(transcode)
+    table = format_cost.format_table(shape, block_size, formats, measured, batch=batch,
+                                     link=float(bandwidth_gbps) if link == "flat" else curves, transcode=assumed,
+                                     device=DEVICE_FORMAT, tier="disk" if link == "disk" else "host")
+    quality = quality_table()
+    for row in table.rows:
+        q = quality.get(row["format"])
+        row.update({k: getattr(q, k) if q else math.nan for k in QUALITY_KEYS})
+        row["transcode_source"] = measured[row["format"]][0].source if row["format"] in measured else assumed.source
+    sources = {"link": {"host": f"host link measured, {curves.source}", "disk": "disk, assumed NVMe curve",
+                        "flat": f"flat {bandwidth_gbps} GB/s"}[link],
+               "transcode": f"transcode at {assumed.fraction:g} of the H200's {assumed.copy_gbps:.0f} GB/s copy "
+                            f"({assumed.source})" if not measured else
+                            f"transcode measured, {next(iter(measured.values()))[0].source}",
+               "quality": quality.describe()}
+    return table, sources
+
+
+def format_point(format: str, model: str, block_size: int, batch: int, link: str, bandwidth_gbps: int,
+                 transcode: float) -> dict:
+    """:func:`formats_table`'s row of one format (``ValueError`` where it cannot store the block size)."""
+    table, sources = formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats=(format,))
+    if not table.rows:
+        raise ValueError(f"format {format} cannot store {block_size}-token blocks of {model}: "
+                         f"{table.skipped[format]}")
+    row = {k: v for k, v in table.rows[0].items() if k != "format"}
+    row.update(link_source=sources["link"], quality_source=quality_table().source, quality_kind=quality_table().kind)
+    return row
+
+
+def draw_formats(result: dict):
+    """The format panel's figure (``tier_figures.format_overview``) of ``result``: rows, chosen, setup."""
+    from workbench.figures import tiers as tier_figures  # plotly: an optional dependency, imported only to draw
+
+    return tier_figures.format_overview(result["rows"], result["chosen"], result["setup"])
+
+
+FORMAT_COLUMNS = {
+    "format": ("host format",), "model": ("model",), "block_size": ("block size", "tokens"),
+    "batch": ("blocks a batch",), "link": ("link",), "bandwidth_gbps": ("flat link", "GB/s"),
+    "transcode": ("transcode throughput (of copy bandwidth)",), "transcodes": ("transcoded",),
+    "lossy": ("lossy",), "block_bytes": ("block in the format", "KiB", 1 / 1024),
+    "bytes_per_token": ("bytes a token (all layers)", "B"), "ratio": ("device bytes / format bytes",),
+    "batch_bytes": ("a batch in the format", "MiB", MIB),
+    "down_transcode_s": ("transcode a batch down", "µs", 1e6), "up_transcode_s": ("transcode a batch up", "µs", 1e6),
+    "down_copy_s": ("copy a batch down", "µs", 1e6), "up_copy_s": ("copy a batch up", "µs", 1e6),
+    "down_s": ("a batch down, pipelined", "µs", 1e6), "up_s": ("a batch up, pipelined", "µs", 1e6),
+    "down_tokens_per_s": ("tokens moved down", "M/s", 1e-6), "up_tokens_per_s": ("tokens moved up", "M/s", 1e-6),
+    "down_speedup": ("tokens/s down / fp16's",), "up_speedup": ("tokens/s up / fp16's",),
+    "down_hidden": ("transcode hidden behind the copy down (share)",),
+    "up_hidden": ("transcode hidden behind the copy up (share)",),
+    "down_link_gbps": ("link reached down", "GB/s"), "up_link_gbps": ("link reached up", "GB/s"),
+    "down_pays_below_gbps": ("the format pays down below", "GB/s"),
+    "up_pays_below_gbps": ("the format pays up below", "GB/s"),
+    "down_hidden_below_gbps": ("transcode hidden down below", "GB/s"),
+    "up_hidden_below_gbps": ("transcode hidden up below", "GB/s"),
+    "agreement": ("greedy agreement with fp16",), "mean_kl": ("mean KL against fp16",),
+    "ppl_change": ("perplexity change against fp16",),
+}
+
+FORMAT_PER_TIER = Study(
+    "tier_formats", "a storage format per tier: tokens/s moved down and up, transcode hidden, break-even link, "
+                    "quality cost", (
+        Param("format", "str", "int4/token", choices=TIER_FORMATS,
+              grid=("fp16", "int8/token", "int4/token", "int2/token"), label="host format"),
+        Param("model", "str", "smollm2-135m", choices=tuple(sorted(model_spec.MODELS)), label="KV shape"),
+        Param("block_size", "int", 16, choices=BLOCK_SIZES, grid=(16, 64, 256), label="block (tokens)"),
+        Param("batch", "int", 64, choices=(1, 4, 16, 64, 256, 1024), label="blocks a batch"),
+        Param("link", "str", "host", choices=tuple(FORMAT_LINKS), labels=FORMAT_LINKS, label="link",
+              help="host: the newest bench tiers run; disk: assumed NVMe; flat: bandwidth_gbps"),
+        Param("bandwidth_gbps", "int", 64, choices=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+              label="flat link (GB/s)", help="link=flat"),
+        Param("transcode", "float", format_cost.ASSUMED_FRACTION, choices=(0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0),
+              label="transcode (of copy bw)", help="of the device's copy bandwidth, assumed (a committed bench tiers "
+                                                   "formats run replaces it)")),
+    format_point, notebook="05_prefetch_and_tiers", panel="format_panel", x="block_size", color="format",
+    y=("down_tokens_per_s", "down_speedup", "up_speedup", "down_hidden", "down_pays_below_gbps", "mean_kl",
+       "agreement"),
+    columns=FORMAT_COLUMNS, controls=("format", "model", "block_size", "batch", "link", "bandwidth_gbps", "transcode"),
+    enabled={"bandwidth_gbps": lambda link, **_: link == "flat", "transcode": lambda **_: not measured_transcodes()},
+    draw=draw_formats)
+STUDIES = (PREFETCH, PREEMPTION, FORMAT_PER_TIER)

@@ -1,8 +1,9 @@
-"""The panels of notebook 05: the measured host link, prefetch strategies on the tiers, swap against recompute.
+"""The panels of notebook 05: the measured host link, prefetch strategies on the tiers, swap against recompute, a
+storage format per tier.
 
-The prefetch and preemption panels are the controls, computation and figures of their studies
-(``workbench.studies.tiers``), which the ``prefetch`` and ``preemption`` sweeps run too; the bandwidth panel reads the
-committed ``bench tiers`` runs (``workbench.results.tiers``). ``tier_figures`` draws.
+The prefetch, preemption and format panels are the controls, computation and figures of their studies
+(``workbench.studies.tiers``), which the ``prefetch``, ``preemption`` and ``tier_formats`` sweeps run too; the
+bandwidth panel reads the committed ``bench tiers`` runs (``workbench.results.tiers``). ``tier_figures`` draws.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from collections.abc import Sequence
 
 import ipywidgets as W
 
+from workbench.core import kv_spec as model_spec
 from workbench.figures import tiers as tier_figures
 from workbench.results import tiers as measured
 from workbench.sim.preemption_cost import BLOCK_SIZES  # the block sizes of vLLM's Figure 19(a)
 from workbench.studies import tiers
+from workbench.tiers import format_cost
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import needs_scores
 from workbench.ui.controls import controls_for
@@ -161,3 +164,37 @@ def preemption_panel(link: LinkModel | None = None, block_sizes: Sequence[int] =
 
     return Panel(controls_for(tiers.PREEMPTION, {"tokens": tokens if tokens in lengths else 1024}), compute,
                  tiers.PREEMPTION.draw)
+
+
+def format_panel(formats=None) -> Panel:
+    """Format, KV shape, block size, blocks a batch, link, flat bandwidth and transcode throughput (the controls of
+    the ``tier_formats`` study) -> tokens/s moved down and up in every format (``tiers.formats_table``), a batch's
+    copy against its transcode, and each format's quality cost from the committed ``bench model_quality`` run.
+
+    Args:
+        formats: the formats shown (default ``format_cost.TIER_FORMATS``: fp16 and every token / groups scheme).
+    """
+    formats = tuple(format_cost.TIER_FORMATS if formats is None else formats)
+
+    def compute(format, model, block_size, batch, link, bandwidth_gbps, transcode):
+        table, sources = tiers.formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats)
+        shape = model_spec.model(model)
+        ref = next(r for r in table.rows if not r["transcodes"])
+        row = table.row(format)
+        if row is None:
+            title = f"{format} cannot store {block_size}-token blocks: {table.skipped.get(format, 'not shown')}"
+        elif not row["transcodes"]:
+            title = (f"{format}, the device's own bytes: {ref['down_tokens_per_s'] / 1e6:.3g} M tokens/s down, "
+                     f"{ref['up_tokens_per_s'] / 1e6:.3g} M up")
+        else:
+            title = (f"{format}: {row['down_speedup']:.2f}x fp16 down, {row['up_speedup']:.2f}x up, transcode "
+                     f"{row['down_hidden']:.0%} hidden, mean KL {row['mean_kl']:.2g}")
+        left = f"; left out: {', '.join(table.skipped)}" if table.skipped else ""
+        setup = {"title": title, "subtitle": (
+            f"{model} ({shape.num_layers} layers x {shape.num_kv_heads} kv heads x {shape.head_dim}), "
+            f"{block_size}-token blocks, {batch} a batch ({tier_figures.size_label(ref['batch_bytes'])} in fp16)"
+            f"{left}<br>{sources['link']}; {sources['transcode']}<br>quality: {sources['quality']}")}
+        return {"rows": table.rows, "chosen": format, "skipped": table.skipped, "setup": setup}
+
+    return Panel(controls_for(tiers.FORMAT_PER_TIER), compute, tiers.FORMAT_PER_TIER.draw,
+                 enabled=tiers.FORMAT_PER_TIER.enabled)
