@@ -1,0 +1,56 @@
+"""A what-if as plain data (issue 35): every part of the answer says where it came from, the quality column reads
+the committed studies, the sensitivity study ranks the measured inputs, and traces come from presets, files or
+objects."""
+
+import json
+
+import pytest
+
+from workbench.sim.traces import Request, Trace
+from workbench.whatif.quality import eviction_quality, quality_column, scheme_quality
+from workbench.whatif.report import load_trace, sensitivity, whatif
+from workbench.whatif.serve import Knobs
+
+
+def test_a_whatif_answers_with_sources():
+    out = whatif("llama-3.1-8b", scheme="int8/token", n=200, rate=10.0, knobs=Knobs(keep=0.25, policy="h2o"))
+    assert set(out) == {"config", "summary", "why", "quality", "memory", "sources"}
+    assert out["summary"]["completed"] == 200 and out["config"]["model"] == "llama-3.1-8b"
+    assert all(p["source"] for p in out["why"]["decode"] + out["why"]["prefill"])
+    assert out["quality"]["kv_scheme"]["source"].startswith("model-quality-")
+    assert "h2o at budget 0.25" in out["quality"]["eviction"]["source"]
+    assert any(f.startswith("quant-decode-") for f in out["sources"]["files"])
+    assert out["sources"]["peak_tflops"].startswith("assumed")
+    assert len(out["memory"]["time_s"]) == len(out["memory"]["blocks"]) <= 200
+    json.dumps(out)  # plain data: what --json prints
+
+
+def test_quality_rows_come_from_the_committed_studies():
+    assert scheme_quality("fp16")["agreement"] == 1.0
+    q = scheme_quality("int4/token")
+    assert 0 < q["agreement"] < 1 and q["mean_kl"] > 0
+    assert scheme_quality("int3/token") is None
+    assert eviction_quality("full", 1.0)["source"] == "no eviction"
+    assert eviction_quality("snapkv", 0.3)["source"].endswith("budget 0.25 (asked 0.3)")
+    assert quality_column("fp16", host_format="fp16")["host_format"] is None
+
+
+def test_sensitivity_ranks_every_measured_input():
+    rows = sensitivity("smollm2-135m", n=100, rate=20.0)
+    assert {r["input"] for r in rows} >= {"decode_frac", "copy_gbps", "launch_us", "gemv_frac"}
+    effect = [max(abs(v) for k, v in r.items() if k.endswith(("_low", "_high")) and isinstance(v, float))
+              for r in rows]
+    assert effect == sorted(effect, reverse=True)
+
+
+def test_a_trace_comes_from_a_preset_a_file_or_an_object(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(json.dumps({"id": i, "arrival_s": i * 1.0, "prompt": 10 + i, "output": 5})
+                           for i in range(20)))
+    t = load_trace(str(p), n=10, rate=100.0)
+    assert len(t) == 10 and t.requests[0].arrival_s == 0.0 and t.requests[-1].arrival_s < 1.0
+    assert len(load_trace("alpaca", n=30)) == 30
+    own = Trace("own", (Request(0, 0.0, 5, 5),))
+    assert load_trace(own) is own
+    with pytest.raises(ValueError, match="model must be one of"):
+        whatif("gpt-9")
