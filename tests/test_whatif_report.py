@@ -7,9 +7,12 @@ import json
 import pytest
 
 from workbench.sim.traces import Request, Trace
+from workbench.whatif import models
 from workbench.whatif.quality import eviction_quality, quality_column, scheme_quality
-from workbench.whatif.report import load_trace, sensitivity, whatif
-from workbench.whatif.serve import Knobs
+from workbench.whatif.report import default_profile, load_trace, sensitivity, whatif
+from workbench.whatif.serve import Knobs, simulate
+from workbench.whatif.step_time import StepModel
+from workbench.whatif.validation import paged_vs_reservation, step_vs_measured
 
 
 def test_a_whatif_answers_with_sources():
@@ -54,3 +57,24 @@ def test_a_trace_comes_from_a_preset_a_file_or_an_object(tmp_path):
     assert load_trace(own) is own
     with pytest.raises(ValueError, match="model must be one of"):
         whatif("gpt-9")
+
+
+def test_validation_step_within_15_percent_and_paged_ahead_of_every_reservation():
+    rows = step_vs_measured()
+    assert [r["batch"] for r in rows if r["fitted"]] == [1]
+    assert all(abs(r["error"]) < 0.15 for r in rows if not r["fitted"])
+    pv = {r["allocation"]: r for r in paged_vs_reservation(n=300)}
+    # the vLLM paper's direction: paged sustains more than every reservation scheme, Max the least
+    assert pv["paged"]["max_concurrency"] > pv["oracle"]["max_concurrency"] > pv["max"]["max_concurrency"]
+    assert 1 < pv["oracle"]["paged_over_this"] < pv["pow2"]["paged_over_this"] < pv["max"]["paged_over_this"]
+
+
+def test_reservations_hold_their_slots_from_admission():
+    tr = Trace("t", tuple(Request(i, 0.0, 100, 100) for i in range(8)))
+    sm = StepModel(default_profile(), models.PRESETS["llama-13b"])
+    # 12 blocks of 16 tokens an oracle request (200 tokens), 128 for max_len 2048: 32 blocks hold two oracle
+    # requests' reservations, none of max's
+    oracle = simulate(tr, sm, Knobs(kv_gib=32 * 16 * 800 * 1024 / 2**30 + 1e-9, reserve="oracle", watermark=0.0))
+    assert oracle.summary()["max_concurrency"] == 2 and oracle.summary()["preemptions"] == 0
+    with pytest.raises(ValueError, match="reserve must be one of"):
+        Knobs(reserve="buddy")

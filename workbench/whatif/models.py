@@ -18,6 +18,10 @@ from workbench.model.config import SMOLLM2_135M, LlamaConfig
 
 PRESETS: dict[str, LlamaConfig] = {
     "smollm2-135m": SMOLLM2_135M,
+    # the vLLM paper's OPT-13B has this KV shape (40 layers x 40 heads x 128: 800 KiB a token in fp16)
+    "llama-13b": LlamaConfig(vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=40, rope_theta=10000.0,
+                             tie_word_embeddings=False),
     "llama-3.1-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
                                 tie_word_embeddings=False),

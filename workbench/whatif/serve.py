@@ -38,6 +38,7 @@ from workbench.whatif import models
 from workbench.whatif.step_time import StepModel
 
 PREEMPTION = ("recompute", "swap")
+RESERVE = ("paged", "max", "pow2", "oracle")  # paged blocks on demand, or Orca's reservations (vLLM paper, Fig. 2)
 GIB = 1 << 30
 
 
@@ -59,6 +60,8 @@ class Knobs:
     keep: float = 1.0
     policy: str = "full"
     watermark: float = 0.01  # share of the blocks a new admission leaves free (vLLM's block-manager watermark)
+    reserve: str = "paged"  # "max" / "pow2" / "oracle": Orca-style, a request reserves its slots at admission
+    max_len: int = 2048  # the most tokens a request may hold (what "max" reserves)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch", "token_budget"):
@@ -67,6 +70,10 @@ class Knobs:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if isinstance(self.shared_prefix, bool) or not isinstance(self.shared_prefix, int) or self.shared_prefix < 0:
             raise ValueError(f"shared_prefix must be an int >= 0, got {self.shared_prefix!r}")
+        if self.reserve not in RESERVE:
+            raise ValueError(f"reserve must be one of {RESERVE}, got {self.reserve!r}")
+        if isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len < 2:
+            raise ValueError(f"max_len must be an int >= 2, got {self.max_len!r}")
         if self.preemption not in PREEMPTION:
             raise ValueError(f"preemption must be one of {PREEMPTION}, got {self.preemption!r}")
         if not (isinstance(self.watermark, (int, float)) and 0 <= self.watermark < 1):
@@ -97,6 +104,7 @@ class _Req:
     done_prefill: int = 0
     generated: int = 0  # output tokens so far (the newest one's K/V is written by the next decode step)
     held: int = 0  # tokens whose K/V it holds in its own blocks
+    reserved: int = 0  # blocks reserved at admission (Orca-style ``reserve``; 0 when paged)
     first_token: float = -1.0
 
 
@@ -203,8 +211,9 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
             raise RuntimeError(f"no progress after {max_steps} steps")
         while pending and pending[0].arrival <= now:
             r = pending.popleft()
-            peak = max(r.own, _kept(r, knobs) + r.output - 1)
-            if -(-peak // bs) > total - shared_blocks:
+            peak = max(r.own, _kept(r, knobs) + r.output - 1, _reservation(r, knobs))
+            too_long = knobs.reserve == "max" and r.prompt + r.output > knobs.max_len
+            if -(-peak // bs) > total - shared_blocks or too_long:
                 cnt["rejected"] += 1  # alone it would outgrow the pool
             else:
                 waiting.append(r)
@@ -221,7 +230,7 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
             running.append(r)
             cnt["swaps_in"] += 1
         decoding = [r for r in running if r.done_prefill >= r.to_prefill]
-        need = sum(1 for r in decoding if r.held % bs == 0)  # its last block is full
+        need = sum(1 for r in decoding if r.held % bs == 0 and r.held // bs >= r.reserved)  # last block full
         preempted = need > free
         while need > free:
             victim = max(running, key=lambda r: (r.arrival, r.idx))
@@ -231,7 +240,7 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
             free += k
             if victim in decoding:
                 decoding.remove(victim)
-                need -= victim.held % bs == 0
+                need -= victim.held % bs == 0 and victim.held // bs >= victim.reserved
             if knobs.preemption == "swap" and k <= host_free and victim.done_prefill >= victim.to_prefill:
                 host_free -= k
                 swap_s += link.batch_seconds(host_block_bytes, k, "dma", "d2h")
@@ -243,7 +252,7 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
                     else victim.held
                 if victim.done_prefill >= victim.to_prefill:
                     victim.to_prefill = victim.own + victim.generated - 1
-                victim.done_prefill, victim.held = 0, 0
+                victim.done_prefill, victim.held, victim.reserved = 0, 0, 0
                 waiting.appendleft(victim)
         free -= need
         ctx = 0
@@ -256,11 +265,13 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
         for r in running:
             if budget > 0 and r.done_prefill < r.to_prefill:
                 budget, free = _chunk(r, budget, bs, free, chunks)
-        reserve = int(knobs.watermark * total)
+        spare = int(knobs.watermark * total)
         while budget > 0 and waiting and len(running) < knobs.max_batch and not preempted \
-                and free - -(-min(budget, waiting[0].to_prefill) // bs) >= reserve:
+                and free - _admission_blocks(waiting[0], budget, bs, knobs) >= spare:
             r = waiting.popleft()
             running.append(r)
+            r.reserved = -(-_reservation(r, knobs) // bs)
+            free -= r.reserved
             cnt["prefix_hits"] += r.skip > 0 and r.generated == 0
             budget, free = _chunk(r, budget, bs, free, chunks)
         cnt["max_concurrency"] = max(cnt["max_concurrency"], len(running))
@@ -293,7 +304,19 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
 
 
 def _blocks(r: _Req, bs: int) -> int:
-    return -(-r.held // bs)
+    return max(-(-r.held // bs), r.reserved)
+
+
+def _reservation(r: _Req, knobs: Knobs) -> int:
+    """Tokens an Orca-style request reserves at admission (0 when paged): ``max_len``, the power of two above its
+    final length, or its final length (the oracle)."""
+    final = r.own + r.output
+    return {"paged": 0, "max": knobs.max_len, "pow2": 1 << (final - 1).bit_length(), "oracle": final}[knobs.reserve]
+
+
+def _admission_blocks(r: _Req, budget: int, bs: int, knobs: Knobs) -> int:
+    """Blocks admitting ``r`` takes now: its first chunk's, or its whole reservation."""
+    return max(-(-min(budget, r.to_prefill) // bs), -(-_reservation(r, knobs) // bs))
 
 
 def _chunk(r: _Req, budget: int, bs: int, free: int, chunks: list) -> tuple[int, int]:
@@ -308,7 +331,7 @@ def _chunk(r: _Req, budget: int, bs: int, free: int, chunks: list) -> tuple[int,
     chunks.append((r, fit, r.held + r.skip))
     r.held += fit
     r.done_prefill += fit
-    return budget - fit, free - (_blocks(r, bs) - before)
+    return budget - fit, free - (_blocks(r, bs) - before)  # a reservation already holds these blocks
 
 
 def _kept(r: _Req, knobs: Knobs) -> int:
