@@ -33,6 +33,7 @@ import torch
 
 from workbench import quant
 from workbench.core.layout import Layout, block_view, to_nhd
+from workbench.kernels.common import check_kernel_shape
 from workbench.kernels.write.reference import dequantize_cache_ref
 from workbench.quant import blocks as qblocks
 
@@ -79,17 +80,19 @@ def tier_format(cache, value, name: str = "host_format") -> TierFormat:
         scheme = quant.get(value)
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
+    scheme = scheme.without_residual()  # a tier holds whole blocks: no fp16 window of newest tokens
+    if scheme.name == cache.scheme.without_residual().name and scheme == cache.scheme.without_residual():
+        return DEVICE  # before the static check: a static cache's own scheme is its bytes, no scales to find
     if scheme.needs_static_scales:
         raise ValueError(f"{name} must be a cast or a scheme whose scales are computed on write (token or groups "
                          f"family: fp8_e4m3/token, int8/token, int4/token, int4/kivi, ...); {scheme.name} needs "
                          f"static scales calibrated ahead, which a tier does not have")
-    scheme = scheme.without_residual()  # a tier holds whole blocks: no fp16 window of newest tokens
-    if scheme.name == cache.scheme.without_residual().name and scheme == cache.scheme.without_residual():
-        return DEVICE
     H, D = cache.num_kv_heads, cache.head_dim
     for bs in cache.pool_sizes:
         try:
             scheme.check_shape(H, D)
+            if cache.ops == "kernels":  # the batch is written by the write kernel, which must tile the rows
+                check_kernel_shape(scheme, D)
             if bs % scheme.write_group:
                 raise ValueError(f"its groups of {scheme.write_group} tokens do not tile a block of {bs}")
             qblocks.block_bytes(scheme, bs, H, D)
