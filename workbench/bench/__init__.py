@@ -27,6 +27,8 @@ BENCHMARKS = {
     "shared_prefix": "GPU: shared-prefix decode (cascade) vs plain paged decode vs SDPA, prefix x sharers x suffix x "
                      "GQA: the crossover map, the tile sweep, fp8, nested prefixes, overlap-aware batching, the fitted "
                      "selector (--smoke: tiny CPU check)",
+    "whatif_replay": "GPU: a trace replayed through the real runner in real time vs the what-if's prediction of it "
+                     "(throughput, TTFT; --smoke: tiny CPU check)",
     "results": "print the newest timed decode run of a result folder (no GPU needed)",
     "anatomy": "no GPU needed: each decode kernel compiled for sm_90a; registers, spills and its main loop's SASS per "
                "stored byte against the issue budget (what limits a scheme that is not at copy bandwidth); "
