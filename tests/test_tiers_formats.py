@@ -372,6 +372,29 @@ def test_a_prefix_demoted_to_a_lossy_disk_is_promoted_as_its_roundtrip_or_droppe
     tc.check_invariants()
 
 
+def test_a_transcode_that_fails_leaves_the_swap_undone_and_no_host_unit_taken(monkeypatch):
+    """The transcode allocates on the device (fp32 values of the batch): out of memory there, a swap-out raises
+    with the sequence resident and every host unit free again, and the next one goes through."""
+    cache = _cache(pages=8)
+    tc = _tiered(cache, "int4/token")
+    tc.add("s", _tokens(70), *_kv(70, 1))
+    raw = _staged(cache, "s")
+
+    def out_of_memory(*a, **kw):
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(formats, "encode", out_of_memory)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            tc.swap_out(["s"])
+    assert tc.is_resident("s") and torch.equal(_staged(cache, "s"), raw) and not tc.entries
+    assert tc.stats()["host"]["used_bytes"] == 0
+    tc.check_invariants()
+    tc.swap_out(["s"])
+    tc.swap_in(["s"])
+    tc.check_invariants()
+
+
 @pytest.mark.parametrize("accept", [True, False])
 def test_accept_lossy_false_computes_the_prompt_again_and_publishes_nothing_swapped_back(accept):
     cache = _cache(pages=8)

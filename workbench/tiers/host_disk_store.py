@@ -190,7 +190,11 @@ class LowerTiers:
         """Copy device blocks to new host entries (room made by the caller), one batch."""
         units = self.mover.units(bs)
         starts = self.host.allocate([units] * len(pairs))
-        transfer = self.mover.to_host(bs, [b for b, _ in pairs], starts)
+        try:
+            transfer = self.mover.to_host(bs, [b for b, _ in pairs], starts)
+        except BaseException:  # the move failed (its transcode out of device memory, say): the units are free again
+            self.host.free(starts, [units] * len(pairs))
+            raise
         nbytes = units * self.unit_bytes
         for (_, d), st in zip(pairs, starts, strict=True):
             self.entries[d] = LowerEntry(d, bs, nbytes, "host", st, units, last_access=next(self.clock))
