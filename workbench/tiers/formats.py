@@ -7,9 +7,10 @@
 
 Why: the host link is the bottleneck of swaps and prefetch (~54 GB/s pinned on the H200, and only for large
 batches: docs/tiers.md) while the device reads its own memory ~80x faster, so a block that crosses the link in
-int4 instead of fp16 moves ~3.8x more tokens per second for the price of two passes over device memory. Lossless
-coding of real fp16 K/V gains only ~1.17x (docs/compression.md), and a CPU codec sees the bytes only after they
-crossed the link, so the lever is fewer bytes per token before the copy: a lossy format, chosen per tier.
+int4/token instead of fp16 moves ~3.2x more tokens per second (its scales and zero points included) for the price
+of two passes over device memory. Lossless coding of real fp16 K/V gains only ~1.17x (docs/compression.md), and a
+CPU codec sees the bytes only after they crossed the link, so the lever is fewer bytes per token before the copy:
+a lossy format, chosen per tier.
 
 A block in a tier format is ``[layers, 2 (K, V), row]``: each layer's K (then V) of the block as a block of the
 format's scheme would hold it in the NHD layout, codes then scales and zero points (``workbench.quant.blocks``),
