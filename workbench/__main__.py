@@ -15,6 +15,9 @@ Commands:
   sweep NAME    run a notebook panel's sweep over a grid of parameters into tidy CSV/JSON, resumable (--list)
   check IMPL    run the conformance suite on a registered kernel, export its cases, judge outside outputs
                 (its own --help)
+  whatif        a serving what-if: a model, a GPU profile, a trace and the knobs in; throughput, latency, memory,
+                the why of a step and the quality column out, every number with its source (its own --help)
+  profile       GPU: run the few benchmarks a what-if's GPU profile is made from into --out DIR (its own --help)
 
 ``main(argv)`` returns the exit status (2 for bad input, with a message and no traceback).
 """
@@ -202,7 +205,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 # commands whose own parsers take every option after the name
 OWN_PARSER_COMMANDS = {"generate": "workbench.commands.generate", "capture": "workbench.model.capture",
-                  "check": "workbench.commands.check", "sweep": "workbench.commands.sweep"}
+                  "check": "workbench.commands.check", "sweep": "workbench.commands.sweep",
+                  "whatif": "workbench.commands.whatif", "profile": "workbench.commands.profile"}
 
 
 def cmd_own_parser(args: argparse.Namespace) -> int:
@@ -273,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (("generate", "generate with SmolLM2-135M through the paged cache (generate --help)"),
                        ("capture", "store real K/V and attention of fixed prompts (capture --help)"),
                        ("check", "check a kernel on the conformance suite (check --help)"),
-                       ("sweep", "run a panel's sweep over a grid, resumable (sweep --list, sweep --help)")):
+                       ("sweep", "run a panel's sweep over a grid, resumable (sweep --list, sweep --help)"),
+                       ("whatif", "a serving what-if for a model, GPU and trace, with sources (whatif --help)"),
+                       ("profile", "GPU: the benchmarks a what-if's GPU profile is made from (profile --help)")):
         p = sub.add_parser(name, help=text, add_help=False)
         p.add_argument("rest", nargs=argparse.REMAINDER, help="the command's options")
         p.set_defaults(func=cmd_own_parser)
