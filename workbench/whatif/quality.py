@@ -29,19 +29,19 @@ def _quality(agreement, kl, ppl, ref, source: str) -> dict:
 
 
 def scheme_quality(scheme: str, results_dir: Path | str | None = None) -> dict | None:
-    """Quality of ``scheme`` against the fp16 cache (None when no run measured it)."""
+    """Quality of ``scheme`` against the fp16 cache from the newest full run with rows of it (a run of other
+    sections only, such as ``--sections tiers``, is passed over); None when no run measured it."""
     d = Path(results_dir) if results_dir is not None else RESULTS
-    runs = [p for p in sorted(d.glob("model-quality-*.json")) if json.loads(p.read_text()).get("mode") == "full"]
-    if not runs:
-        return None
-    doc = json.loads(runs[-1].read_text())
-    rows = [r for r in doc["rows"] if r.get("scheme") == scheme and "agreement" in r]
-    if not rows:
-        return None
-    by_layer = [r for r in rows if r.get("static_scales_by") == "layer"]
-    r = (by_layer or rows)[-1]
-    return _quality(r["agreement"], r["mean_kl"], r["perplexity"], r["ref_perplexity"],
-                    f"{runs[-1].name}: scheme {scheme}")
+    for path in reversed(sorted(d.glob("model-quality-*.json"))):
+        doc = json.loads(path.read_text())
+        rows = [r for r in doc["rows"] if r.get("scheme") == scheme and "agreement" in r]
+        if doc.get("mode") != "full" or not rows:
+            continue
+        by_layer = [r for r in rows if r.get("static_scales_by") == "layer"]
+        r = (by_layer or rows)[-1]
+        return _quality(r["agreement"], r["mean_kl"], r["perplexity"], r["ref_perplexity"],
+                        f"{path.name}: scheme {scheme}")
+    return None
 
 
 def eviction_quality(policy: str, keep: float, results_dir: Path | str | None = None) -> dict | None:
