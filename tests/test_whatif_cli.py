@@ -86,6 +86,7 @@ def test_a_config_json_and_a_jsonl_trace(tmp_path, capsys):
     ("--keep", "1.5"), ("--keep", "0"), ("--scheme", "int3/token"), ("--host-format", "int5"), ("--model", "gpt-9"),
     ("--trace", "no_such_trace.jsonl"), ("--preemption", "drop"), ("--policy", "lru"), ("--host-gib", "-1"),
     ("--shared-prefix", "-1"), ("--seed", "x"), ("--frac", "mean"), ("--max-batch", "0"), ("--token-budget", "1.5"),
+    ("--reserve", "lru"), ("--max-len", "1"),
 ])
 def test_a_bad_flag_is_refused_naming_it(flag, value, capsys):
     rc, out, err = run([flag, value], capsys)
@@ -110,6 +111,18 @@ def test_combinations_and_inputs_that_cannot_work_are_refused_naming_the_flag(tm
     assert rc == 2 and "--profile" in err
     rc, _, err = run(["--model", "llama-3.1-70b"], capsys)  # 140 GB of weights leave no KV memory on 141 GiB
     assert rc == 2 and "--kv-gib" in err
+
+
+def test_an_orca_style_reservation_holds_fewer_sequences_than_paged_blocks(capsys):
+    flags = ["--model", "llama-13b", "--kv-gib", "12", "--requests", "200", "--rate", "1000", "--json"]
+    held = {}
+    for reserve in ("paged", "max"):
+        rc, out, err = run([*flags, "--reserve", reserve, "--max-len", "2048"], capsys)
+        assert rc == 0, err
+        d = json.loads(out)
+        assert d["config"]["reserve"] == reserve and d["config"]["max_len"] == 2048
+        held[reserve] = d["summary"]["max_concurrency"]
+    assert held["max"] < held["paged"]
 
 
 def test_flags_that_change_nothing_are_warned_of(capsys):

@@ -26,7 +26,7 @@ from workbench.sim import traces
 from workbench.whatif import models
 from workbench.whatif.profile import GpuProfile
 from workbench.whatif.report import OUTPUTS, default_profile, load_trace, sensitivity, whatif
-from workbench.whatif.serve import PREEMPTION, Knobs
+from workbench.whatif.serve import PREEMPTION, RESERVE, Knobs
 from workbench.whatif.step_time import fit_layer_overhead
 
 GIB = 1 << 30
@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(--preemption swap; default 0)")
     p.add_argument("--host-format", type=scheme_arg, default=None, help="scheme of the swapped blocks on the host "
                    "(default: the device's)")
+    p.add_argument("--reserve", choices=RESERVE, default="paged", help="paged blocks on demand, or an Orca-style "
+                   "reservation at admission: max (--max-len tokens), pow2 (the power of two above the request's "
+                   "length), oracle (its exact length) (default paged)")
+    p.add_argument("--max-len", type=positive_int, default=2048, help="the most tokens a request may hold (what "
+                   "--reserve max reserves; default 2048)")
     p.add_argument("--keep", type=share_arg, default=1.0, help="share of each prompt kept after prefill, an "
                    "eviction budget (default 1: none evicted)")
     p.add_argument("--policy", choices=POLICIES, default="full", help="the eviction policy of --keep (quality "
@@ -158,7 +163,8 @@ def knobs_of(args: argparse.Namespace) -> Knobs:
     return Knobs(block_size=args.block_size, kv_gib=args.kv_gib, max_batch=args.max_batch,
                  token_budget=args.token_budget, prefix_caching=not args.no_prefix_caching,
                  shared_prefix=args.shared_prefix, preemption=args.preemption, host_gib=args.host_gib,
-                 host_format=args.host_format, keep=args.keep, policy=args.policy)
+                 host_format=args.host_format, keep=args.keep, policy=args.policy, reserve=args.reserve,
+                 max_len=args.max_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
+        if args.max_len < 2:
+            raise ValueError(f"argument --max-len: expected an integer >= 2, got {args.max_len}")
         if args.keep < 1 and args.policy == "full":
             raise ValueError(f"argument --policy: --keep {args.keep:g} evicts tokens: name the policy that picks "
                              f"them ({', '.join(p for p in POLICIES if p != 'full')})")
@@ -269,14 +277,17 @@ def format_report(d: dict) -> str:
              f"{'on' if c['prefix_caching'] else 'off'}, shared prefix {c['shared_prefix']} tokens, preemption by "
              f"{c['preemption']}" + (f" (host {c['host_gib']:g} GiB in {c['host_format'] or c['scheme']})"
                                       if c["preemption"] == "swap" else "")
-             + (f", keep {c['keep']:g} of each prompt ({c['policy']})" if c["keep"] < 1 else ""),
+             + (f", keep {c['keep']:g} of each prompt ({c['policy']})" if c["keep"] < 1 else "")
+             + (f", Orca-style reservation: {c['reserve']}" + (f" ({c['max_len']} tokens)" if c["reserve"] == "max"
+                                                                else "") if c.get("reserve", "paged") != "paged"
+                else ""),
              "", "summary"]
     peak = s.get("peak_blocks", 0)
     rows = [
         ("completed", f"{s['completed']} of {s['requests']} requests" + (f" ({s['rejected']} rejected: longer "
                                                                           f"than the whole KV memory)"
                                                                           if s.get("rejected") else "")),
-        ("throughput", f"{s['throughput_tok_s']:.4g} tokens/s ({s['requests_per_s']:.3g} requests/s)"),
+        ("throughput", f"{s['throughput_tok_s']:,.0f} tokens/s ({s['requests_per_s']:.3g} requests/s)"),
         ("TTFT p50/p90/p99", " / ".join(_ms(s[f"ttft_p{q}_s"]) for q in (50, 90, 99))),
         ("TPOT p50/p90/p99", " / ".join(_ms(s[f"tpot_p{q}_s"]) for q in (50, 90, 99))),
         ("max concurrency", f"{s['max_concurrency']} sequences"),
