@@ -171,14 +171,20 @@ def test_copy_bandwidth_is_the_committed_h200_runs():
 
 
 # ---- quality rows -------------------------------------------------------------------------------------------------
-def test_quality_is_the_newest_runs_scheme_rows():
-    q = format_quality.quality_costs()
+def test_quality_is_the_newest_runs_scheme_rows(tmp_path):
+    shutil.copy(RESULTS / QUALITY, tmp_path / QUALITY)  # a run without tier rows (model_quality before issue 34)
+    q = format_quality.quality_costs(tmp_path)
     assert (q.kind, q.source) == ("scheme", QUALITY) and "stand-in" in q.describe()
     rows = {r["scheme"]: r for r in reversed(json.loads((RESULTS / QUALITY).read_text())["rows"])}  # first wins
     for name in fc.TIER_FORMATS:
         r, got = rows[name], q.get(name)
         assert got == format_quality.Quality(r["agreement"], r["mean_kl"], r["perplexity"] / r["ref_perplexity"] - 1)
     assert q.get("fp16") == format_quality.Quality(1.0, 0.0, 0.0)
+    here = format_quality.quality_costs()  # data/results: tier rows once a run with them is there
+    assert here.source in {p.name for p in RESULTS.glob(format_quality.PATTERN)}
+    if here.kind == "tier":
+        assert set(fc.TIER_FORMATS) <= set(here.by_format) and here.get("fp16").mean_kl == 0.0
+        assert here.describe().startswith("tier rows, ")
 
 
 def test_tier_rows_win_when_a_run_has_them(tmp_path):
@@ -220,7 +226,7 @@ def test_study_point_is_the_tables_row_with_its_quality():
         table, _ = tier_studies.formats_table(**{k: v for k, v in params.items() if k != "format"})
         want = table.row(params["format"])
         assert {k: row[k] for k in want if k != "format"} == {k: v for k, v in want.items() if k != "format"}
-        assert row["quality_source"] == QUALITY and row["transcode_source"] == "assumed"
+        assert row["quality_source"] == tier_studies.quality_table().source and row["transcode_source"] == "assumed"
     with pytest.raises(ValueError, match="int4/kivi cannot store 16-token blocks"):
         s.point(**{**s.defaults(), "format": "int4/kivi"})
 

@@ -237,7 +237,7 @@ PREEMPTION = Study(
 
 
 # ---- a format per tier -------------------------------------------------------------------------------------------
-FORMAT_LINKS = {"host": "host link (measured)", "disk": "disk (assumed NVMe)", "flat": "flat bandwidth"}
+FORMAT_LINKS = {"host": "host (measured)", "disk": "disk (assumed)", "flat": "flat (slider)"}  # the toggle's words
 DEVICE_FORMAT = "fp16"  # what the device holds: the reference of every speed-up and of the quality rows
 QUALITY_KEYS = ("agreement", "mean_kl", "ppl_change")
 
@@ -342,7 +342,7 @@ FORMAT_PER_TIER = Study(
         Param("bandwidth_gbps", "int", 64, choices=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
               label="flat link (GB/s)", help="link=flat"),
         Param("transcode", "float", format_cost.ASSUMED_FRACTION, choices=(0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0),
-              label="transcode (of copy bw)", help="of the device's copy bandwidth, assumed (a committed bench tiers "
+              label="transcode / copy", help="of the device's copy bandwidth, assumed (a committed bench tiers "
                                                    "formats run replaces it)")),
     format_point, notebook="05_prefetch_and_tiers", panel="format_panel", x="block_size", color="format",
     y=("down_tokens_per_s", "down_speedup", "up_speedup", "down_hidden", "down_pays_below_gbps", "mean_kl",

@@ -14,10 +14,10 @@ import ipywidgets as W
 
 from workbench.core import kv_spec as model_spec
 from workbench.figures import tiers as tier_figures
+from workbench.quant.names import TIER_FORMATS
 from workbench.results import tiers as measured
 from workbench.sim.preemption_cost import BLOCK_SIZES  # the block sizes of vLLM's Figure 19(a)
 from workbench.studies import tiers
-from workbench.tiers import format_cost
 from workbench.tiers.link import LinkModel, latest_link_model
 from workbench.tiers.prefetch import needs_scores
 from workbench.ui.controls import controls_for
@@ -166,15 +166,16 @@ def preemption_panel(link: LinkModel | None = None, block_sizes: Sequence[int] =
                  tiers.PREEMPTION.draw)
 
 
-def format_panel(formats=None) -> Panel:
+def format_panel(formats: Sequence[str] = TIER_FORMATS, **values) -> Panel:
     """Format, KV shape, block size, blocks a batch, link, flat bandwidth and transcode throughput (the controls of
     the ``tier_formats`` study) -> tokens/s moved down and up in every format (``tiers.formats_table``), a batch's
     copy against its transcode, and each format's quality cost from the committed ``bench model_quality`` run.
 
     Args:
-        formats: the formats shown (default ``format_cost.TIER_FORMATS``: fp16 and every token / groups scheme).
+        formats: the formats shown (default ``workbench.quant.names.TIER_FORMATS``, fp16 first: the reference).
+        values: the controls' first values (default the study's), e.g. ``block_size=64``.
     """
-    formats = tuple(format_cost.TIER_FORMATS if formats is None else formats)
+    formats = tuple(formats)
 
     def compute(format, model, block_size, batch, link, bandwidth_gbps, transcode):
         table, sources = tiers.formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats)
@@ -196,5 +197,5 @@ def format_panel(formats=None) -> Panel:
             f"{left}<br>{sources['link']}; {sources['transcode']}<br>quality: {sources['quality']}")}
         return {"rows": table.rows, "chosen": format, "skipped": table.skipped, "setup": setup}
 
-    return Panel(controls_for(tiers.FORMAT_PER_TIER), compute, tiers.FORMAT_PER_TIER.draw,
+    return Panel(controls_for(tiers.FORMAT_PER_TIER, values), compute, tiers.FORMAT_PER_TIER.draw,
                  enabled=tiers.FORMAT_PER_TIER.enabled)
