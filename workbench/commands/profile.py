@@ -13,7 +13,9 @@ The benchmarks, each run as its own ``python -m workbench bench ...`` process:
 3. ``bench model_decode`` at batch 1, 16 and 64 (CUDA graph, compiled, no transformers): SmolLM2-135M's real
    decode step, to fit the per-layer floor at batch 1 and validate the step model at 16 and 64.
 
-On a machine without CUDA it refuses (exit 2) unless ``--dry-run``.
+Then it prints how to use the folder: ``python -m workbench whatif --profile DIR --gpu NAME``, or
+``GpuProfile.from_results(DIR, name=NAME)`` in Python. On a machine without CUDA it refuses (exit 2) unless
+``--dry-run``.
 """
 
 from __future__ import annotations
