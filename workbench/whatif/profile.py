@@ -18,7 +18,8 @@ What a profile holds and where each comes from:
 - ``link``: the host link's curves (``workbench.tiers.link.LinkModel`` of the newest ``bench tiers`` run).
 - ``launch_us``: what one small kernel costs inside a CUDA graph (its floor). No run measures it alone yet, so it
   is fitted to the real model's decode step at batch 1 (``bench model_decode``) and says so; batch 16 and 64 of
-  that run then validate the model. ``python -m workbench profile`` (GPU) measures it directly.
+  that run then validate the model. ``python -m workbench profile`` (GPU) makes that run on another GPU, where the
+  floor is fitted the same way.
 - ``gemv_frac``: the fraction of copy bandwidth a decode step's weight reads reach; ``peak_tflops`` and
   ``prefill_mfu`` for compute-bound prefill; ``hbm_gib``. Not measured here: assumed, named as such.
 """
