@@ -15,7 +15,8 @@ Shared by the ops: ``common.py`` (helpers), ``validate.py`` (the block-table che
 launch tables per GPU).
 """
 
-import workbench  # noqa: F401  (chooses compiled vs interpreted before any kernel is decorated)
+import workbench  # (chooses compiled vs interpreted before any kernel is decorated)
+from workbench.core import interpreter
 
 from .copy import copy_blocks
 from .decode import CascadePlan, DecodePlan, decode_config, merge_state, merge_states, paged_decode
@@ -23,6 +24,9 @@ from .gather import paged_gather
 from .quest import key_bounds, quest_page_scores, quest_select
 from .swap import move_blocks
 from .write import check_write_kv, write_kv
+
+if workbench.is_interpreted():
+    interpreter.install()  # triton.language patched once a launch, not once a helper call (a third of the time)
 
 __all__ = ["CascadePlan", "DecodePlan", "check_write_kv", "copy_blocks", "decode_config", "key_bounds", "merge_state", "merge_states",
            "move_blocks", "paged_decode", "paged_gather", "quest_page_scores", "quest_select", "write_kv"]

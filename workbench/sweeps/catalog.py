@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workbench.studies import cache, compress, conformance, kernels, model, quant, shared_prefix, tiers
+from workbench.studies import cache, compress, conformance, kernels, model, quant, shared_prefix, tiers, whatif
 from workbench.studies.base import Study
 
-MODULES = (cache, quant, tiers, compress, shared_prefix, model, conformance, kernels)
+MODULES = (cache, quant, tiers, compress, shared_prefix, model, conformance, kernels, whatif)
 _STUDIES: dict[str, Study] = {s.name: s for module in MODULES for s in module.STUDIES}
 
 
