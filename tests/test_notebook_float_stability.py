@@ -45,7 +45,7 @@ RUNS = {
                                    "error_study.kivi_comparison(",
                                    "h200_decode_run()", "quant_speed.speed_rows(", 'conclusions("03'],
     "05_prefetch_and_tiers": ["from workbench.tiers import", "PROMPT, STEPS =", "access.pattern_traces(",
-                              "pc.swap_recompute_curves(", 'conclusions("05'],
+                              "pc.swap_recompute_curves(", "tier_studies.formats_table(", 'conclusions("05'],
     "07_compression": ["from workbench.compress import", "BUDGETS =", "CAPS = capture.load()",
                        "study.score_settings(", "evict.pool_study(", "real_recall_rows(", "measured.model_rows(",
                        "measured.ratio_summary(", 'conclusions("07'],

@@ -273,7 +273,7 @@ def format_overview(rows: Sequence[dict], chosen: str, setup: Mapping) -> go.Fig
     shown = [v for v in kl if v]
     if shown:
         lo, hi = math.log10(min(shown)) - 0.3, math.log10(max(shown)) + 0.6
-        fig.update_yaxes(type="log", range=[lo, hi], row=2, col=2)
+        fig.update_yaxes(type="log", range=[lo, hi], exponentformat="power", row=2, col=2)  # not plotly's "100µ"
     fig.update_yaxes(title_text="mean KL (labels: agreement)", row=2, col=2)
     for row, col in ((1, 1), (2, 1), (2, 2)):
         fig.update_xaxes(tickangle=-35, tickfont_size=10, row=row, col=col)
