@@ -168,6 +168,31 @@ def test_reset_redraws_once_and_restores_a_subclass_state():
     assert draws == [(1, 1)] and panel.restored and panel.values() == {"a": 1, "b": 1}
 
 
+def test_set_moves_several_controls_with_one_redraw_and_refuses_before_moving_any():
+    import random
+
+    from traitlets import TraitError
+
+    draws = []
+    rng = random.Random(7)
+    sliders = {n: W.IntSlider(value=rng.randint(0, 9), min=0, max=9) for n in "abc"}
+    sliders["d"] = W.Dropdown(options=["x", "y", "z"], value="y")
+    panel = panels.Panel(sliders, lambda a, b, c, d: (a, b, c, d),
+                         lambda r: draws.append(r) or go.Figure(go.Bar(y=list(r[:3]))))
+    for _ in range(5):
+        want = {"a": rng.randint(0, 9), "c": rng.randint(0, 9), "d": rng.choice("xyz")}
+        before, draws[:] = panel.values(), []
+        panel.set(**want)
+        assert panel.values() == {**before, **want} and draws == [tuple(panel.values().values())]
+        assert panel.view.figure == figure_json(panel.figure)
+    shown, values, draws[:] = figure_json(panel.figure), panel.values(), []
+    with pytest.raises(ValueError, match="no control named e, f"):
+        panel.set(a=1, f=2, e=3)
+    with pytest.raises(TraitError, match="Invalid selection"):  # not one of the dropdown's options
+        panel.set(a=(values["a"] + 1) % 10, d="w")
+    assert panel.values() == values and draws == [] and figure_json(panel.figure) == shown
+
+
 def _check_cells():
     """(notebook, cell index, source) of every code cell that moves a panel's controls or presses its button."""
     import re

@@ -88,17 +88,34 @@ class Panel:
         for name, rule in self._enabled.items():
             self.controls[name].disabled = not rule(**self.values())
 
+    def set(self, **values) -> None:
+        """Several controls at once, then one redraw (a control set alone redraws at once: five set one by one draw
+        five figures). A name that is no control, or a value a control refuses, changes nothing."""
+        unknown = sorted(set(values) - set(self.controls))
+        if unknown:
+            raise ValueError(f"values: no control named {', '.join(unknown)} (the panel's: {', '.join(self.controls)})")
+        before = self.values()
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        except Exception:
+            for name, value in before.items():
+                self.controls[name].value = value
+            raise
+        finally:
+            self._holding = False
+        self.redraw()
+
     def reset(self) -> None:
         """Every control back to the value the panel was built with (the parameters cell's), then one redraw: how a
         check cell that moved the controls leaves the panel, so that Run All shows the notebook's settings."""
         self._holding = True
         try:
             self._restore()
-            for name, value in self.initial.items():
-                self.controls[name].value = value
         finally:
             self._holding = False
-        self.redraw()
+        self.set(**self.initial)
 
     def _restore(self) -> None:
         """A subclass's own state back to what it was built with (a panel that keeps a run: the run); before the
