@@ -24,9 +24,9 @@ LONG_FIRST := tests/browser tests/test_conformance.py tests/test_conformance_iso
 	tests/test_model_quality.py tests/test_shared_prefix.py notebooks/08_shared_prefix.ipynb \
 	notebooks/04_fragmentation_and_compaction.ipynb notebooks/07_compression.ipynb tests/test_bench_cache_kernels.py \
 	tests/test_cache.py tests/test_write_copy.py tests/test_notebook_float_stability.py tests/test_bench_decode.py \
-	notebooks/05_prefetch_and_tiers.ipynb tests/test_tiers_sharing.py tests/test_kernel_validation.py \
-	tests/test_conformance_cli.py tests/test_allocator.py tests/test_bench_model_decode_paths.py \
-	tests/test_model_decode_paths.py tests/test_decode_streams.py
+	notebooks/05_prefetch_and_tiers.ipynb notebooks/10_serving_whatif.ipynb tests/test_tiers_sharing.py \
+	tests/test_kernel_validation.py tests/test_conformance_cli.py tests/test_allocator.py \
+	tests/test_bench_model_decode_paths.py tests/test_model_decode_paths.py tests/test_decode_streams.py
 TEST_ORDER := $(LONG_FIRST) $(filter-out $(LONG_FIRST),$(sort $(wildcard notebooks/[0-9]*.ipynb tests/test_*.py)))
 # Chromium's apt install (a fresh machine: ~30-60 s) runs beside the Python setup, not after it.
 test:

@@ -137,19 +137,40 @@ def test_sources_are_read_for_their_files_and_kinds():
 
 
 def test_inputs_give_every_number_a_kind_and_a_source():
-    rows = wi.inputs("h200", "int4/token")
+    rows = wi.inputs("h200", ("fp16", "int4/token"))
     assert {r["input"] for r in rows} >= {"copy_gbps", "launch_us", "gemv_frac", "decode_frac int4/token",
-                                         "write_frac int4/token", "host link"}
-    assert all(r["kind"] in ("measured", "fitted", "assumed") and r["source"] for r in rows)
-    assert {r["input"]: r["kind"] for r in rows}["launch_us"] == "fitted"
+                                         "write_frac fp16", "host link"}
+    assert all(r["kind"] in ("measured", "fitted", "assumed") and r["source"] and r["note"] for r in rows)
+    kinds = {r["input"]: r["kind"] for r in rows}
+    assert kinds["launch_us"] == "fitted" and kinds["copy_gbps"] == "measured" and kinds["hbm_gib"] == "assumed"
+    text = wi.inputs_text("h200", ("int8/token",))
+    assert "quant-decode-h200-" in text and "decode int8/token (of copy)" in text
+    assert max(len(line) for line in text.splitlines()) <= 105
+    rng = random.Random(17)
+    name = f"tiers-h200-2026{rng.randrange(10**4):04d}T{rng.randrange(10**6):06d}.json"
+    assert wi.bench_of(f"{name}: link") == "tiers: link"
 
 
-def test_the_step_model_is_within_15_percent_of_the_real_models_step():
-    rows = wi.step_validation("h200")
-    roles = {r["batch"]: r["role"] for r in rows}
-    assert roles == {1: "fitted", 16: "validated", 64: "validated"}
-    for r in rows:
-        assert abs(r["error"]) < (1e-9 if r["role"] == "fitted" else 0.15), r
+def test_the_validation_text_quotes_the_step_and_the_paper_in_short_lines():
+    text = wi.validation_text(n=60)
+    lines = text.splitlines()
+    assert "model-decode-h200-" in lines[0] and "fitted here" in lines[1] and "error" in lines[2]
+    assert "paper 1.7-2.7x" in text and "paper 2.7-8x" in text
+    assert max(len(line) for line in lines) <= 105
+
+
+def test_brief_and_the_frontier_table_fit_a_line():
+    rng = random.Random(13)
+    rates = sorted(rng.sample(wi.RATES, 3))
+    rows = wi.frontier(("fp16", "int4/token"), rates, **{k: v for k, v in params(kv_gib=1.0).items()
+                                                         if k not in ("scheme", "rate")})
+    table = wi.frontier_table(rows).splitlines()
+    assert len(table) == 4 and table[2].startswith("fp16") and table[3].startswith("int4/token")
+    assert table[2].split("|")[-1].split() == [str(r["preemptions"]) for r in rows[:3]]
+    assert max(len(line) for line in table) <= 100
+    lines = wi.brief(wi.run(**params(scheme="int4/token", kv_gib=1.0, keep=0.25))).splitlines()
+    assert "tokens/s" in lines[0] and lines[1].endswith("K/V 0.461, evicted prompts 0.903")
+    assert max(len(line) for line in lines) <= 100
 
 
 def test_the_summary_is_short_lines_of_three_significant_digits():
@@ -195,7 +216,7 @@ def test_the_frontier_panel_draws_the_sweeps_points():
         assert r["throughput_tok_s"] == wi.whatif_point(**params(scheme=r["scheme"], rate=r["rate"],
                                                                  kv_gib=2.0))["throughput_tok_s"]
     panel.controls["quality"].value = "mean_kl"
-    assert panel.figure.layout.yaxis3.title.text == "mean KL against fp16"
+    assert panel.figure.layout.yaxis3.title.text == "mean KL against fp16 (0 not drawn)"  # fp16 is 0
     with pytest.raises(ValueError, match="not its controls"):
         frontier_panel(("fp16",), (2.0,), n=N, host_gib=4.0)
     with pytest.raises(ValueError, match="rate: expected one of"):

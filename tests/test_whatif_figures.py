@@ -52,8 +52,11 @@ def test_the_frontier_has_a_curve_per_scheme_and_a_quality_point_each():
 
 
 def test_the_frontier_shows_kl_on_a_log_axis_and_refuses_bad_arguments():
-    fig = wf.frontier_figure(random_rows(2), "fp16", SETUP, quality="mean_kl")
+    rows = random_rows(2)
+    fig = wf.frontier_figure(rows, "fp16", SETUP, quality="mean_kl")
     assert fig.layout.yaxis3.type == "log" and fig.layout.yaxis3.title.text == wf.QUALITY["mean_kl"]
+    rows = [{**r, "mean_kl": 0.0} if r["scheme"] == "fp16" else r for r in rows]
+    assert wf.frontier_figure(rows, "fp16", SETUP, "mean_kl").layout.yaxis3.title.text.endswith("(0 not drawn)")
     with pytest.raises(ValueError, match="quality must be one of"):
         wf.frontier_figure(random_rows(2), "fp16", SETUP, quality="perplexity")
     with pytest.raises(ValueError, match="at least one"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 # notebooks listed print lines that fit (at most ~107 characters of 13-px monospace at 1280 px); the others still
 # print some longer ones (tables of many columns, dict reprs) and are not held to it yet.
 FITTED_OUTPUTS = ("00_tour", "02_layouts_and_kernels", "03_dtypes_and_quantization", "05_prefetch_and_tiers",
-                  "08_shared_prefix")
+                  "08_shared_prefix", "10_serving_whatif")
 
 # Elements inside the outputs (or one panel) whose content is cut off: a box that hides, clips or scrolls more than
 # it shows (06's generated texts sat in a 110-px box: 4 of 6 sequences showed, with no scrollbar in sight). Form

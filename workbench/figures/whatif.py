@@ -109,7 +109,8 @@ def frontier_figure(rows: Sequence[Mapping], chosen: str, setup: Mapping, qualit
         fig.update_yaxes(type="log", range=[math.log10(min(pos)) - 0.5, math.log10(max(pos)) + 0.5], row=2, col=1)
     elif shown:
         fig.update_yaxes(range=[min(0.0, min(shown)) - 0.05, max(1.0, max(shown)) + 0.15], row=2, col=1)
-    fig.update_yaxes(title_text=QUALITY[quality], row=2, col=1)
+    zero = quality == "mean_kl" and any(y == 0 for y in shown)  # fp16 against itself: no point on a log axis
+    fig.update_yaxes(title_text=QUALITY[quality] + (" (0 not drawn)" if zero else ""), row=2, col=1)
     fig.update_xaxes(title_text=f"throughput at {top:g} requests/s (tokens/s)", row=2, col=1)
     head = setup_title(setup, margin_t=110, height=760)
     fig.update_annotations(font_size=13)

@@ -15,18 +15,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import json
 import re
-from pathlib import Path
 
 from workbench.publish.notebook import format_value
 from workbench.quant.names import TIER_FORMATS
 from workbench.sim import traces
 from workbench.studies.base import Param, Study
-from workbench.whatif import models, report
-from workbench.whatif.profile import RESULTS, GpuProfile, Measured
+from workbench.whatif import models, report, validation
+from workbench.whatif.profile import GpuProfile, Measured
 from workbench.whatif.serve import PREEMPTION, Knobs
-from workbench.whatif.step_time import StepModel, step_seconds
 
 GPUS = {"h200": "H200 (committed runs)"}  # a profile per GPU whose runs are committed (GpuProfile.from_results)
 # the K/V schemes the H200 profile's bench quant_decode run timed (tests check it measured each)
@@ -159,41 +156,76 @@ def frontier(schemes, rates, **params) -> list[dict]:
 
 
 # ---- where the numbers come from --------------------------------------------------------------------------------
-def inputs(profile: str = "h200", scheme: str = "fp16") -> list[dict]:
-    """The numbers a step is built from, each with its kind (:func:`kind_of`) and source: the profile's
-    measured values, ``scheme``'s decode and write fractions of copy bandwidth, and the host link."""
+INPUT_WORDS = {"copy_gbps": "copy bandwidth (GB/s)", "launch_us": "kernel floor a layer (µs)",
+               "gemv_frac": "weight reads (of copy)", "peak_tflops": "tensor peak (TFLOP/s)",
+               "prefill_mfu": "prefill (of the peak)", "hbm_gib": "HBM (GiB)"}
+
+
+def bench_of(source: str) -> str:
+    """A source with each result file named by its benchmark: ``quant-decode-h200-2026...json`` -> ``quant-decode``."""
+    return _FILE.sub(lambda m: re.sub(r"-[^-]+-\d{8}T\d+\.json$", "", m.group()), source)
+
+
+def inputs(profile: str = "h200", schemes=("fp16",)) -> list[dict]:
+    """The numbers a step is built from, each with its kind (:func:`kind_of`) and source: the profile's measured
+    values, each of ``schemes``' decode and write fractions of copy bandwidth, and the host link. Rows ``{input,
+    words, value, kind, source, note}`` (``note``: the source in a few words, its files by benchmark)."""
     prof = report.default_profile(profile)
-    rows = [{"input": f.name, "value": getattr(prof, f.name).value, "kind": kind_of(getattr(prof, f.name).source),
-             "source": getattr(prof, f.name).source} for f in dataclasses.fields(GpuProfile)
-            if isinstance(getattr(prof, f.name), Measured)]
-    med, lo, hi, src = prof.decode_frac(scheme)
-    rows.append({"input": f"decode_frac {scheme}", "value": med, "kind": "measured",
-                 "source": f"{src} (min {lo:.2f}, max {hi:.2f})"})
-    wf, wsrc = prof.write_frac(scheme)
-    rows.append({"input": f"write_frac {scheme}", "value": wf, "kind": "measured", "source": wsrc})
-    rows.append({"input": "host link", "value": float("nan"), "kind": "measured", "source": prof.link.source})
+    rows = []
+    for f in dataclasses.fields(GpuProfile):
+        m = getattr(prof, f.name)
+        if isinstance(m, Measured):
+            fitted = re.search(r"fitted: (\S+) batch (\d+)", m.source)
+            note = (f"to {bench_of(fitted.group(1))}'s CUDA-graph step at batch {fitted.group(2)}" if fitted
+                    else bench_of(m.source.removeprefix("assumed: ")))
+            rows.append({"input": f.name, "words": INPUT_WORDS.get(f.name, f.name), "value": m.value,
+                         "kind": kind_of(m.source), "source": m.source, "note": note})
+    for scheme in schemes:
+        med, lo, hi, src = prof.decode_frac(scheme)
+        points = [w for w, _ in prof.decode[scheme]]
+        rows.append({"input": f"decode_frac {scheme}", "words": f"decode {scheme} (of copy)", "value": med,
+                     "kind": "measured", "source": src, "note": f"{bench_of(prof.decode_source)}, median of "
+                     f"{points[0]}-{points[-1]} ({format_value(lo)} to {format_value(hi)})"})
+    for scheme in schemes:
+        wf, wsrc = prof.write_frac(scheme)
+        near = re.search(r": (\S+) write", wsrc).group(1)
+        rows.append({"input": f"write_frac {scheme}", "words": f"write {scheme} (of copy)", "value": wf,
+                     "kind": "measured", "source": wsrc, "note": f"{bench_of(prof.decode_source)}, 32k tokens"
+                     + (f", {near}'s (nearest)" if near != scheme else "")})
+    rows.append({"input": "host link", "words": "host link", "value": float("nan"), "kind": "measured",
+                 "source": prof.link.source, "note": f"{bench_of(prof.link.source)}: by transfer size, both ways"})
     return rows
 
 
-def step_validation(profile: str = "h200", run_path: Path | str | None = None) -> list[dict]:
-    """SmolLM2-135M's decode step as the step model predicts it (fp16) beside ``bench model_decode``'s measured
-    CUDA-graph step of the same committed run (the newest of ``profile`` by default), one row a batch: ``batch``,
-    ``context``, ``measured_ms``, ``predicted_ms``, ``error`` (predicted / measured - 1) and ``role`` (``fitted``:
-    the batch the per-layer floor was fitted to; ``validated``: the others)."""
+def inputs_text(profile: str = "h200", schemes=("fp16",)) -> str:
+    """:func:`inputs` as lines under ~105 characters: the profile's files, then a line an input: what, its value (3
+    significant digits), its kind and its source in a few words."""
     prof = report.default_profile(profile)
-    path = Path(run_path) if run_path is not None else sorted(RESULTS.glob(f"model-decode-{profile}-*.json"))[-1]
-    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("section") == "decode"]
-    if not rows:
-        raise ValueError(f"{path.name} has no decode rows")
-    sm = StepModel(prof, models.PRESETS["smollm2-135m"], "fp16")
-    fitted = re.search(r"batch (\d+)", prof.launch_us.source)
-    out = []
-    for r in sorted(rows, key=lambda r: r["batch"]):
-        pred = step_seconds(sm.decode(r["batch"], r["batch"] * int(r["context_end"]))) * 1e3
-        out.append({"batch": r["batch"], "context": int(r["context_end"]), "measured_ms": r["compiled_replay_ms"],
-                    "predicted_ms": pred, "error": pred / r["compiled_replay_ms"] - 1, "file": path.name,
-                    "role": "fitted" if fitted and int(fitted.group(1)) == r["batch"] else "validated"})
-    return out
+    lines = [f"profile {prof.name}, from data/results/:", *(f"  {name}" for name in prof.files)]
+    for r in inputs(profile, schemes):
+        value = "-" if r["value"] != r["value"] else format_value(r["value"])
+        lines.append(f"{r['words']:<30} {value:>6}  {r['kind']:<8}  {r['note']}")
+    return "\n".join(lines)
+
+
+def validation_text(n: int = 1000) -> str:
+    """What the what-if has been checked against, as lines under ~100 characters (``workbench.whatif.validation``):
+    the step model against the real model's measured CUDA-graph step per batch (the floor fitted at batch 1), and
+    paged blocks against Orca's reservations at saturation (``n`` requests) beside the vLLM paper's ranges."""
+    f = format_value
+    steps = validation.step_vs_measured()
+    lines = [f"SmolLM2-135M's decode step, model against bench model_decode ({steps[0]['source']}):"]
+    for r in steps:
+        how = "fitted here" if r["fitted"] else f"error {f(100 * r['error'])}%"
+        lines.append(f"  batch {r['batch']:>3}: predicted {f(r['predicted_ms'])}, measured {f(r['measured_ms'])} "
+                     f"(ms), {how}")
+    rows = validation.paged_vs_reservation(n=n)
+    lines.append(f"paged blocks against Orca's reservations: requests/s at saturation, {n} ShareGPT-like requests")
+    for r in rows[1:]:
+        paper = f"paper {f(r['paper_range'][0])}-{f(r['paper_range'][1])}x" if r["paper_range"] else "paper: -"
+        lines.append(f"  paged / {r['allocation']:<6} {f(r['paged_over_this'])}x ({paper}); {r['allocation']} holds "
+                     f"{r['max_concurrency']} at most, paged {rows[0]['max_concurrency']}")
+    return "\n".join(lines)
 
 
 # ---- the plain-text summary a check cell prints ------------------------------------------------------------------
@@ -232,6 +264,39 @@ def summary(out: dict) -> str:
         lines += [f"  quality, {words.get(what, what)}: greedy agreement {f(q['agreement'])}, mean KL "
                   f"{f(q['mean_kl'])}, perplexity {sign}{f(100 * q['ppl_change'])}%", f"    from {where}"]
     return "\n".join(lines)
+
+
+def brief(out: dict) -> str:
+    """Two lines (under 100 characters each) of a what-if: throughput, TTFT and TPOT p50 (ms), the peak share of the
+    KV budget and preemptions; then the greedy agreement with fp16 of each quality source that applies (the K/V
+    scheme, the evicted prompts, the host copies)."""
+    s, f = out["summary"], format_value
+    swapped = f" ({s['swaps_out']} by swap)" if s["swaps_out"] else ""
+    words = {"kv_scheme": "K/V", "eviction": "evicted prompts", "host_format": "host copies"}
+    quality = ", ".join(f"{words[k]} {f(q['agreement'])}" for k, q in out["quality"].items()
+                        if q is not None and q["source"] != "no eviction")
+    return (f"{f(s['throughput_tok_s'])} tokens/s; TTFT {f(1e3 * s['ttft_p50_s'])}, TPOT "
+            f"{f(1e3 * s['tpot_p50_s'])} (ms, p50); KV peak {f(100 * s['peak_blocks'] / s['kv_blocks'])}%, "
+            f"{s['preemptions']} preempted{swapped}\n    greedy agreement with fp16: {quality or '-'}")
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """:func:`frontier` rows as a table under 100 characters wide: a line a scheme, its throughput, TTFT p50, TPOT
+    p50 (ms) and preemptions at each rate (3 significant digits)."""
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    f = format_value
+
+    def cells(pts, key, scale=1.0):
+        return " ".join(f"{f(scale * p[key]):>5}" for p in pts)
+
+    w = 6 * len(rates) - 1
+    lines = [f"{'at ' + ', '.join(f(r) for r in rates) + ' requests/s':<{15 + w}}",
+             f"{'':14} {'tokens/s':<{w}} | {'TTFT p50 (ms)':<{w}} | {'TPOT p50 (ms)':<{w}} | preempted"]
+    for scheme in dict.fromkeys(r["scheme"] for r in rows):
+        pts = sorted((r for r in rows if r["scheme"] == scheme), key=lambda r: r["rate"])
+        lines.append(f"{scheme:<14} {cells(pts, 'throughput_tok_s')} | {cells(pts, 'ttft_p50_s', 1e3)} | "
+                     f"{cells(pts, 'tpot_p50_s', 1e3)} | " + " ".join(str(p["preemptions"]) for p in pts))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def draw_run(result: dict):

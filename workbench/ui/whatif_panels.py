@@ -35,9 +35,17 @@ def run_setup(out: dict) -> dict:
     title = (f"{c['model']}, {c['scheme']} K/V at {f(c['rate'])} requests/s ({wi.trace_label(c['trace'])}): "
              f"{f(s['throughput_tok_s'])} tokens/s, TTFT p50 {f(1e3 * s['ttft_p50_s'])} ms, TPOT p50 "
              f"{f(1e3 * s['tpot_p50_s'])} ms")
+    preempt = (f"swap to {f(c['host_gib'])} GiB of host in {c['host_format'] or c['scheme']}"
+               if c["preemption"] == "swap" and c["host_gib"] else "recompute" if c["preemption"] == "recompute"
+               else "swap, but no host memory: recompute")
+    kept = f"{c['policy']} keeps {c['keep']:.0%} of each prompt" if c["keep"] < 1 else "every prompt kept whole"
+    words = {"kv_scheme": f"{c['scheme']} K/V", "eviction": "evicted prompts", "host_format": "host copies"}
+    quality = "; ".join(f"{words[k]} {f(q['agreement'])} ({', '.join(wi.files_of(q['source'])) or q['source']})"
+                        for k, q in out["quality"].items() if q is not None and q["source"] != "no eviction")
     sub = (f"peak {s['peak_blocks']:,} of {m['kv_blocks']:,} blocks of {c['block_size']} tokens "
            f"({f(100 * s['peak_blocks'] / m['kv_blocks'])}%), {s['preemptions']} preemptions, {s['swaps_out']} swaps;"
-           f" budget: {m['budget']}<br>{whatif_figures.sources_line(out)}")
+           f" budget: {m['budget']}<br>on a full cache: {preempt}; {kept}"
+           f"<br>greedy agreement with fp16 on SmolLM2-135M: {quality}<br>{whatif_figures.sources_line(out)}")
     return {"title": title, "subtitle": sub}
 
 
