@@ -3,6 +3,8 @@ back bit for bit (NaN payloads, -0.0 and Inf included), the accounting is in unc
 byte is a ``CorruptBlock``, a full disk refuses before writing, and a ``TieredCache`` over it round-trips every
 host format through the disk, invariants held."""
 
+import errno
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,7 @@ from workbench.tiers import TieredCache
 from workbench.tiers import formats as F
 from workbench.tiers.disk import DiskPool
 from workbench.tiers.disk_coding import CodedDisk
-from workbench.tiers.errors import CorruptBlock, DiskFull
+from workbench.tiers.errors import CorruptBlock, DiskFull, TierError
 
 pytestmark = pytest.mark.kernels  # the TieredCache case moves blocks with the kernels on a GPU
 
@@ -110,3 +112,32 @@ def test_a_disk_format_that_is_not_the_hosts_is_refused_before_anything(tmp_path
         with pytest.raises(ValueError, match=match):
             TieredCache(cache, host_bytes=1 << 20, **kw, **bad)
         assert cache.on_evict is None and not list(tmp_path.glob("*"))
+
+
+def test_a_write_that_fails_midway_leaves_the_coded_disk_as_it_was(tmp_path, monkeypatch):
+    """The pool's commit (``.tmp``, fsync, rename) is the coded disk's too: a write that dies after its first
+    chunk (ENOSPC here; SIGKILL is tests/test_tiers_disk.py's) stores nothing, counts nothing, and the blocks
+    stored before still decode."""
+    rng = np.random.default_rng(4)
+    pool = CodedDisk(DiskPool(tmp_path, 1 << 22, fsync=False), torch.float16, rows=4)
+    blocks, keys = _blocks(rng, 4, cols=4096), _keys(rng, 4)
+    pool.put(keys[:1], blocks[:1])
+    before = (pool.used_bytes, sorted(pool.keys()), sorted(p.name for p in tmp_path.glob("seg-*")))
+    calls = [0]
+    write = DiskPool._write_chunk
+
+    def dies(self, fd, chunk):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(errno.ENOSPC, "no space left")
+        return write(self, fd, chunk)
+
+    monkeypatch.setattr(DiskPool, "_write_chunk", dies)
+    pool.pool.chunk_bytes = 1 << 10
+    with pytest.raises(TierError):
+        pool.put(keys[1:], blocks[1:])
+    assert (pool.used_bytes, sorted(pool.keys()), sorted(p.name for p in tmp_path.glob("seg-*"))) == before
+    assert not list(tmp_path.glob("*.tmp"))
+    out = torch.empty_like(blocks[:1])
+    assert torch.equal(pool.get_into(keys[:1], out), blocks[:1])
+    pool.close()
