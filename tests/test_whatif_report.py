@@ -12,7 +12,7 @@ from workbench.whatif.quality import eviction_quality, quality_column, scheme_qu
 from workbench.whatif.report import default_profile, load_trace, sensitivity, whatif
 from workbench.whatif.serve import Knobs, simulate
 from workbench.whatif.step_time import StepModel
-from workbench.whatif.validation import paged_vs_reservation, step_vs_measured
+from workbench.whatif.validation import figure2_shares, paged_vs_reservation, step_vs_measured
 
 
 def test_a_whatif_answers_with_sources():
@@ -78,3 +78,13 @@ def test_reservations_hold_their_slots_from_admission():
     assert oracle.summary()["max_concurrency"] == 2 and oracle.summary()["preemptions"] == 0
     with pytest.raises(ValueError, match="reserve must be one of"):
         Knobs(reserve="buddy")
+
+
+def test_figure2_shares_are_the_papers_within_a_few_points():
+    """Through the what-if's own simulator (blocks, so no external fragmentation; the paper's bars renormalized
+    without theirs): token states, reserved and fragmented shares of the used slots."""
+    for r in figure2_shares(n=300):
+        assert abs(r["token_states"] - r["paper_token_states"]) < 0.05, r
+        if r["paper_reserved"] is not None:
+            assert abs(r["reserved"] - r["paper_reserved"]) < 0.05, r
+            assert abs(r["fragmentation"] - r["paper_fragmentation"]) < 0.08, r

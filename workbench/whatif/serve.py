@@ -39,6 +39,7 @@ from workbench.whatif.step_time import StepModel
 
 PREEMPTION = ("recompute", "swap")
 RESERVE = ("paged", "max", "pow2", "oracle")  # paged blocks on demand, or Orca's reservations (vLLM paper, Fig. 2)
+SHARES = ("token_states", "reserved", "fragmentation")  # where the used KV slots go (time-averaged)
 GIB = 1 << 30
 
 
@@ -204,6 +205,7 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
     cnt = dict(preemptions=0, swaps_out=0, swaps_in=0, swap_bytes=0, recomputed_tokens=0, prefix_hits=0,
                max_concurrency=0, steps=0, swap_seconds=0.0, rejected=0)  # prefix_hits: admissions that hit
     times, used = [reqs[0].arrival], [shared_blocks]
+    shares = dict.fromkeys(SHARES, 0.0)  # slot-seconds of the pool in use, by what fills them
     now = reqs[0].arrival
     while pending or waiting or running or swapped:
         cnt["steps"] += 1
@@ -283,6 +285,7 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
         step = sm.decode_seconds(len(decoding), ctx) if decoding else 0.0
         step += sum(sm.prefill_seconds(tokens, before) for _, tokens, before in chunks) + swap_s
         cnt["swap_seconds"] += swap_s
+        _account(shares, running, total - free, skip and shared_blocks * bs, bs, step)
         now += step
         for r, _, _ in chunks:
             if r.done_prefill >= r.to_prefill:  # its prefill is done: the next token (the first, or after a recompute)
@@ -299,8 +302,22 @@ def simulate(trace: Trace, sm: StepModel, knobs: Knobs = Knobs(), *, max_steps: 
         times.append(now)
         used.append(total - free)
     arrival = np.array([r.arrival for r in reqs])
+    in_use = sum(shares.values())
+    cnt.update({f"share_{k}": v / in_use if in_use else 0.0 for k, v in shares.items()})
     return Result(trace.name, sm.scheme, knobs, total, block_bytes, arrival, first, finish,
                   np.array([r.output for r in reqs]), (np.array(times), np.array(used)), cnt)
+
+
+def _account(shares: dict, running: list, used_blocks: int, shared_tokens: int, bs: int, dt: float) -> None:
+    """Add ``dt`` seconds of the pool's used slots to ``shares``: token states (K/V of tokens held), reserved
+    (slots a reservation holds for tokens still to come), and fragmentation (the rest: the unused tails of
+    blocks, and reserved slots no token will ever fill) — the vLLM paper's Figure 2 categories."""
+    held = shared_tokens + sum(r.held for r in running)
+    future = sum(max(0, min(r.reserved * bs, r.own + r.output) - r.held) for r in running if r.reserved)
+    slots = used_blocks * bs
+    shares["token_states"] += held * dt
+    shares["reserved"] += future * dt
+    shares["fragmentation"] += max(0, slots - held - future) * dt
 
 
 def _blocks(r: _Req, bs: int) -> int:

@@ -7,14 +7,19 @@
   paper's ranges: a comparison of direction and order of magnitude, not a fit (the paper ran an A100 and
   OPT-13B's weights; this is the H200 profile and a llama-13B-shaped model).
 
-The memory shares of the paper's Figure 2 are recomputed by ``workbench.sim.fig2`` (within 3.7 points).
-The trace replayed through the real runner on the GPU is owed (docs/gpu_runs.md).
+- :func:`figure2_shares`: where the used KV slots go under each allocation (token states, reserved, fragmentation),
+  time-averaged over the same saturated runs, beside the paper's Figure 2. The what-if reserves in blocks, so it
+  has no external fragmentation: the paper's bars are compared with their external share left out.
+
+``workbench.sim.fig2`` recomputes Figure 2 with contiguous allocators (external fragmentation included, within
+3.7 points). The trace replayed through the real runner on the GPU is owed (docs/gpu_runs.md).
 """
 
 from __future__ import annotations
 
 import json
 
+from workbench.sim.fig2 import PAPER
 from workbench.whatif import models
 from workbench.whatif.profile import RESULTS
 from workbench.whatif.report import default_profile, whatif
@@ -40,14 +45,37 @@ def step_vs_measured(column: str = "compiled_replay_ms") -> list[dict]:
     return rows
 
 
+NAMES = {"paged": "vLLM", "oracle": "Orca (Oracle)", "pow2": "Orca (Pow2)", "max": "Orca (Max)"}
+
+
+def _saturated(reserve: str, n: int, rate: float, kv_gib: float) -> dict:
+    return whatif("llama-13b", trace="sharegpt", n=n, rate=rate, knobs=Knobs(kv_gib=kv_gib, reserve=reserve))["summary"]
+
+
+def figure2_shares(n: int = 1000, rate: float = 1000.0, kv_gib: float = 12.0) -> list[dict]:
+    """Rows per allocation: the what-if's shares of used slots (token states, reserved, fragmentation) and the
+    paper's Figure 2 bar renormalized without its external fragmentation (vLLM's bar gives token states only)."""
+    rows = []
+    for reserve, name in NAMES.items():
+        s = _saturated(reserve, n, rate, kv_gib)
+        p = PAPER[name]
+        if p["reservation"] is None:
+            paper = {"token_states": p["token_states"] / 100, "reserved": None, "fragmentation": None}
+        else:
+            inside = p["token_states"] + p["reservation"] + p["internal"]
+            paper = {"token_states": p["token_states"] / inside, "reserved": p["reservation"] / inside,
+                     "fragmentation": p["internal"] / inside}
+        rows.append({"allocation": reserve, "paper_name": name,
+                     **{k: s[f"share_{k}"] for k in ("token_states", "reserved", "fragmentation")},
+                     **{f"paper_{k}": v for k, v in paper.items()}})
+    return rows
+
+
 def paged_vs_reservation(n: int = 1000, rate: float = 1000.0, kv_gib: float = 12.0) -> list[dict]:
     """Rows per allocation (``paged`` and Orca's ``oracle`` / ``pow2`` / ``max``): requests/s and tokens/s at
     saturation, the most sequences held at once, preemptions, and paged's throughput over each, with the paper's
     range where it gives one."""
-    out = {}
-    for reserve in ("paged", "oracle", "pow2", "max"):
-        s = whatif("llama-13b", trace="sharegpt", n=n, rate=rate, knobs=Knobs(kv_gib=kv_gib, reserve=reserve))
-        out[reserve] = s["summary"]
+    out = {reserve: _saturated(reserve, n, rate, kv_gib) for reserve in NAMES}
     paged = out["paged"]["requests_per_s"]
     return [{"allocation": k, "requests_per_s": s["requests_per_s"], "tokens_per_s": s["throughput_tok_s"],
              "max_concurrency": s["max_concurrency"], "preemptions": s["preemptions"],
