@@ -93,7 +93,7 @@ class Knobs:
             quant.get(self.host_format)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: list.remove on the running batch is hot
 class _Req:
     idx: int
     arrival: float
