@@ -347,6 +347,44 @@ def test_bad_arguments_are_refused_naming_them(tmp_path):
     tc.check_invariants()
 
 
+def apply_op(tc, want: dict, op: str, i: int, n: int, step: int, bad, errors: tuple) -> None:
+    """One step of a generated operation sequence on ``tc``, ``want`` (seq -> tokens, k, v as written) kept beside
+    it; ``"bad"`` calls one of ``bad()``'s refusals (picked by ``n``), which must raise one of ``errors`` and change
+    nothing. A full tier or device refuses (nothing changes: the caller's checks say so)."""
+    cache, s = tc.cache, f"s{i}"
+    try:
+        if op == "add" and s not in want:
+            toks = _tokens(n, 7 * (i % 2))  # two prompt families: shared prefixes
+            k, v = _kv_of(toks)
+            tc.add(s, toks, k, v)
+            want[s] = (toks, k, v)
+        elif op == "append" and s in want and tc.is_resident(s):
+            k, v = _kv_of([step], first=len(want[s][0]))
+            tc.append(s, [step], k, v)
+            t, k0, v0 = want[s]
+            want[s] = (t + [step], torch.cat([k0, k], 1), torch.cat([v0, v], 1))
+        elif op == "free" and s in want:
+            tc.free(s)
+            del want[s]
+        elif op == "swap_out" and s in want and tc.is_resident(s):
+            tc.swap_out([s])
+        elif op == "swap_in" and s in want and not tc.is_resident(s):
+            tc.swap_in([s])
+        elif op == "fork" and s in want and tc.is_resident(s) and f"f{step}" not in want:
+            tc.fork(s, f"f{step}")
+            want[f"f{step}"] = want[s]
+        elif op == "evict":
+            tc.evict(n)
+        elif op == "bad":
+            snapshot = (cache.manager.fingerprint(), tc.stats()["host"], len(tc.entries))
+            calls = bad()
+            with pytest.raises(errors):
+                calls[n % len(calls)]()
+            assert (cache.manager.fingerprint(), tc.stats()["host"], len(tc.entries)) == snapshot
+    except (OutOfBlocks, HostFull):
+        pass
+
+
 OPS = st.lists(st.tuples(st.sampled_from(["add", "append", "free", "swap_out", "swap_in", "fork", "evict", "bad"]),
                          st.integers(0, 3), st.integers(1, 20)), min_size=1, max_size=25)
 
@@ -361,40 +399,11 @@ def test_random_operations_keep_every_sequence_exact_and_the_tiers_consistent(op
     want: dict = {}  # seq -> (tokens, k, v) as written
     for step, (op, i, n) in enumerate(ops):
         s = f"s{i}"
-        try:
-            if op == "add" and s not in want:
-                toks = _tokens(n, 7 * (i % 2))  # two prompt families: shared prefixes
-                k, v = _kv_of(toks)
-                tc.add(s, toks, k, v)
-                want[s] = (toks, k, v)
-            elif op == "append" and s in want and tc.is_resident(s):
-                k, v = _kv_of([step], first=len(want[s][0]))
-                tc.append(s, [step], k, v)
-                t, k0, v0 = want[s]
-                want[s] = (t + [step], torch.cat([k0, k], 1), torch.cat([v0, v], 1))
-            elif op == "free" and s in want:
-                tc.free(s)
-                del want[s]
-            elif op == "swap_out" and s in want and tc.is_resident(s):
-                tc.swap_out([s])
-            elif op == "swap_in" and s in want and not tc.is_resident(s):
-                tc.swap_in([s])
-            elif op == "fork" and s in want and tc.is_resident(s) and f"f{step}" not in want:
-                tc.fork(s, f"f{step}")
-                want[f"f{step}"] = want[s]
-            elif op == "evict":
-                tc.evict(n)
-            elif op == "bad":
-                snapshot = (cache.manager.fingerprint(), tc.stats()["host"], len(tc.entries))
-                bad = [lambda s=s: tc.swap_in([s] if s in want and tc.is_resident(s) else ["nobody"]),
-                       lambda: tc.swap_out(["nobody"]),
-                       lambda: tc.add("z", [], *_kv(0, 0)),
-                       lambda: tc.fork("nobody", "y")][n % 4]
-                with pytest.raises((ValueError, AllocatorError)):
-                    bad()
-                assert (cache.manager.fingerprint(), tc.stats()["host"], len(tc.entries)) == snapshot
-        except (OutOfBlocks, HostFull):
-            pass  # a full tier refuses; the checks below say nothing changed for anyone
+        bad = lambda s=s: [lambda: tc.swap_in([s] if s in want and tc.is_resident(s) else ["nobody"]),  # noqa: E731
+                           lambda: tc.swap_out(["nobody"]),
+                           lambda: tc.add("z", [], *_kv(0, 0)),
+                           lambda: tc.fork("nobody", "y")]
+        apply_op(tc, want, op, i, n, step, bad, (ValueError, AllocatorError))
         tc.check_invariants()
         for seq, (toks, k, v) in want.items():
             if tc.is_resident(seq):

@@ -9,6 +9,7 @@ measurement), stamped by :func:`workbench.results.provenance.machine_meta` and w
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,24 @@ def time_us_graph(fn: Callable[[], object], calls_per_graph: int = 10, rep_ms: f
             fn()
     torch.cuda.synchronize()
     return 1e3 * triton.testing.do_bench(graph.replay, warmup=25, rep=rep_ms, return_mode="median") / calls_per_graph
+
+
+def time_us_events(fn: Callable[[], object], reps: int = 10, rounds: int = 3) -> float:
+    """Median over ``rounds`` of the mean device time (us) of ``reps`` back-to-back calls, CUDA events on the
+    current stream, after one call to warm up: for calls that overlap with other streams, where ``do_bench``'s
+    cache flushes and its own synchronizations would change what is measured."""
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) * 1e3 / reps)
+    return statistics.median(out)
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:

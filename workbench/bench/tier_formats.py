@@ -39,12 +39,12 @@ scales, zero points) and ``bytes_fraction`` (their ratio). ``kind``:
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from workbench.bench import harness
 from workbench.bench.harness import copy_bandwidth_gbps
 from workbench.cache import PagedKVCache
 from workbench.model.config import SMOLLM2_135M
@@ -116,20 +116,10 @@ class Timer:
         self.timed, self.reps, self.rounds = timed, reps, rounds
 
     def __call__(self, fn: Callable[[], object], reps: int | None = None) -> float | None:
-        fn()
         if not self.timed:
+            fn()
             return None
-        torch.cuda.synchronize()
-        reps, out = reps or self.reps, []
-        for _ in range(self.rounds):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end) * 1e3 / reps)
-        return statistics.median(out)
+        return harness.time_us_events(fn, reps or self.reps, self.rounds)
 
 
 # ---- one block size ----------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from workbench.bench import tier_formats
+from workbench.bench import harness, tier_formats
 from workbench.bench.command import BenchParser
 from workbench.cache import PagedKVCache
 from workbench.kernels import DecodePlan, move_blocks
@@ -51,20 +51,8 @@ SM_CAPS = (8, 16, 32, 66, None)  # programs of the SM copy beside the decode (No
 SECTIONS = ("link", "beside", "overlap", "check", "formats")
 
 
-def _time_us(fn, reps: int = 10, rounds: int = 3, stream=None) -> float:
-    """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls (events on the current stream)."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(out)
+def _time_us(fn, reps: int = 10, rounds: int = 3) -> float:
+    return harness.time_us_events(fn, reps, rounds)
 
 
 def _time_graph_us(fn, per_graph: int, rounds: int = 3) -> float:

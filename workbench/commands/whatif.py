@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 from workbench import quant
 from workbench.compress.policies import NAMES as POLICIES
-from workbench.core.argtypes import positive_float, positive_int
+from workbench.core.argtypes import nonneg_float, nonneg_int, positive_float, positive_int, share
 from workbench.sim import traces
 from workbench.whatif import models
 from workbench.whatif.profile import GpuProfile
@@ -63,37 +62,6 @@ def scheme_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return v
-
-
-def nonneg_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not (v >= 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return v
-
-
-def share_arg(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < v <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m workbench whatif", description=__doc__.splitlines()[0],
                 epilog=__doc__.split("\n", 2)[2], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "length), oracle (its exact length) (default paged)")
     p.add_argument("--max-len", type=positive_int, default=2048, help="the most tokens a request may hold (what "
                    "--reserve max reserves; default 2048)")
-    p.add_argument("--keep", type=share_arg, default=1.0, help="share of each prompt kept after prefill, an "
+    p.add_argument("--keep", type=share, default=1.0, help="share of each prompt kept after prefill, an "
                    "eviction budget (default 1: none evicted)")
     p.add_argument("--policy", choices=POLICIES, default="full", help="the eviction policy of --keep (quality "
                    "column; default full)")

@@ -10,26 +10,39 @@ import tempfile
 from pathlib import Path
 
 
+def _number(text: str, cast, ok, expected: str):
+    try:
+        v = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(v):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return v
+
+
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return v
+    return _number(text, int, lambda v: v >= 1, "an integer >= 1")
+
+
+def nonneg_int(text: str) -> int:
+    """An integer >= 0."""
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def positive_float(text: str) -> float:
     """A finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return v
+    return _number(text, float, lambda v: v > 0 and math.isfinite(v), "a number > 0")
+
+
+def nonneg_float(text: str) -> float:
+    """A finite number >= 0."""
+    return _number(text, float, lambda v: v >= 0 and math.isfinite(v), "a number >= 0")
+
+
+def share(text: str) -> float:
+    """A number in (0, 1] (a share of something)."""
+    return _number(text, float, lambda v: 0 < v <= 1, "a number in (0, 1]")
 
 
 def positive_int_list(text: str) -> list[int]:
