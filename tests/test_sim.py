@@ -60,6 +60,18 @@ def test_load_reports_a_bad_line(tmp_path):
         tr.load(p)
 
 
+def test_load_parses_a_file_once_until_it_changes(tmp_path):
+    p = tmp_path / "t.jsonl"
+    tr.save(tr.generate("alpaca", n=200, seed=5), p)
+    a, b = tr.load(p), tr.load(str(p))
+    assert a.requests is b.requests and a == b and len(a) == 200  # parsed once
+    a.meta["note"] = 1
+    assert "note" not in b.meta and b.meta == {"path": str(p)}  # each caller its own trace
+    tr.save(tr.generate("alpaca", n=150, seed=6), p)  # rewritten: another size
+    c = tr.load(p)
+    assert len(c) == 150 and c.requests == tr.generate("alpaca", n=150, seed=6).requests
+
+
 # ---------------------------------------------------------------------------------------------- allocators
 
 
