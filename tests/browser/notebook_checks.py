@@ -221,12 +221,12 @@ class Notebook:
         if before is not None:  # first the page's own redraw (cheap to poll), then the full comparison: one that
             try:  # starts before the redraw fails and is redone (a kernel round trip and a plot each time)
                 wait_s = timeout_s if changed_from is not None else min(timeout_s, 5)
-                self.page.wait_for_function(CHANGED_JS, arg=[panel_id, before], polling=100, timeout=wait_s * 1000)
+                self.page.wait_for_function(CHANGED_JS, arg=[panel_id, before], polling=25, timeout=wait_s * 1000)
             except PlaywrightTimeout:
                 pass  # the loop below says what the page shows
         while True:
             py = self.python_side(panel_id)[panel_id]
-            result = self.page.evaluate(COMPARE_JS, [panel_id, py["figure"]])
+            result = self.page.evaluate(COMPARE_JS, [panel_id, json.dumps(py["figure"])])
             result["status"] = py["status"]
             result["changed"] = changed_from is None or _panel_data(self, panel_id) != changed_from
             # the kernel has every value the page's controls show (else it has not seen the last change yet)
@@ -275,7 +275,19 @@ PANEL_DATA_JS = """(pid) => { const gd = document.querySelector(`.wb-panel-${pid
     return JSON.stringify([__wbFlatten({d: gd.data}), text]); }"""
 
 
-CHANGED_JS = f"([pid, before]) => ({PANEL_DATA_JS})(pid) !== before"
+# Whether a panel shows something other than `before`, polled every 25 ms while the kernel redraws. The string of a
+# large figure takes ~15 ms of the page's CPU to build (a 0.3-MB heatmap), so it is built again only once the page
+# holds another figure (Plotly.react replaces gd.data and gd.layout) or 1 s after the last time (a change in place).
+CHANGED_JS = f"""([pid, before]) => {{
+  const gd = document.querySelector(`.wb-panel-${{pid}} .js-plotly-plot`);
+  const seen = (window.__wbSeen ??= new WeakMap()), last = seen.get(gd), now = performance.now();
+  if (last && last.data === gd.data && last.layout === gd.layout && last.before === before && now - last.t < 1000) {{
+    return last.changed;
+  }}
+  const changed = ({PANEL_DATA_JS})(pid) !== before;
+  seen.set(gd, {{data: gd.data, layout: gd.layout, before, changed, t: now}});
+  return changed;
+}}"""
 
 # Every figure on the page drawn (an svg) at its output area's width: what the checks after Run All read.
 FIGURES_DRAWN_JS = f"() => ({FIGURES_JS})().every(f => f.svg > 0 && Math.abs(f.width - f.output_width) <= 2)"
