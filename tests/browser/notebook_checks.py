@@ -3,9 +3,11 @@
 Every notebook as a user meets it: JupyterLab in headless Chromium at 1280 px (the tour also at 1920 px: ``WIDE``).
 
 For each notebook: the stored copy shows its figures before anything runs (never a widget's text repr);
-Run All finishes with no error or stderr output, every panel showing its parameters cell's settings (a check cell
-puts back what it moved); every plotly figure draws at its output area's width, nothing is cut off inside an output
-or panel, no title is wider than its figure and no axis is titled with a column's name (``page_checks``);
+Run All finishes with no error or stderr output, every checked cell showing its stored outputs as nbval compares
+them (``tests/stored_outputs.py``: `make test` runs each notebook once, here), every panel showing its parameters
+cell's settings (a check cell puts back what it moved); every plotly figure draws at its output area's width, nothing
+is cut off inside an output or panel, no title is wider than its figure and no axis is titled with a column's name
+(``page_checks``);
 then every panel's text boxes, dropdowns, sliders (keyboard on the handle), toggles and buttons are used, and
 after each change the figure on the page must be exactly the kernel's ``panel.figure`` drawn afresh: same
 data, no stale layout keys, and the kernel holding every value the page's controls show. The tour's HTML report must
@@ -25,7 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
+import stored_outputs
 from lab_driver import CHROMIUM, COMPARE_JS, FIGURES_JS, FLATTEN_JS, KernelConsole, LabServer
 from page_checks import FITTED_OUTPUTS, MOVED_PY, page_problems, wrapped_lines
 
@@ -188,9 +192,13 @@ class Notebook:
         t0 = time.monotonic()
         _menu(self.page, "Edit", "Clear Outputs of All Cells")
         _menu(self.page, "Run", "Run All Cells")
+        # every cell numbered, or a cell failed (an error stops Run All: the kernel idles, its traceback on stderr)
         self.page.wait_for_function(
             """() => { const ps = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-                       return ps.length > 0 && ps.every(p => /\\[\\d+\\]/.test(p.textContent)); }""",
+                       const err = document.querySelector("[data-mime-type='application/vnd.jupyter.stderr']");
+                       const idle = document.querySelector(".jp-Notebook-ExecutionIndicator[data-status='idle']");
+                       return (ps.length > 0 && ps.every(p => /\\[\\d+\\]/.test(p.textContent)))
+                         || (err !== null && idle !== null); }""",
             timeout=timeout_s * 1000)
         self.page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
         return time.monotonic() - t0
@@ -274,6 +282,10 @@ PANEL_DATA_JS = """(pid) => { const gd = document.querySelector(`.wb-panel-${pid
     const text = Object.entries(__wbFlatten(gd.layout)).filter(([k]) => /(^|[.])text$/.test(k));
     return JSON.stringify([__wbFlatten({d: gd.data}), text]); }"""
 
+
+# The notebook as the page holds it after Run All (nbformat v4 JSON, its outputs those of this run).
+NOTEBOOK_JSON_JS = """(name) => JSON.stringify([...window.jupyterapp.shell.widgets('main')]
+    .find(w => w.context && w.context.path.endsWith(name)).context.model.toJSON())"""
 
 # Whether a panel shows something other than `before`, polled every 25 ms while the kernel redraws. The string of a
 # large figure takes ~15 ms of the page's CPU to build (a 0.3-MB heatmap), so it is built again only once the page
@@ -412,6 +424,9 @@ def check_notebook(lab, path: Path) -> None:
         stderr = nb.page.locator("[data-mime-type='application/vnd.jupyter.stderr']").all_inner_texts()
         assert not stderr, f"cells wrote errors or warnings: {stderr[:3]}"
         assert "Error displaying widget" not in nb.page.inner_text(".jp-Notebook")
+        ran = nbformat.reads(nb.page.evaluate(NOTEBOOK_JSON_JS, nb.name), as_version=4)
+        differ = stored_outputs.differences(nbformat.read(path, as_version=4), ran)  # nbval's check, this run's
+        assert not differ, "checked outputs differ from the stored ones:\n" + "\n".join(differ)
         panels = sorted({int(f["panel"].rsplit("-", 1)[1]) for f in nb.figures() if f["panel"]})
         assert len(panels) == len(nb.python_side()), "a live panel has no figure on the page"
         moved = {pid: m for pid, m in json.loads(nb.kernel(MOVED_PY)).items() if m}
@@ -449,9 +464,8 @@ def check_notebook(lab, path: Path) -> None:
 def check_tour_report_offline(lab, tmp_path: Path) -> None:
     """The tour's HTML report (``python -m workbench tour`` writes it with ``workbench.publish.page.offline_html``),
     opened with every network request refused, draws every chart. Made here from the stored notebook: running it again
-    would add ~25 s of a 2-core machine to the 10-minute test command for nothing this checks (nbval runs the
-    notebook; tests/test_cli.py runs the command's whole path with a stand-in kernel)."""
-    import nbformat
+    would add ~25 s of a 2-core machine to the 10-minute test command for nothing this checks (the notebook's own
+    test runs it; tests/test_cli.py runs the command's whole path with a stand-in kernel)."""
 
     from workbench.publish.page import offline_html
 
