@@ -123,8 +123,8 @@ def test_environment_yml_pip_section_is_valid_for_pip(tmp_path):
 def test_make_test_lists_every_test_file_once_in_an_order_pytest_keeps():
     """`make test` hands pytest its files in the order the two workers should take them (the browser test first).
     pytest keeps that order only while no argument holds another (given `tests` after `tests/browser` it collects
-    the folder in its own order), so: no argument inside another, every test file listed once. No notebook: the
-    browser test runs each one and compares its checked outputs as nbval does (nbval would run it again)."""
+    the folder in its own order), so: no argument inside another, every test file and every notebook (nbval checks
+    them) listed once."""
     import shutil
 
     if shutil.which("make") is None:
@@ -138,5 +138,5 @@ def test_make_test_lists_every_test_file_once_in_an_order_pytest_keeps():
     inside = [(a, b) for a in args for b in args if a != b and Path(b).is_relative_to(a)]
     assert not inside, f"pytest would drop the order: {inside}"
     listed = {p for a in args for p in ([*(ROOT / a).rglob("test_*.py")] if (ROOT / a).is_dir() else [ROOT / a])}
-    wanted = set(ROOT.joinpath("tests").rglob("test_*.py"))
+    wanted = set(ROOT.joinpath("tests").rglob("test_*.py")) | set(ROOT.joinpath("notebooks").glob("[0-9]*.ipynb"))
     assert listed == wanted, (sorted(map(str, wanted - listed)), sorted(map(str, listed - wanted)))
