@@ -30,10 +30,8 @@ from pathlib import Path
 import torch
 
 from workbench.core.argtypes import ensure_writable_dir
+from workbench.quant.names import PROFILE_SCHEMES
 
-#: what a profile times: one scheme of each storage family the what-if offers (the quality study measured each)
-PROFILE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int4/token", "int4/kivi", "int2/token",
-                   "int2/kivi")
 #: the result files a profile is read from, by their names' prefix
 PREFIXES = ("quant-decode", "tiers", "model-decode")
 _NAME = re.compile(r"^(?P<bench>quant-decode|tiers|model-decode)-(?P<gpu>.+)-\d{8}T\d{4,6}(-\d+)?\.json$")

@@ -95,6 +95,14 @@ TIER_BENCH_SCHEMES = ("fp16", "int8/token", "fp8_e4m3/token")  #: ``bench tiers`
 #: A tier's formats below an fp16 device (``TieredCache(host_format=...)``): ``bench tiers``' formats section and
 #: ``bench model_quality``'s tier rows; "fp16" is the device's own bytes (nothing transcoded), the reference.
 TIER_FORMATS = ("fp16", "fp8_e4m3/token", "int8/token", "int4/token", "int4/kivi", "int2/token")
+TIER_FORMAT_GRID = ("fp16", "int8/token", "int4/token", "int2/token")  #: the ``tier_formats`` sweep's default grid
+#: ``python -m workbench profile``: what a GPU profile times, one scheme of each storage family the what-if offers.
+PROFILE_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int4/token", "int4/kivi", "int2/token",
+                   "int2/kivi")
+#: The what-if's K/V schemes: those the committed H200 ``bench quant_decode`` run timed (fp32 and the one-group-a-head
+#: variants came after it).
+WHATIF_SCHEMES = tuple(s for s in DECODE_BENCH_SCHEMES if s != "fp32" and ONE_GROUP_A_HEAD not in s)
+WHATIF_GRID = ("fp16", "fp8_e4m3/head", "int8/token", "int4/token")  #: the ``whatif`` sweep's and frontier's schemes
 #: ``workbench.compress.delta_study``: quantized codes whose lossless compression is measured.
 DELTA_SCHEMES = ("int8/token", "fp8_e4m3/token", "int4/token", "int4/kivi")
 #: ``bench anatomy``: the schemes whose compiled decode kernel is read (registers, SASS per byte of the loop).
@@ -106,6 +114,7 @@ SCHEME_LISTS = {"AGREEMENT_SCHEMES": AGREEMENT_SCHEMES, "AGREEMENT_GRID": AGREEM
                 "DECODE_BENCH_SCHEMES": DECODE_BENCH_SCHEMES, "DECODE_SMOKE_SCHEMES": DECODE_SMOKE_SCHEMES,
                 "WRITE_BENCH_SCHEMES": WRITE_BENCH_SCHEMES, "QUALITY_SMOKE_SCHEMES": QUALITY_SMOKE_SCHEMES,
                 "TIER_BENCH_SCHEMES": TIER_BENCH_SCHEMES, "TIER_FORMATS": TIER_FORMATS, "DELTA_SCHEMES": DELTA_SCHEMES,
-                "ANATOMY_SCHEMES": ANATOMY_SCHEMES}
+                "ANATOMY_SCHEMES": ANATOMY_SCHEMES, "TIER_FORMAT_GRID": TIER_FORMAT_GRID,
+                "PROFILE_SCHEMES": PROFILE_SCHEMES, "WHATIF_SCHEMES": WHATIF_SCHEMES, "WHATIF_GRID": WHATIF_GRID}
 FORMAT_LISTS = {"STUDY_FAMILIES": STUDY_FAMILIES, "STUDY_SCALED_FAMILIES": STUDY_SCALED_FAMILIES,
                 "STUDY_GROUP_FAMILIES": STUDY_GROUP_FAMILIES, "QUANT_SWEEP_GRID": QUANT_SWEEP_GRID}

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from workbench.core import kv_spec as model_spec
 from workbench.model.capture import PROMPTS, SAVED_LAYERS
-from workbench.quant.names import TIER_FORMATS
+from workbench.quant.names import TIER_FORMAT_GRID, TIER_FORMATS
 from workbench.results import format_quality
 from workbench.results import tiers as tier_runs
 from workbench.sim import preemption_cost as pc
@@ -333,7 +333,7 @@ FORMAT_PER_TIER = Study(
     "tier_formats", "a storage format per tier: tokens/s moved down and up, transcode hidden, break-even link, "
                     "quality cost", (
         Param("format", "str", "int4/token", choices=TIER_FORMATS,
-              grid=("fp16", "int8/token", "int4/token", "int2/token"), label="host format"),
+              grid=TIER_FORMAT_GRID, label="host format"),
         Param("model", "str", "smollm2-135m", choices=tuple(sorted(model_spec.MODELS)), label="KV shape"),
         Param("block_size", "int", 16, choices=BLOCK_SIZES, grid=(16, 64, 256), label="block (tokens)"),
         Param("batch", "int", 64, choices=(1, 4, 16, 64, 256, 1024), label="blocks a batch"),

@@ -18,7 +18,7 @@ import functools
 import re
 
 from workbench.publish.notebook import format_value
-from workbench.quant.names import TIER_FORMATS
+from workbench.quant.names import TIER_FORMATS, WHATIF_GRID, WHATIF_SCHEMES
 from workbench.sim import traces
 from workbench.studies.base import Param, Study
 from workbench.whatif import models, report, validation
@@ -26,9 +26,7 @@ from workbench.whatif.profile import GpuProfile, Measured
 from workbench.whatif.serve import PREEMPTION, Knobs
 
 GPUS = {"h200": "H200 (committed runs)"}  # a profile per GPU whose runs are committed (GpuProfile.from_results)
-# the K/V schemes the H200 profile's bench quant_decode run timed (tests check it measured each)
-SCHEMES = ("fp16", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/head", "fp8_e4m3/token", "fp8_e5m2/tensor", "int8/tensor",
-           "int8/token", "int8_asym/token", "int4/token", "int4/kivi", "int2/token", "int2/kivi")
+SCHEMES = WHATIF_SCHEMES  # the K/V schemes the H200 profile's bench quant_decode run timed (tests check each)
 TRACES = {"sharegpt": "ShareGPT-like", "alpaca": "Alpaca-like"}
 RATES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # requests a second
 AUTO = 0.0  # kv_gib: what the GPU leaves (HBM x utilization - weights - activations)
@@ -337,7 +335,7 @@ WHATIF = Study(
         Param("rate", "float", 8.0, choices=RATES, grid=(2.0, 8.0, 32.0, 128.0), label="requests/s",
               help="Poisson arrivals a second"),
         Param("block_size", "int", 16, choices=(8, 16, 32, 64, 128), label="block (tokens)"),
-        Param("scheme", "str", "fp16", choices=SCHEMES, grid=("fp16", "fp8_e4m3/head", "int8/token", "int4/token"),
+        Param("scheme", "str", "fp16", choices=SCHEMES, grid=WHATIF_GRID,
               label="K/V scheme", widget="dropdown"),
         Param("kv_gib", "float", AUTO, choices=KV_GIBS, labels={AUTO: "auto"}, label="KV GiB",
               help="0: auto (HBM x 0.9 - weights - 1 GiB of activations)"),

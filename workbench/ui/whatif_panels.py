@@ -15,11 +15,12 @@ import ipywidgets as W
 
 from workbench.figures import whatif as whatif_figures
 from workbench.publish.notebook import format_value
+from workbench.quant.names import WHATIF_GRID
 from workbench.studies import whatif as wi
 from workbench.ui.controls import control, controls_for
 from workbench.ui.panels import Panel
 
-FRONTIER_SCHEMES = ("fp16", "fp8_e4m3/head", "int8/token", "int4/token")
+FRONTIER_SCHEMES = WHATIF_GRID
 FRONTIER_RATES = (2.0, 8.0, 32.0, 128.0)
 FRONTIER_CONTROLS = ("model", "trace", "block_size", "kv_gib", "preemption", "scheme")
 
