@@ -39,7 +39,7 @@ from workbench import quant
 from workbench.core.kv_spec import ModelSpec
 from workbench.quant import blocks as qblocks
 from workbench.quant.names import TIER_FORMATS
-from workbench.tiers.formats import ROW_ALIGN, TierFormat
+from workbench.tiers.formats import ROW_ALIGN, TierFormat, check_storable
 from workbench.tiers.link import LinkModel
 
 DEVICE_ALIGN = 128  # bytes: a device block's stride (workbench.cache.storage)
@@ -114,15 +114,7 @@ def tier_format(fmt, shape: ModelSpec, block_size: int, device="fp16") -> TierFo
         raise ValueError(f"format must be a cast or a scheme whose scales are computed on write "
                          f"({', '.join(TIER_FORMATS)}); {scheme.name} needs static scales calibrated ahead, which a "
                          f"tier does not have")
-    H, D = shape.num_kv_heads, shape.head_dim
-    try:
-        scheme.check_shape(H, D)
-        if block_size % scheme.write_group:
-            raise ValueError(f"its groups of {scheme.write_group} tokens do not tile a block of {block_size}")
-        qblocks.block_bytes(scheme, block_size, H, D)
-    except ValueError as e:
-        raise ValueError(f"format {scheme.name} cannot store blocks of {block_size} tokens x {H} heads x {D} dims: "
-                         f"{e}") from None
+    check_storable(scheme, block_size, shape.num_kv_heads, shape.head_dim)
     return TierFormat(scheme)
 
 

@@ -90,17 +90,24 @@ def tier_format(cache, value, name: str = "host_format") -> TierFormat:
                          f"static scales calibrated ahead, which a tier does not have")
     H, D = cache.num_kv_heads, cache.head_dim
     for bs in cache.pool_sizes:
-        try:
-            scheme.check_shape(H, D)
-            if cache.ops == "kernels":  # the batch is written by the write kernel, which must tile the rows
-                check_kernel_shape(scheme, D)
-            if bs % scheme.write_group:
-                raise ValueError(f"its groups of {scheme.write_group} tokens do not tile a block of {bs}")
-            qblocks.block_bytes(scheme, bs, H, D)
-        except ValueError as e:
-            raise ValueError(f"{name} {scheme.name} cannot store blocks of {bs} tokens x {H} heads x {D} dims: "
-                             f"{e}") from None
+        check_storable(scheme, bs, H, D, name, kernels=cache.ops == "kernels")
     return TierFormat(scheme)
+
+
+def check_storable(scheme: quant.Scheme, block_size: int, H: int, D: int, name: str = "format",
+                   kernels: bool = False) -> None:
+    """ValueError naming ``name`` unless ``scheme`` can store a block of ``block_size`` tokens x ``H`` heads x ``D``
+    dims in a tier (``kernels``: written by the write kernel, which must tile the rows)."""
+    try:
+        scheme.check_shape(H, D)
+        if kernels:
+            check_kernel_shape(scheme, D)
+        if block_size % scheme.write_group:
+            raise ValueError(f"its groups of {scheme.write_group} tokens do not tile a block of {block_size}")
+        qblocks.block_bytes(scheme, block_size, H, D)
+    except ValueError as e:
+        raise ValueError(f"{name} {scheme.name} cannot store blocks of {block_size} tokens x {H} heads x {D} dims: "
+                         f"{e}") from None
 
 
 # ---- geometry --------------------------------------------------------------------------------
