@@ -82,7 +82,7 @@ def test_a_tiered_cache_round_trips_through_a_coded_disk(tmp_path, host_format):
                      host_format=host_format, disk_format="zstd", fsync=False)
     assert isinstance(tc.lower.disk, CodedDisk)
     g = torch.Generator().manual_seed(3)
-    k, v = (torch.randn(L, 40, H, D, generator=g).half() for _ in range(2))
+    k, v = (torch.randn(L, 40, H, D, generator=g).half().to(cache.device) for _ in range(2))
     tc.add("a", list(range(40)), k, v)
     staged = cache.blocks(bs)[:, :, cache.manager.block_table("a")[:4]].permute(2, 0, 1, 3).contiguous()
     want = F.roundtrip_values(cache, fmt, bs, staged.view(torch.uint8).reshape(4, -1))
