@@ -10,6 +10,7 @@ from conftest import rel_err
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_tiers_cache import _kv_of, _tokens, apply_op
+from test_tiers_disk import flip
 from workbench.kernels.write.reference import dequantize_cache_ref, write_cache_ref
 
 import workbench
@@ -338,9 +339,7 @@ def test_a_lossy_disk_tier_round_trips_the_same_and_names_a_flipped_byte(tmp_pat
     tc.check_invariants()
     tc.swap_out(["s"])
     for seg in sorted((tmp_path / "d").glob("seg-*.kv")):
-        data = bytearray(seg.read_bytes())
-        data[-5] ^= 0x40
-        seg.write_bytes(bytes(data))
+        flip(seg, -5)  # a byte of its last block
     tc.evict()
     with pytest.raises(CorruptBlock, match="checksum"):
         tc.swap_in(["s"])

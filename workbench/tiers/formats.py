@@ -82,7 +82,7 @@ def tier_format(cache, value, name: str = "host_format") -> TierFormat:
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
     scheme = scheme.without_residual()  # a tier holds whole blocks: no fp16 window of newest tokens
-    if scheme.name == cache.scheme.without_residual().name and scheme == cache.scheme.without_residual():
+    if scheme == cache.scheme.without_residual():
         return DEVICE  # before the static check: a static cache's own scheme is its bytes, no scales to find
     if scheme.needs_static_scales:
         raise ValueError(f"{name} must be a cast or a scheme whose scales are computed on write (token or groups "
