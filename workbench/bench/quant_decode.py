@@ -114,15 +114,19 @@ def tune_variants(scheme: quant.Scheme, base: dict, quick: bool = False) -> list
     return out
 
 
-def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False) -> list[tuple[str, dict]]:
+def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
+                    head_dim: int | None = None) -> list[tuple[str, dict]]:
     """The launches timed for ``scheme``: the heuristic (what the kernels choose), with ``tune`` its variants, and for
-    packed groups the planes kernel beside it, for keys per token also the streams kernel (same run, same rows)."""
+    packed groups the planes kernel beside it, for keys per token with one group a head (``head_dim``) also the
+    streams kernel (same run, same rows)."""
     variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
     if scheme.family == "groups":
         # the planes kernel's 32- and 64-token tiles were slower on the H200 (2026-12-05); 8 warps for the streams
         # cost more instructions a byte (bench anatomy)
         variants[1:1] = [("planes-BLOCK_N128", {"planes": True, "streams": 0, "BLOCK_N": 128})]
-        if scheme.key_mode == "token":  # keys per token: the streams kernel (kernels/decode/streams.py)
+        # the streams kernel with groups narrower than a head spills (H100, 2026-12-05: 144-500 spills, 0.13-0.38x)
+        one_group = head_dim is None or scheme.value_group >= head_dim
+        if scheme.key_mode == "token" and one_group:  # keys per token: the streams kernel (kernels/decode/streams.py)
             variants[1:1] = [(f"streams-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn, "num_warps": 4})
                              for bn in (128, 256)]
     return variants
@@ -178,7 +182,7 @@ def run_decode(w, copy_gbps: float, schemes, rep_ms: float, tune: bool, device, 
                              p.max_seq_len, mean_seq_len=tokens / w.batch, kv_dtype=k_cache.dtype,
                              num_sms=torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda"
                              else 0)
-        variants = decode_variants(scheme, base, tune)
+        variants = decode_variants(scheme, base, tune, w.head_dim)
         variants = [(n, c) for n, c in variants if n == "heuristic" or not only or n.startswith(only)]
         for variant, cfg in variants:
             row = {"section": "decode", "workload": w.key, "scheme": name, "variant": variant,
