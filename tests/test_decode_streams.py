@@ -10,7 +10,7 @@ from conftest import rel_err
 from test_decode_planes import BOUND, written_sequences
 from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import cascade_decode_ref
-from workbench.kernels.decode.streams import streams_launch
+from workbench.kernels.decode.streams import streams_launch, streams_tile
 from workbench.kernels.write.reference import dequantize_cache_ref
 
 from workbench import quant
@@ -69,3 +69,8 @@ def test_streams_launch_fills_sixteen_rows():
     assert streams_launch(consts, "vllm", 64, 4) is None  # the split layout
     assert streams_launch(dict(consts, K_TG=16), "nhd", 64, 4) is None  # keys per channel: groups.py
     assert streams_launch(consts, "nhd", 64, 32) is None  # a group over 16 rows
+
+
+def test_streams_tile_grows_with_context():
+    """Where the caller names no tile: 256 tokens from 1k-token contexts (W1, W2 on the H100), 128 below (W3)."""
+    assert [streams_tile(c) for c in (0, 512, 1023, 1024, 4096, 32768)] == [128, 128, 128, 256, 256, 256]

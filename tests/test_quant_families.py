@@ -281,4 +281,13 @@ def test_decode_launch_defaults_by_family_are_the_measured_ones():
     for name, s in quant.SCHEMES.items():
         expected = want.get(s.family, {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3} if s.symmetric
                             else {"BLOCK_N": 32, "num_stages": 3})
-        assert dquant.launch_defaults(s) == expected, name
+        assert dquant.launch_defaults(s, 128) == expected, name
+    # one scale a token-head (keys per token, a group the whole head): int4 on the streams kernel (its tile by context,
+    # kernels/decode/streams.py streams_tile), int2 on the planes kernel
+    for name, want_one in (("int4/token", {"planes": True, "num_warps": 4}),
+                           ("int2/token", {"planes": True, "streams": 0, "BLOCK_N": 128})):
+        for head_dim in (64, 128):
+            one = quant.get(name).with_params(value_group=head_dim)
+            assert dquant.launch_defaults(one, head_dim) == want_one, (name, head_dim)
+            assert dquant.launch_defaults(one, head_dim * 2) == {"BLOCK_N": 32}, (name, head_dim)  # two groups a head
+    assert dquant.launch_defaults(quant.get("int4/kivi").with_params(value_group=128), 128) == {"BLOCK_N": 32}

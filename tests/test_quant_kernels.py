@@ -225,7 +225,7 @@ def test_quant_bench_times_the_streams_kernel_where_keys_are_per_token():
     from workbench.bench import quant_decode
 
     names = [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int4/token@head", 64), {})]
-    assert names == ["heuristic", "streams-BLOCK_N128", "streams-BLOCK_N256", "planes-BLOCK_N128"]
+    assert names == ["heuristic", "streams-BLOCK_N128", "streams-BLOCK_N256", "planes-BLOCK_N128", "generic-BLOCK_N32"]
     assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/kivi"), {})] == [
         "heuristic", "planes-BLOCK_N128"]
     assert quant_decode.decode_variants(quant.get("int8/token"), {}) == [("heuristic", {})]

@@ -39,7 +39,7 @@ from . import kernel as _kernel
 from . import quant as _quant
 from .groups import _groups_decode_kernel, planes_launch
 from .merge import _merge_states_kernel
-from .streams import _streams_decode_kernel, streams_launch
+from .streams import _streams_decode_kernel, streams_launch, streams_tile
 
 _Q_DTYPES = common.Q_DTYPES
 _describe = common.describe
@@ -178,7 +178,7 @@ class DecodePlan:
                                  _config._interpreted())
         launch.update(dq.fixed)  # what the family's codes fix (packed keys are read as [BLOCK_N, bytes] rows)
         if not _config._interpreted():
-            for k, v in _quant.launch_defaults(scheme).items():
+            for k, v in _quant.launch_defaults(scheme, D).items():
                 launch.setdefault(k, v)
         if max_seq_len is not None and max_seq_len < 0:
             raise ValueError(f"max_seq_len must be >= 0, got {max_seq_len}")
@@ -206,6 +206,8 @@ class DecodePlan:
                                      layout=layout) if planes else None
         streams = launch.pop("streams", None)  # per-token packed codes: streams a tile at most (streams.py)
         bn0 = int(launch.get("BLOCK_N", cfg0["BLOCK_N"])) if planes else 0
+        if planes and streams != 0 and "BLOCK_N" not in launch:  # the streams kernel's tile by context
+            bn0 = streams_tile(mean_seq_len if mean_seq_len is not None else f["max_seq_len"])
         pl = streams_launch(dq.constexprs, layout, bn0, Hq // hkv, streams) if planes and streams != 0 else None
         kind = "streams" if pl is not None else "planes"
         if pl is None and planes:

@@ -29,7 +29,7 @@ class DecodeQuant(NamedTuple):
 
 class DecodeFamily(NamedTuple):
     build: Callable[..., DecodeQuant]  # (scheme, k_cache, v_cache, block_size, hkv, head_dim, k_scale, v_scale, fast)
-    launch_defaults: Callable[[quant.Scheme], dict]  # GPU launch changes (docs/quant_tuning.md)
+    launch_defaults: Callable[[quant.Scheme, int], dict]  # GPU launch changes by head_dim (docs/quant_tuning.md)
     fixed: dict  # launch options the family's codes need, e.g. packed keys read as rows
 
 
@@ -81,13 +81,25 @@ def _one_byte_defaults(scheme) -> dict:
     return {"BLOCK_N": 32, "num_stages": 3}
 
 
+def _packed_defaults(scheme, head_dim: int) -> dict:
+    """Packed codes: the generic kernel on 32-token tiles (the unpacked operands are the register cost), except where
+    a token-head has one scale and zero point (keys per token, ``value_group >= head_dim``): int4 there runs the
+    streams kernel (H100, 2026-12-05: 1.24-1.54x fp16 against the generic kernel's 1.01-1.11x; its tile by context,
+    ``plan.py``), int2 the planes kernel at 128-token tiles (1.22-1.38x against 1.00-1.12x; the streams kernel spills
+    there)."""
+    if scheme.key_mode != "token" or scheme.value_group < head_dim:
+        return {"BLOCK_N": 32}
+    if scheme.bits == 4:
+        return {"planes": True, "num_warps": 4}
+    return {"planes": True, "streams": 0, "BLOCK_N": 128}
+
+
 DECODE_FAMILIES: dict[str, DecodeFamily] = {
-    "cast": DecodeFamily(_cast, lambda s: {}, {}),
-    "static": DecodeFamily(_static, _one_byte_defaults, {}),
-    "token": DecodeFamily(_in_blocks(lambda s: 2 if s.symmetric else 3), _one_byte_defaults, {}),
-    # packed codes: 32-token tiles (the unpacked operands are the register cost); keys read as [BLOCK_N, bytes]
-    # rows, then unpacked
-    "groups": DecodeFamily(_in_blocks(lambda s: 4), lambda s: {"BLOCK_N": 32}, {"k3d": False}),
+    "cast": DecodeFamily(_cast, lambda s, d: {}, {}),
+    "static": DecodeFamily(_static, lambda s, d: _one_byte_defaults(s), {}),
+    "token": DecodeFamily(_in_blocks(lambda s: 2 if s.symmetric else 3), lambda s, d: _one_byte_defaults(s), {}),
+    # keys read as [BLOCK_N, bytes] rows, then unpacked
+    "groups": DecodeFamily(_in_blocks(lambda s: 4), _packed_defaults, {"k3d": False}),
 }
 
 
@@ -99,9 +111,10 @@ def decode_family(scheme: quant.Scheme) -> DecodeFamily:
     return entry
 
 
-def launch_defaults(scheme: quant.Scheme) -> dict:
-    """Launch changes a scheme gets on the GPU, measured on the H200 (docs/quant_tuning.md), by its family."""
-    return decode_family(scheme).launch_defaults(scheme)
+def launch_defaults(scheme: quant.Scheme, head_dim: int) -> dict:
+    """Launch changes a scheme gets on the GPU for ``head_dim``-channel heads, measured on the H200 and H100
+    (docs/quant_tuning.md), by its family."""
+    return decode_family(scheme).launch_defaults(scheme, head_dim)
 
 
 def values_head_dim(scheme: quant.Scheme, code_dim: int) -> int:

@@ -129,6 +129,9 @@ def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
         if scheme.key_mode == "token" and one_group:  # keys per token: the streams kernel (kernels/decode/streams.py)
             variants[1:1] = [(f"streams-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn, "num_warps": 4})
                              for bn in (128, 256)]
+            # one scale a token-head: the heuristic is the streams or planes kernel (kernels/decode/quant.py), so
+            # the generic kernel is timed beside it
+            variants.append(("generic-BLOCK_N32", {"planes": False, "BLOCK_N": 32}))
     return variants
 
 
