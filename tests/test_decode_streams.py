@@ -74,3 +74,28 @@ def test_streams_launch_fills_sixteen_rows():
 def test_streams_tile_grows_with_context():
     """Where the caller names no tile: 256 tokens from 1k-token contexts (W1, W2 on the H100), 128 below (W3)."""
     assert [streams_tile(c) for c in (0, 512, 1023, 1024, 4096, 32768)] == [128, 128, 128, 256, 256, 256]
+
+
+@pytest.mark.parametrize("name, kernel", [("int4/token", "streams"), ("int2/token", "planes")])
+def test_one_scale_a_head_takes_its_kernel_without_launch_options(name, kernel, device):
+    """A plan given no launch options: on a GPU, one scale a token-head runs the kernel measured fastest for it
+    (kernels/decode/quant.py ``_packed_defaults``); under the interpreter the generic one. Either reads the cache
+    within the reference's bounds, the output poisoned first."""
+    from workbench.core.backend import is_interpreted
+
+    D, H, G, block_size = 128, 2, 4, 16
+    scheme = quant.get(name, residual=0, value_group=D)
+    g = torch.Generator().manual_seed(31 + len(name))
+    lens = [1, 1500, 2 * block_size + 5, 2700]  # mean over 1k: the 256-token tile on a GPU
+    kc, vc, table = written_sequences(scheme, "nhd", block_size, H, D, lens, g, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens), H * G, D, generator=g).half().to(device)
+    plan = DecodePlan(table, seq_lens, layout="nhd", k_cache=kc, v_cache=vc, num_q_heads=H * G, q_dtype=q.dtype,
+                      quant=scheme)
+    assert plan.config["kernel"] == ("generic" if is_interpreted() else kernel)
+    out = plan.run(q, kc, vc, out=torch.full_like(q, float("nan")))
+    kd, vd = (dequantize_cache_ref(scheme, c, "nhd", kind, D) for c, kind in ((kc, "k"), (vc, "v")))
+    ref, _ = cascade_decode_ref(q, kd.nan_to_num(), vd.nan_to_num(), "nhd", table, seq_lens, [], [0] * len(lens),
+                                block_size)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref.to(out.device)) < BOUND[torch.float16]
