@@ -114,6 +114,26 @@ def load_results(pattern: str, results_dir: Path | str | None = None, where: Map
     return [row for run in runs for row in run["rows"]]
 
 
+def join_parts(docs: Sequence[Mapping]) -> dict:
+    """One result document from the parts of a run split over calls (a GPU's per-call time limit): the rows of every
+    part in order, the first part's ``meta`` with the newest ``date`` (the run's end), the other top-level fields of
+    the first part, and ``parts``: each part's ``meta`` and top-level fields, so that nothing a part measured on its
+    own (e.g. its copy bandwidth) is lost. ``ValueError`` when the parts ran on other GPUs, builds or commits."""
+    if not docs:
+        raise ValueError("docs: at least one part, got none")
+    keys = ("gpu", "torch", "triton", "commit")
+    first = docs[0]["meta"]
+    for i, d in enumerate(docs[1:], 1):
+        other = {k: d["meta"].get(k) for k in keys if d["meta"].get(k) != first.get(k)}
+        if other:
+            raise ValueError(f"docs[{i}]: a part of another run ({other}; the first part has "
+                             f"{ {k: first.get(k) for k in other} })")
+    meta = {**first, "date": max(d["meta"]["date"] for d in docs)}
+    extra = {k: v for k, v in docs[0].items() if k not in ("meta", "rows")}
+    parts = [{**{k: v for k, v in d.items() if k != "rows"}, "rows": len(d["rows"])} for d in docs]
+    return {"meta": meta, **extra, "parts": parts, "rows": [r for d in docs for r in d["rows"]]}
+
+
 def pick(rows: Sequence[Mapping], **where) -> Mapping:
     """The last of ``rows`` whose columns satisfy every condition of ``where`` (as :func:`matches`): with the rows
     of several runs, oldest first, the newest run's. ``ValueError`` naming the conditions when none does."""
