@@ -84,15 +84,17 @@ def _word_planes(w, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE: tl.constexpr, ASM: tl.constexpr):
-    """Offsets of the K and V per-token scales of the tokens ``t`` ``[ROWS, NR]`` (the caller adds the group)."""
-    i_pg = _load_page(bt_row + tl.minimum(t, last) // PAGE, ASM).to(tl.int64)
+def _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE: tl.constexpr, ASM: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Offsets of the K and V per-token scales of the tokens ``t`` ``[ROWS, NR]`` (the caller adds the group); tokens
+    past ``last`` (only in a ``MASKED`` tile) read its page."""
+    i_pg = _load_page(bt_row + (tl.minimum(t, last) if MASKED else t) // PAGE, ASM).to(tl.int64)
     o_t = t % PAGE
     return i_pg * ks_blk + o_t * ks_tg, i_pg * vs_blk + o_t * vs_tg
 
 
 @triton.jit
-def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, s_scale,
+def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base, v_base, s_scale,
                   k_s_blk, k_s_tok, v_s_blk, v_s_tok, ks_base, vs_base, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
                   NR: tl.constexpr, R: tl.constexpr, PAGE: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
                   DC: tl.constexpr, CW: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr,
@@ -100,7 +102,9 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_ba
                   IEEE: tl.constexpr, ROWS_: tl.constexpr):
     """One tile: ``R`` streams of ``NR`` tokens from ``start``. Planes ``(c, b, k)`` (chunk, byte of the word, field
     of the byte; index ``(c * 2 + b) * PER + k``): ``b_qp`` q's plane ``[ROWS, CW / 2]`` (every row of a head);
-    ``b_qsum`` per plane ``[ROWS]`` fp32 (one entry when a group is the head); ``b_m``/``b_l`` ``[ROWS]``; ``b_acc``
+    ``b_qsum`` per plane ``[ROWS]`` fp32 (one entry when a group is the head); ``b_m`` ``[ROWS]``; ``b_l`` and
+    (``V_DG >= HEAD_DIM``) ``b_zs``, the sums of p and of p times the value zero points, kept per column ``[ROWS, NR]``
+    and added up after the loop (a row sum a tile is shuffles and a barrier across the warps); ``b_acc``
     per plane ``[ROWS, CW / 2]`` fp32, each row its own stream's. ``k_base``/``v_base``: int16 pointers."""
     PER: tl.constexpr = 8 // BITS
     NP: tl.constexpr = 2 * PER  # planes a chunk of words
@@ -113,15 +117,15 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_ba
     o_n = tl.arange(0, NR)
     j_r = tl.arange(0, ROWS_) % R  # the row's stream
     t = start + j_r[:, None] * NR + o_n[None, :]  # [ROWS, NR]: the token of each score
-    m_t = t < hi
-    o_ks, o_vs = _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE, ASM)
+    m_t = t < hi  # all true but in the last (MASKED) tile: no masks in the loop's tiles
+    o_ks, o_vs = _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE, ASM, MASKED)
     # the streams' rows (in words): stream j is tokens [start + j NR, start + (j + 1) NR), a plain tile each
     k_rows = ()
     v_rows = ()
     m_rows = ()
     for j in tl.static_range(R):
         t_j = start + j * NR + o_n
-        i_pg = _load_page(bt_row + tl.minimum(t_j, last) // PAGE, ASM).to(tl.int64)
+        i_pg = _load_page(bt_row + (tl.minimum(t_j, last) if MASKED else t_j) // PAGE, ASM).to(tl.int64)
         k_rows = k_rows + ((i_pg * k_s_blk + (t_j % PAGE) * k_s_tok) // 2,)
         v_rows = v_rows + ((i_pg * v_s_blk + (t_j % PAGE) * v_s_tok) // 2,)
         m_rows = m_rows + (t_j < hi,)
@@ -159,27 +163,30 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_ba
         if not K_ONE:
             for f in tl.static_range(NP):
                 ch0 = (f % PER) * DC + c * CW  # the plane's channels lie in group ch0 // K_DG
-                b_sc = tl.load(ks_base + o_ks + ch0 // K_DG, mask=m_t, other=0.0).to(tl.float32)
-                b_z = tl.load(ks_base + kz_off + o_ks + ch0 // K_DG, mask=m_t, other=0.0).to(tl.float32)
+                b_sc = tl.load(ks_base + o_ks + ch0 // K_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+                b_z = tl.load(ks_base + kz_off + o_ks + ch0 // K_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
                 b_s += b_dp[f] * b_sc + b_qsum[c * NP + f][:, None] * (b_z + HALF * b_sc)
     if K_ONE:
-        b_sc = tl.load(ks_base + o_ks, mask=m_t, other=0.0).to(tl.float32)
-        b_z = tl.load(ks_base + kz_off + o_ks, mask=m_t, other=0.0).to(tl.float32)
+        b_sc = tl.load(ks_base + o_ks, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+        b_z = tl.load(ks_base + kz_off + o_ks, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
         b_all = tl.zeros([ROWS_, NR], dtype=tl.float32)
         for j in tl.static_range(R):
             b_all = tl.where((j_r == j)[:, None], b_d[j], b_all)
         b_s = b_all * b_sc + b_qsum[0][:, None] * (b_z + HALF * b_sc)
-    b_s = tl.where(m_t, b_s * s_scale, float("-inf"))
+    if MASKED:
+        b_s = tl.where(m_t, b_s * s_scale, float("-inf"))
+    else:
+        b_s = b_s * s_scale
     b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # -inf for a row whose stream has not begun: its p is 0
     b_m_use = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
     b_alpha = tl.exp2(b_m - b_m_use)
     b_p = tl.exp2(b_s - b_m_use[:, None])  # [ROWS, NR]; 0 past the end
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_l = b_l * b_alpha[:, None] + b_p
     if V_ONE:  # one value scale a token: one operand for every plane
-        b_vsc = tl.load(vs_base + o_vs, mask=m_t, other=0.0).to(tl.float32)
-        b_vz = tl.load(vs_base + vz_off + o_vs, mask=m_t, other=0.0).to(tl.float32)
+        b_vsc = tl.load(vs_base + o_vs, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+        b_vz = tl.load(vs_base + vz_off + o_vs, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
         b_pv_one = (b_p * (b_vsc * QMAX)).to(OP)
-        b_pz_one = tl.sum(b_p * (b_vz + HALF * b_vsc), 1)
+        b_zs = b_zs * b_alpha[:, None] + b_p * (b_vz + HALF * b_vsc)
     acc = ()
     for c in tl.static_range(DC // CW):
         cur = ()  # this chunk's planes: the rescaled accumulator plus the zero point's share
@@ -187,17 +194,18 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_ba
         for f in tl.static_range(NP):
             if V_ONE:
                 b_pv = b_pv_one
-                b_pz = b_pz_one
             else:
                 ch0 = (f % PER) * DC + c * CW
-                b_vsc = tl.load(vs_base + o_vs + ch0 // V_DG, mask=m_t, other=0.0).to(tl.float32)
-                b_vz = tl.load(vs_base + vz_off + o_vs + ch0 // V_DG, mask=m_t, other=0.0).to(tl.float32)
+                b_vsc = tl.load(vs_base + o_vs + ch0 // V_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+                b_vz = tl.load(vs_base + vz_off + o_vs + ch0 // V_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
                 b_pv = (b_p * (b_vsc * QMAX)).to(OP)
                 b_pz = tl.sum(b_p * (b_vz + HALF * b_vsc), 1)
             b_pvs = b_pvs + (b_pv,)
-            # the zero point's share, in the accumulator's units (x QMAX x the field's power of two)
-            cur = cur + (b_acc[c * NP + f] * b_alpha[:, None]
-                         + (b_pz * (QMAX * (1 << ((f % PER) * BITS))))[:, None],)
+            if V_ONE:  # the zero point's share: b_zs, after the loop
+                cur = cur + (b_acc[c * NP + f] * b_alpha[:, None],)
+            else:  # the zero point's share, in the accumulator's units (x QMAX x the field's power of two)
+                cur = cur + (b_acc[c * NP + f] * b_alpha[:, None]
+                             + (b_pz * (QMAX * (1 << ((f % PER) * BITS))))[:, None],)
         for j in tl.static_range(R):
             p_v = v_base + v_rows[j][:, None] + (c * CW2 + o_i)[None, :]
             if MASKED:
@@ -211,7 +219,7 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_ba
                 new = new + (tl.dot(b_pj, planes[f].to(OP), cur[f], input_precision="ieee" if IEEE else None),)
             cur = new
         acc = acc + cur
-    return b_m_new, b_l, acc
+    return b_m_new, b_l, b_zs, acc
 
 
 @triton.jit
@@ -287,19 +295,27 @@ def _streams_decode_kernel(
     s_scale = qk_scale * k_scale
 
     b_m = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([ROWS], dtype=tl.float32)
+    b_l = tl.zeros([ROWS, NR], dtype=tl.float32)
+    b_zs = tl.zeros([ROWS, NR], dtype=tl.float32)
     i_end = hi // BLOCK_N  # whole tiles in the loop, the partial last one after it (masked)
     for i_t in range(lo // BLOCK_N, i_end):
-        b_m, b_l, b_acc = _streams_tile(
-            b_qp, b_qsum, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, s_scale,
+        b_m, b_l, b_zs, b_acc = _streams_tile(
+            b_qp, b_qsum, b_m, b_l, b_zs, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, s_scale,
             k_s_blk * K_BM, k_s_tok * K_TM, v_s_blk * V_BM, v_s_tok * V_TM, ks_base, vs_base, ks_blk, ks_tg, kz_off,
             vs_blk, vs_tg, vz_off, NR, R, PAGE, ASM, False, DC, CW, BITS, QMAX, K_DG, V_DG, HEAD_DIM, OP, IEEE, ROWS)
     if hi % BLOCK_N != 0:
-        b_m, b_l, b_acc = _streams_tile(
-            b_qp, b_qsum, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, s_scale,
+        b_m, b_l, b_zs, b_acc = _streams_tile(
+            b_qp, b_qsum, b_m, b_l, b_zs, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, s_scale,
             k_s_blk * K_BM, k_s_tok * K_TM, v_s_blk * V_BM, v_s_tok * V_TM, ks_base, vs_base, ks_blk, ks_tg, kz_off,
             vs_blk, vs_tg, vz_off, NR, R, PAGE, ASM, True, DC, CW, BITS, QMAX, K_DG, V_DG, HEAD_DIM, OP, IEEE, ROWS)
 
+    b_l = tl.sum(b_l, 1)
+    if V_DG >= HEAD_DIM:  # the value zero points' share, in the accumulator's units (x QMAX x the field's power of 2)
+        b_pz = tl.sum(b_zs, 1)
+        acc = ()
+        for f in tl.static_range(NP * (DC // CW)):
+            acc = acc + (b_acc[f] + (b_pz * (QMAX * (1 << ((f % PER) * BITS))))[:, None],)
+        b_acc = acc
     # merge each head's R streams: weights 2**(m_r - M_g), M_g the head's max (a stream that saw nothing weighs 0)
     b_mg = tl.max(tl.reshape(b_m, [GR, R]), 1)  # [GR]
     b_mg_use = tl.where(b_mg == float("-inf"), 0.0, b_mg)
