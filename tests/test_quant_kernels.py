@@ -229,7 +229,9 @@ def test_quant_bench_times_the_streams_kernel_where_keys_are_per_token():
     assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/kivi"), {})] == [
         "heuristic", "planes-BLOCK_N128"]
     assert quant_decode.decode_variants(quant.get("int8/token"), {}) == [("heuristic", {})]
-    # groups of 32 channels spill in the streams kernel: not timed there
+    # groups of 32 channels and int2 spill in the streams kernel: not timed there
+    assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/token@head", 64), {})] == [
+        "heuristic", "planes-BLOCK_N128", "generic-BLOCK_N32"]
     assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int4/token"), {}, head_dim=128)] == [
         "heuristic", "planes-BLOCK_N128"]
     assert quant_decode.bench_scheme("int4/token@head", 64).value_group == 64

@@ -124,11 +124,12 @@ def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
         # the planes kernel's 32- and 64-token tiles were slower on the H200 (2026-12-05); 8 warps for the streams
         # cost more instructions a byte (bench anatomy)
         variants[1:1] = [("planes-BLOCK_N128", {"planes": True, "streams": 0, "BLOCK_N": 128})]
-        # the streams kernel with groups narrower than a head spills (H100, 2026-12-05: 144-500 spills, 0.13-0.38x)
+        # the streams kernel spills with groups narrower than a head and with int2's eight planes a chunk (H100,
+        # 2026-12-05: 144-500 spills, 0.13-0.38x; int2 one group a head 0.75-0.89x)
         one_group = head_dim is None or scheme.value_group >= head_dim
         if scheme.key_mode == "token" and one_group:  # keys per token: the streams kernel (kernels/decode/streams.py)
             variants[1:1] = [(f"streams-BLOCK_N{bn}", {"planes": True, "BLOCK_N": bn, "num_warps": 4})
-                             for bn in (128, 256)]
+                             for bn in ((128, 256) if scheme.bits == 4 else ())]
             # one scale a token-head: the heuristic is the streams or planes kernel (kernels/decode/quant.py), so
             # the generic kernel is timed beside it
             variants.append(("generic-BLOCK_N32", {"planes": False, "BLOCK_N": 32}))
