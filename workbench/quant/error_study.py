@@ -171,7 +171,9 @@ def evaluate(scheme: Scheme | str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def evaluate_all(schemes: Iterable[Scheme | str] | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                  top_k: int = 8) -> list[dict]:
     """:func:`evaluate` for each scheme (default: every scheme of ``workbench.quant.SCHEMES``), rows concatenated
-    (scheme by scheme; the fp32 attention of each layer is computed once)."""
+    (scheme by scheme; the fp32 attention of each layer is computed once). A labelled variant of a registered scheme
+    (``bench quant_decode``'s ``int4/token@head``: ``quant_decode.bench_scheme``) is named by its label, as the
+    benchmark names its rows."""
     _check_qkv(q, k, v)
     L, T, H, D = k.shape
     chosen = [get(s) for s in (SCHEMES.values() if schemes is None else schemes)]
@@ -182,8 +184,8 @@ def evaluate_all(schemes: Iterable[Scheme | str] | None, q: torch.Tensor, k: tor
         for layer, ref in enumerate(refs):
             k_hat, v_hat = s.roundtrip(ref.k, "k"), s.roundtrip(ref.v, "v")
             attn_err, topk = ref.compare(k_hat, v_hat)
-            rows.append({"scheme": s.name, "title": s.title(), "family": s.name.split("/")[0], "layer": layer,
-                         "bytes_per_token": bpt, "quantized_tokens": tq,
+            rows.append({"scheme": s.label or s.name, "title": s.title(), "family": s.name.split("/")[0],
+                         "layer": layer, "bytes_per_token": bpt, "quantized_tokens": tq,
                          "k_err": reconstruction_error(ref.k, k_hat), "v_err": reconstruction_error(ref.v, v_hat),
                          "attn_err": attn_err, "topk": topk})
     return rows
