@@ -254,10 +254,11 @@ def test_decode_rows_keep_the_shipped_launch():
 def test_a_labelled_variant_is_studied_under_its_label(small):
     """bench quant_decode's one-group-a-head variants join the study under the benchmark's names: more bytes of
     scales for int4/token's groups of 32 than one group a head, and less error."""
-    from workbench.bench.quant_decode import bench_scheme
+    from workbench.quant import one_group_a_head
 
     q, k, v = small
-    rows = error_study.summarize(error_study.evaluate_all(["int4/token", bench_scheme("int4/token@head", 64)], q, k, v))
+    rows = error_study.summarize(error_study.evaluate_all(["int4/token", one_group_a_head("int4/token@head", 64)], q,
+                                                          k, v))
     by = {r["scheme"]: r for r in rows}
     assert list(by) == ["int4/token", "int4/token@head"]
     assert by["int4/token@head"]["bytes_per_token"] < by["int4/token"]["bytes_per_token"]

@@ -34,7 +34,6 @@ from workbench.kernels.write.reference import dequantize_cache_ref, quant_code_d
 from workbench.quant import blocks as qblocks
 from workbench.quant.names import DECODE_BENCH_SCHEMES as DECODE_SCHEMES
 from workbench.quant.names import DECODE_SMOKE_SCHEMES as SMOKE_SCHEMES
-from workbench.quant.names import ONE_GROUP_A_HEAD
 from workbench.quant.names import WRITE_BENCH_SCHEMES as WRITE_SCHEMES
 from workbench.results import provenance, run_files
 
@@ -46,13 +45,7 @@ def bench_scheme(name: str, head_dim: int | None = None) -> quant.Scheme:
     """The scheme as benchmarked: KIVI key groups of one 16-token page (the group must divide the page). A name
     ``<scheme>@head`` (``names.ONE_GROUP_A_HEAD``) is the per-token groups scheme with one group a head
     (``value_group = head_dim``): one scale and zero point a token and head, the bytes issue 31 states its limits in."""
-    base, at, _ = name.partition("@")
-    s = quant.get(base)
-    if at:
-        if base + ONE_GROUP_A_HEAD != name or "value_group" not in s.param_names or head_dim is None:
-            raise ValueError(f"scheme {name!r}: '@head' takes a groups scheme and the workload's head_dim "
-                             f"(e.g. int4/token@head), got head_dim={head_dim!r}")
-        s = s.with_params(value_group=head_dim, label=name)
+    s = quant.one_group_a_head(name, head_dim) if "@" in name else quant.get(name)
     return s.with_params(group=PAGE, residual=0) if "group" in s.param_names else s
 
 

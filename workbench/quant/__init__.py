@@ -64,6 +64,19 @@ def get(name: str | Scheme, **params) -> Scheme:
     return scheme
 
 
+def one_group_a_head(name: str, head_dim: int | None) -> Scheme:
+    """The scheme ``<scheme>@head`` (``names.ONE_GROUP_A_HEAD``): a per-token groups scheme with one group a head
+    (``value_group = head_dim``: one scale and zero point a token and head, the bytes issue 31 states its limits in),
+    labelled with that name. ``ValueError`` naming the name for anything else or without a ``head_dim``."""
+    base, at, _ = name.partition("@")
+    s = get(base) if base in SCHEMES else None
+    if (not at or base + names.ONE_GROUP_A_HEAD != name or s is None or "value_group" not in s.param_names
+            or head_dim is None):
+        raise ValueError(f"scheme {name!r}: '@head' takes a groups scheme and the workload's head_dim "
+                         f"(e.g. int4/token@head), got head_dim={head_dim!r}")
+    return s.with_params(value_group=head_dim, label=name)
+
+
 def resolve(kv_dtype, name: str = "kv_dtype") -> Scheme:
     """The scheme a storage argument names: a :class:`Scheme`, a scheme name or alias, a ``workbench.core.kv_formats``
     format name or a torch dtype (its plain reading: a cast, or fp8 / int8 with static scales). ``uint8``
