@@ -6,16 +6,41 @@ planes kernel, and its LSE is the reference's."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import rel_err
 from test_decode_planes import BOUND, written_sequences
 from workbench.kernels import DecodePlan
 from workbench.kernels.decode.reference import cascade_decode_ref
-from workbench.kernels.decode.streams import streams_launch, streams_tile
+from workbench.kernels.decode.streams import _word_planes, streams_launch, streams_tile
 from workbench.kernels.write.reference import dequantize_cache_ref
 
 from workbench import quant
+from workbench.core.backend import is_interpreted
 
 pytestmark = pytest.mark.kernels  # runs Triton kernels: scripts/gpu_run.sh runs it compiled (tests/kernel_launches.py)
+
+@triton.jit
+def _word_fields_kernel(w_ptr, out_ptr, BITS: tl.constexpr, ASM: tl.constexpr):
+    o = tl.program_id(0) * 256 + tl.arange(0, 256)
+    fields = _word_planes(tl.load(w_ptr + o), BITS, ASM)
+    for f in tl.static_range(2 * (8 // BITS)):
+        tl.store(out_ptr + f * 65536 + o, fields[f])
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_word_fields_are_the_centred_codes_times_their_power_of_two(bits, device):
+    """Every int16 word: field (b, k) equals (code - 2**(bits-1)) * 2**(bits k) of bits [k bits, (k+1) bits) of its
+    byte b, exactly (the PTX path on a GPU, two words a register)."""
+    w = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    per = 8 // bits
+    out = torch.full((2 * per, 65536), float("nan"), dtype=torch.float16, device=device)
+    _word_fields_kernel[(256,)](w.to(device), out, BITS=bits, ASM=not is_interpreted())
+    x = w.int() & 0xFFFF
+    codes = [((x >> (8 * b + bits * k)) & ((1 << bits) - 1), k) for b in range(2) for k in range(per)]
+    want = torch.stack([(c - 2 ** (bits - 1)).float() * 2.0 ** (bits * k) for c, k in codes])
+    assert torch.equal(out.cpu().float(), want)
+
 
 # (scheme, params, layout, block size, kv heads, group, head_dim, q dtype, splits, streams)
 CASES = [

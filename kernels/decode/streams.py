@@ -49,14 +49,14 @@ def _word_planes(w, BITS: tl.constexpr, ASM: tl.constexpr):
     ``HALF = 2**(BITS - 1)``). A tuple of ``2 * 8 // BITS`` tiles, index ``b * (8 // BITS) + k``. Same-width and
     elementwise, so the compiler converts the fp16 results (not bytes) to the MMA's operand layout."""
     if ASM:  # one return at the end: Triton 3.6 types every return of a function, pruned branch or not
-        # prmt puts byte b of each of the register's two words under the 0x64 exponent byte (selector 0x5240:
-        # bytes 0 and 2; 0x5341: bytes 1 and 3); and keeps a field; sub.f16x2 takes 1024 off both halves
+        # int4: one lop3 a field pair, (w & mask) | 0x64006400 puts a nibble of each of the register's two words under
+        # the 0x64 exponent byte (byte 1 of each word after a shift by 8); sub.f16x2 takes 1024 (+ HALF) off both
+        # halves. int2: prmt puts byte b of each word under 0x64 (selector 0x5240: bytes 0 and 2; 0x5341: 1 and 3)
         if BITS == 4:
             out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, u, m, n; mov.b32 m, 0x64086408; mov.b32 n, 0x64806480; "
-                "prmt.b32 t, $4, 0x64646464, 0x5240; prmt.b32 u, $4, 0x64646464, 0x5341; "
-                "and.b32 $0, t, 0xFF0FFF0F; and.b32 $1, t, 0xFFF0FFF0; "
-                "and.b32 $2, u, 0xFF0FFF0F; and.b32 $3, u, 0xFFF0FFF0; "
+                "{ .reg .b32 h, m, n; mov.b32 m, 0x64086408; mov.b32 n, 0x64806480; shr.b32 h, $4, 8; "
+                "lop3.b32 $0, $4, 0x000F000F, 0x64006400, 0xea; lop3.b32 $1, $4, 0x00F000F0, 0x64006400, 0xea; "
+                "lop3.b32 $2, h, 0x000F000F, 0x64006400, 0xea; lop3.b32 $3, h, 0x00F000F0, 0x64006400, 0xea; "
                 "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, n; sub.f16x2 $2, $2, m; sub.f16x2 $3, $3, n; }",
                 "=r,=r,=r,=r,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=2)
         else:
