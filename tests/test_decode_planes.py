@@ -50,6 +50,8 @@ CASES = [
     ("int2/kivi", {"group": 16}, "nhd", 64, 2, 2, 64, torch.float32, None),
     ("int4/token", {"value_group": 64}, "hnd", 16, 1, 16, 256, torch.float16, None),
     ("int4/kivi", {"group": 16, "value_group": 16}, "nhd", 16, 2, 4, 64, torch.float16, 1),
+    ("int2/token", {"value_group": 128}, "nhd", 16, 2, 4, 128, torch.float16, 2),  # one group a head: one scale
+    ("int4/token", {"value_group": 64}, "hnd", 16, 1, 2, 64, torch.bfloat16, None),  # term for every plane
 ]
 BOUND = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-5}
 

@@ -94,6 +94,10 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
     ``b_qsum``: their plain sums ``[G_PAD]`` fp32; ``b_acc``: a tuple of ``[G_PAD, CW]`` fp32 accumulators."""
     PER: tl.constexpr = 8 // BITS
     HALF: tl.constexpr = 1 << (BITS - 1)  # the planes hold codes centred on it
+    # one scale a token-head (a group the whole head): the planes' dots add up before the scale, and the values'
+    # operand and zero-point sum are made once for every plane
+    K_ONE: tl.constexpr = K_DG >= DC * PER if K_TG == 1 else False
+    V_ONE: tl.constexpr = V_DG >= DC * PER
     o_n = start + tl.arange(0, BLOCK_N)
     m_n = o_n < hi
     o_krow, o_vrow, i_pg, o_tok = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N,
@@ -113,7 +117,9 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
         for k in tl.static_range(PER):
             ch0 = k * DC + c * CW  # the plane's first channel
             b_q = b_qp[c * PER + k]
-            if K_TG == 1:  # per-token groups: the plane lies in group ch0 // K_DG
+            if K_ONE:
+                b_s = tl.dot(b_q, tl.trans(planes[k].to(OP)), b_s, input_precision="ieee" if IEEE else None)
+            elif K_TG == 1:  # per-token groups: the plane lies in group ch0 // K_DG
                 b_d = tl.dot(b_q, tl.trans(planes[k].to(OP)), input_precision="ieee" if IEEE else None)
                 b_sc = _row_scale(ks_base, o_ks + ch0 // K_DG, m_n, MASKED)
                 b_z = _row_scale(ks_base + kz_off, o_ks + ch0 // K_DG, m_n, MASKED) + HALF * b_sc
@@ -126,6 +132,13 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
                 b_bias += tl.sum(b_qf * b_z[None, :], 1)
                 b_qs = (b_q.to(tl.float32) * b_sc[None, :]).to(OP)
                 b_s += tl.dot(b_qs, tl.trans(planes[k].to(OP)), input_precision="ieee" if IEEE else None)
+    if K_ONE:  # s (q . c) + (z + HALF s) sum(q), every plane's dot in b_s
+        b_sc = _row_scale(ks_base, o_ks, m_n, MASKED)
+        b_z = _row_scale(ks_base + kz_off, o_ks, m_n, MASKED) + HALF * b_sc
+        b_qt = b_qsum[0]
+        for i in tl.static_range(1, PER * (DC // CW)):
+            b_qt += b_qsum[i]
+        b_s = b_s * b_sc[None, :] + b_qt[:, None] * b_z[None, :]
     b_s += b_bias[:, None]
     if MASKED:
         b_s = tl.where(m_n[None, :], b_s * s_scale, float("-inf"))
@@ -134,7 +147,12 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
     b_m_new = tl.maximum(b_m, tl.max(b_s, 1))  # finite: every tile holds a valid token
     b_alpha = tl.exp2(b_m - b_m_new)
     b_p = tl.exp2(b_s - b_m_new[:, None])  # [G_PAD, BLOCK_N]; 0 past the end
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_l = b_l * b_alpha[:, None] + b_p  # per column: added up after the loop (no row sum a tile)
+    if V_ONE:
+        b_sc = _row_scale(vs_base, o_vs, m_n, MASKED)
+        b_z = _row_scale(vs_base + vz_off, o_vs, m_n, MASKED) + HALF * b_sc
+        b_pv_one = (b_p * (b_sc * QMAX)[None, :]).to(OP)
+        b_pz_one = tl.sum(b_p * b_z[None, :], 1)
     out = ()
     for c in tl.static_range(DC // CW):
         p_v = v_base + o_vrow[:, None] + (c * CW + o_w)[None, :]
@@ -145,13 +163,18 @@ def _groups_tile(b_qp, b_qsum, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_bas
         planes = _planes(b_vc, BITS, ASM)
         for k in tl.static_range(PER):
             ch0 = k * DC + c * CW
-            b_sc = _row_scale(vs_base, o_vs + ch0 // V_DG, m_n, MASKED)
-            b_z = _row_scale(vs_base + vz_off, o_vs + ch0 // V_DG, m_n, MASKED) + HALF * b_sc
-            b_pv = (b_p * (b_sc * QMAX)[None, :]).to(OP)
+            if V_ONE:
+                b_pv = b_pv_one
+                b_pz = b_pz_one
+            else:
+                b_sc = _row_scale(vs_base, o_vs + ch0 // V_DG, m_n, MASKED)
+                b_z = _row_scale(vs_base + vz_off, o_vs + ch0 // V_DG, m_n, MASKED) + HALF * b_sc
+                b_pv = (b_p * (b_sc * QMAX)[None, :]).to(OP)
+                b_pz = tl.sum(b_p * b_z[None, :], 1)
             b_a = b_acc[c * PER + k] * b_alpha[:, None]
             b_a += tl.dot(b_pv, planes[k].to(OP), input_precision="ieee" if IEEE else None)
             # the zero point's share, in the accumulator's units (x QMAX x the field's power of two)
-            b_a += (tl.sum(b_p * b_z[None, :], 1) * (QMAX * (1 << (k * BITS))))[:, None]
+            b_a += (b_pz * (QMAX * (1 << (k * BITS))))[:, None]
             out = out + (b_a,)
     return b_m_new, b_l, out
 
@@ -219,7 +242,7 @@ def _groups_decode_kernel(
     s_scale = qk_scale * k_scale
 
     b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([G_PAD], dtype=tl.float32)
+    b_l = tl.zeros([G_PAD, BLOCK_N], dtype=tl.float32)
     i_end = hi // BLOCK_N  # whole tiles in the loop, the partial last one after it (masked)
     for i_t in range(lo // BLOCK_N, i_end):
         b_m, b_l, b_acc = _groups_tile(
@@ -232,6 +255,7 @@ def _groups_decode_kernel(
             k_s_blk * K_BM, k_s_tok * K_TM, v_s_blk * V_BM, v_s_tok * V_TM, ks_base, vs_base, ks_blk, ks_tg, kz_off,
             vs_blk, vs_tg, vz_off, BLOCK_N, PAGE, ASM, True, DC, CW, BITS, QMAX, K_TG, K_DG, V_DG, OP, IEEE, G_PAD)
 
+    b_l = tl.sum(b_l, 1)
     b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
     m_o = m_g[:, None]
     for c in tl.static_range(DC // CW):
