@@ -84,6 +84,14 @@ def _word_planes(w, BITS: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _scale_of(ptr, m_t, MASKED: tl.constexpr):
+    """fp32 of the fp16 scales (or zero points) at ``ptr``; in a ``MASKED`` tile 0 where ``m_t`` is false."""
+    if MASKED:
+        return tl.load(ptr, mask=m_t, other=0.0).to(tl.float32)
+    return tl.load(ptr).to(tl.float32)
+
+
+@triton.jit
 def _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr):
     """Offsets of the K and V per-token scales of the tokens ``t`` ``[ROWS, NR]`` (the caller adds the group); tokens
@@ -163,12 +171,12 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
         if not K_ONE:
             for f in tl.static_range(NP):
                 ch0 = (f % PER) * DC + c * CW  # the plane's channels lie in group ch0 // K_DG
-                b_sc = tl.load(ks_base + o_ks + ch0 // K_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
-                b_z = tl.load(ks_base + kz_off + o_ks + ch0 // K_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+                b_sc = _scale_of(ks_base + o_ks + ch0 // K_DG, m_t, MASKED)
+                b_z = _scale_of(ks_base + kz_off + o_ks + ch0 // K_DG, m_t, MASKED)
                 b_s += b_dp[f] * b_sc + b_qsum[c * NP + f][:, None] * (b_z + HALF * b_sc)
     if K_ONE:
-        b_sc = tl.load(ks_base + o_ks, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
-        b_z = tl.load(ks_base + kz_off + o_ks, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+        b_sc = _scale_of(ks_base + o_ks, m_t, MASKED)
+        b_z = _scale_of(ks_base + kz_off + o_ks, m_t, MASKED)
         b_all = tl.zeros([ROWS_, NR], dtype=tl.float32)
         for j in tl.static_range(R):
             b_all = tl.where((j_r == j)[:, None], b_d[j], b_all)
@@ -183,8 +191,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
     b_p = tl.exp2(b_s - b_m_use[:, None])  # [ROWS, NR]; 0 past the end
     b_l = b_l * b_alpha[:, None] + b_p
     if V_ONE:  # one value scale a token: one operand for every plane
-        b_vsc = tl.load(vs_base + o_vs, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
-        b_vz = tl.load(vs_base + vz_off + o_vs, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+        b_vsc = _scale_of(vs_base + o_vs, m_t, MASKED)
+        b_vz = _scale_of(vs_base + vz_off + o_vs, m_t, MASKED)
         b_pv_one = (b_p * (b_vsc * QMAX)).to(OP)
         b_zs = b_zs * b_alpha[:, None] + b_p * (b_vz + HALF * b_vsc)
     acc = ()
@@ -196,8 +204,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
                 b_pv = b_pv_one
             else:
                 ch0 = (f % PER) * DC + c * CW
-                b_vsc = tl.load(vs_base + o_vs + ch0 // V_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
-                b_vz = tl.load(vs_base + vz_off + o_vs + ch0 // V_DG, mask=m_t if MASKED else None, other=0.0 if MASKED else None).to(tl.float32)
+                b_vsc = _scale_of(vs_base + o_vs + ch0 // V_DG, m_t, MASKED)
+                b_vz = _scale_of(vs_base + vz_off + o_vs + ch0 // V_DG, m_t, MASKED)
                 b_pv = (b_p * (b_vsc * QMAX)).to(OP)
                 b_pz = tl.sum(b_p * (b_vz + HALF * b_vsc), 1)
             b_pvs = b_pvs + (b_pv,)
