@@ -127,6 +127,10 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
     t = start + j_r[:, None] * NR + o_n[None, :]  # [ROWS, NR]: the token of each score
     m_t = t < hi  # all true but in the last (MASKED) tile: no masks in the loop's tiles
     o_ks, o_vs = _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE, ASM, MASKED)
+    # one scale a token-head: each (stream, token) loaded once, [R, NR], then spread over the heads' rows
+    t_r = start + tl.arange(0, R)[:, None] * NR + o_n[None, :]
+    m_tr = t_r < hi
+    o_ksr, o_vsr = _scale_rows(bt_row, t_r, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE, ASM, MASKED)
     # the streams' rows (in words): stream j is tokens [start + j NR, start + (j + 1) NR), a plain tile each
     k_rows = ()
     v_rows = ()
@@ -175,8 +179,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
                 b_z = _scale_of(ks_base + kz_off + o_ks + ch0 // K_DG, m_t, MASKED)
                 b_s += b_dp[f] * b_sc + b_qsum[c * NP + f][:, None] * (b_z + HALF * b_sc)
     if K_ONE:
-        b_sc = _scale_of(ks_base + o_ks, m_t, MASKED)
-        b_z = _scale_of(ks_base + kz_off + o_ks, m_t, MASKED)
+        b_sc = tl.reshape(tl.broadcast_to((_scale_of(ks_base + o_ksr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
+        b_z = tl.reshape(tl.broadcast_to((_scale_of(ks_base + kz_off + o_ksr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
         b_all = tl.zeros([ROWS_, NR], dtype=tl.float32)
         for j in tl.static_range(R):
             b_all = tl.where((j_r == j)[:, None], b_d[j], b_all)
@@ -191,8 +195,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
     b_p = tl.exp2(b_s - b_m_use[:, None])  # [ROWS, NR]; 0 past the end
     b_l = b_l * b_alpha[:, None] + b_p
     if V_ONE:  # one value scale a token: one operand for every plane
-        b_vsc = _scale_of(vs_base + o_vs, m_t, MASKED)
-        b_vz = _scale_of(vs_base + vz_off + o_vs, m_t, MASKED)
+        b_vsc = tl.reshape(tl.broadcast_to((_scale_of(vs_base + o_vsr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
+        b_vz = tl.reshape(tl.broadcast_to((_scale_of(vs_base + vz_off + o_vsr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
         b_pv_one = (b_p * (b_vsc * QMAX)).to(OP)
         b_zs = b_zs * b_alpha[:, None] + b_p * (b_vz + HALF * b_vsc)
     acc = ()
