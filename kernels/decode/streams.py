@@ -92,6 +92,12 @@ def _scale_of(ptr, m_t, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _spread(x, ROWS_: tl.constexpr, R: tl.constexpr):
+    """``[R, NR]`` values of the streams spread over a tile's rows ``[ROWS, NR]`` (row ``g R + j``: stream ``j``)."""
+    return tl.reshape(tl.broadcast_to(x[None, :, :], [ROWS_ // R, R, x.shape[1]]), [ROWS_, x.shape[1]])
+
+
+@triton.jit
 def _scale_rows(bt_row, t, last, ks_blk, ks_tg, vs_blk, vs_tg, PAGE: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr):
     """Offsets of the K and V per-token scales of the tokens ``t`` ``[ROWS, NR]`` (the caller adds the group); tokens
@@ -179,8 +185,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
                 b_z = _scale_of(ks_base + kz_off + o_ks + ch0 // K_DG, m_t, MASKED)
                 b_s += b_dp[f] * b_sc + b_qsum[c * NP + f][:, None] * (b_z + HALF * b_sc)
     if K_ONE:
-        b_sc = tl.reshape(tl.broadcast_to((_scale_of(ks_base + o_ksr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
-        b_z = tl.reshape(tl.broadcast_to((_scale_of(ks_base + kz_off + o_ksr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
+        b_sc = _spread(_scale_of(ks_base + o_ksr, m_tr, MASKED), ROWS_, R)
+        b_z = _spread(_scale_of(ks_base + kz_off + o_ksr, m_tr, MASKED), ROWS_, R)
         b_all = tl.zeros([ROWS_, NR], dtype=tl.float32)
         for j in tl.static_range(R):
             b_all = tl.where((j_r == j)[:, None], b_d[j], b_all)
@@ -195,8 +201,8 @@ def _streams_tile(b_qp, b_qsum, b_m, b_l, b_zs, b_acc, start, hi, bt_row, k_base
     b_p = tl.exp2(b_s - b_m_use[:, None])  # [ROWS, NR]; 0 past the end
     b_l = b_l * b_alpha[:, None] + b_p
     if V_ONE:  # one value scale a token: one operand for every plane
-        b_vsc = tl.reshape(tl.broadcast_to((_scale_of(vs_base + o_vsr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
-        b_vz = tl.reshape(tl.broadcast_to((_scale_of(vs_base + vz_off + o_vsr, m_tr, MASKED))[None, :, :], [ROWS_ // R, R, NR]), [ROWS_, NR])
+        b_vsc = _spread(_scale_of(vs_base + o_vsr, m_tr, MASKED), ROWS_, R)
+        b_vz = _spread(_scale_of(vs_base + vz_off + o_vsr, m_tr, MASKED), ROWS_, R)
         b_pv_one = (b_p * (b_vsc * QMAX)).to(OP)
         b_zs = b_zs * b_alpha[:, None] + b_p * (b_vz + HALF * b_vsc)
     acc = ()
