@@ -50,7 +50,7 @@ def _load_page(p, ASM: tl.constexpr):
 
 @triton.jit
 def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-               ASM: tl.constexpr):
+               ASM: tl.constexpr, BY_PAGE: tl.constexpr = True):
     """Row offsets of the tile's tokens ``[start, start + BLOCK_N)`` in the K and V caches.
 
     Tokens past ``hi`` (the end) get a valid page of the sequence, so their rows are in bounds. The table index is
@@ -66,10 +66,12 @@ def _page_rows(bt_row, start, hi, s_blk_k, s_tok_k, s_blk_v, s_tok_v, PAGE: tl.c
         # the tile covers BLOCK_N // PAGE whole pages (start is a multiple of PAGE)
         o_n = tl.arange(0, BLOCK_N)
         first = tl.minimum(start, last // BLOCK_N * BLOCK_N)  # scalar clamps only: per-token ones cost W3 7%
-        # one lookup a page, spread over its tokens (a lookup a token cost 172 loop instructions, fp8 W1)
-        NPG: tl.constexpr = BLOCK_N // PAGE
-        pg = _load_page(bt_row + first // PAGE + tl.minimum(tl.arange(0, NPG), (last - first) // PAGE), ASM)
-        i_pg = tl.reshape(tl.broadcast_to(pg.to(tl.int64)[:, None], [NPG, PAGE]), [BLOCK_N])
+        if BY_PAGE:  # one lookup a page, spread over its tokens (one a token: 172 loop instructions of fp8's, W1)
+            NPG: tl.constexpr = BLOCK_N // PAGE
+            pg = _load_page(bt_row + first // PAGE + tl.minimum(tl.arange(0, NPG), (last - first) // PAGE), ASM)
+            i_pg = tl.reshape(tl.broadcast_to(pg.to(tl.int64)[:, None], [NPG, PAGE]), [BLOCK_N])
+        else:  # the generic kernel's packed codes: a lookup a token holds fewer registers (KIVI W1: 128 against 141)
+            i_pg = _load_page(bt_row + first // PAGE + tl.minimum(o_n, last - first) // PAGE, ASM).to(tl.int64)
         o_tok = o_n % PAGE  # [BLOCK_N]
     else:
         o_n = start + tl.arange(0, BLOCK_N)
@@ -99,7 +101,7 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
     o_n = start + tl.arange(0, BLOCK_N)
     m_n = o_n < hi  # [BLOCK_N]
     o_krow, o_vrow, i_pg, o_tok = _page_rows(bt_row, start, hi, k_s_blk, k_s_tok, v_s_blk, v_s_tok, PAGE, BLOCK_N,
-                                             ASM)
+                                             ASM, QMODE != 4)
     if QMODE == 4:  # packed codes: the tile is DC bytes a row
         o_d = tl.arange(0, BLOCK_DC)
         m_d = o_d < DC
@@ -332,24 +334,27 @@ def _paged_decode_kernel(
     b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([G_PAD], dtype=tl.float32)
     b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-    # V_TRANS: the loop takes whole tiles only (no token mask, so the V copies feed the dot straight
-    # from shared memory); the partial last tile follows it, masked
-    i_end = hi // BLOCK_N if V_TRANS else tl.cdiv(hi, BLOCK_N)
+    # PEEL: the loop takes whole tiles only, the partial last tile follows it, masked. V_TRANS needs it (no token
+    # mask, so the V copies feed the dot straight from shared memory); symmetric 1-byte codes gain by it (Triton 3.6,
+    # W1 loop instructions: fp8 per tensor 1134 -> 918, int8 per token 1423 -> 1211, registers at their 255 either
+    # way), while the others keep one masked loop: peeled, fp16 went from 80 to 122 registers, asymmetric int8 from
+    # 127 to 168, packed int4 from 107 to 194 (fewer programs an SM)
+    PEEL: tl.constexpr = V_TRANS or (k_ptr.dtype.element_ty.primitive_bitwidth == 8 and QMODE != 3 and QMODE != 4)
+    i_end = hi // BLOCK_N if PEEL else tl.cdiv(hi, BLOCK_N)
     for i_t in range(lo // BLOCK_N, i_end):
         b_m, b_l, b_acc = _attend_tile(
             b_q, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
             k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
             ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not V_TRANS, V_ALIGN, G_PAD, ASM,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not PEEL, V_ALIGN, G_PAD, ASM,
             QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
-    if V_TRANS:
-        if hi % BLOCK_N != 0:
-            b_m, b_l, b_acc = _attend_tile(
-                b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
-                k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
-                ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM,
-                QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
+    if PEEL and hi % BLOCK_N != 0:
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
+            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM,
+            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
 
     b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
     b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]
