@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .dequant import _int_operand, _row_scales, _unpack_tile
+from .dequant import _fp8_operand, _int_operand, _row_scales, _unpack_tile
 
 LOG2E = 1.4426950408889634
 
@@ -222,7 +222,7 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
         if QMODE == 3:  # codes centred on 0 (exact in fp16): (c - 128) s + (z + 128 s), half the cancellation
             b_acc += (tl.sum(b_p * b_vz[None, :], 1) * QMAX)[:, None]
     if USE_DOT:
-        b_v = b_v.to(b_q.dtype)
+        b_v = _fp8_operand(b_v, b_q.dtype, ASM)
         if IEEE:
             b_acc += tl.dot(b_pv, b_v, input_precision="ieee")  # [G_PAD, BLOCK_D]
         else:
