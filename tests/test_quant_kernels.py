@@ -228,7 +228,9 @@ def test_quant_bench_times_the_streams_kernel_where_keys_are_per_token():
     assert names == ["heuristic", "streams-BLOCK_N128", "streams-BLOCK_N256", "planes-BLOCK_N128", "generic-BLOCK_N32"]
     assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/kivi"), {})] == [
         "heuristic", "planes-BLOCK_N128"]
-    assert quant_decode.decode_variants(quant.get("int8/token"), {}) == [("heuristic", {})]
+    assert quant_decode.decode_variants(quant.get("int8/token"), {}) == [
+        ("heuristic", {}), ("w4-BLOCK_N128", {"num_warps": 4, "BLOCK_N": 128})]
+    assert quant_decode.decode_variants(quant.get("fp16"), {}) == [("heuristic", {})]
     # groups of 32 channels and int2 spill in the streams kernel: not timed there
     assert [n for n, _ in quant_decode.decode_variants(quant_decode.bench_scheme("int2/token@head", 64), {})] == [
         "heuristic", "planes-BLOCK_N128", "generic-BLOCK_N32"]

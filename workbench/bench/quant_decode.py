@@ -113,6 +113,11 @@ def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
     packed groups the planes kernel beside it, for keys per token with one group a head (``head_dim``) also the
     streams kernel (same run, same rows)."""
     variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
+    if scheme.family in ("static", "token") and not tune:
+        # 1-byte codes converted where the compiler keeps fp16 in the operand exchange (kernels/decode/dequant.py)
+        # hold fewer registers: four warps on 128-token tiles beside the two-warp default (bench anatomy: 0.084 warp
+        # instructions a byte at 168 registers against 0.080 at 201, fp8 per tensor W1)
+        variants.append(("w4-BLOCK_N128", {"num_warps": 4, "BLOCK_N": 128}))
     if scheme.family == "groups":
         # the planes kernel's 32- and 64-token tiles were slower on the H200 (2026-12-05); 8 warps for the streams
         # cost more instructions a byte (bench anatomy)

@@ -87,8 +87,8 @@ DECODE_BENCH_SCHEMES = ("fp16", "fp32", "bf16", "fp8_e4m3/tensor", "fp8_e4m3/hea
                         "int2/token", "int2/kivi", "int4/token@head", "int2/token@head")
 #: ``bench quant_decode``'s name of a per-token groups scheme with one group a head (``<scheme>@head``)
 ONE_GROUP_A_HEAD = "@head"
-#: the one-group-a-head variants ``bench quant_decode`` times (``workbench.quant.one_group_a_head``): notebook 03 studies
-#: their error beside the registry's schemes
+#: the one-group-a-head variants ``bench quant_decode`` times (``workbench.quant.one_group_a_head``): notebook 03
+#: studies their error beside the registry's schemes
 ONE_GROUP_A_HEAD_SCHEMES = tuple(n for n in DECODE_BENCH_SCHEMES if ONE_GROUP_A_HEAD in n)
 DECODE_SMOKE_SCHEMES = ("fp16", "fp32", "fp8_e4m3/tensor", "int8/token", "int8_asym/token", "int4/kivi", "int2/token")
 WRITE_BENCH_SCHEMES = ("fp16", "fp8_e4m3/tensor", "fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token",
