@@ -279,8 +279,7 @@ def test_decode_launch_defaults_by_family_are_the_measured_ones():
 
     want = {"cast": {}, "static": {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3}, "groups": {"BLOCK_N": 32}}
     for name, s in quant.SCHEMES.items():
-        expected = want.get(s.family, {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3} if s.symmetric
-                            else {"BLOCK_N": 32, "num_stages": 3})
+        expected = want.get(s.family, {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3})
         assert dquant.launch_defaults(s, 128) == expected, name
     # one scale a token-head (keys per token, a group the whole head): int4 on the streams kernel (its tile by context,
     # kernels/decode/streams.py streams_tile), int2 on the planes kernel

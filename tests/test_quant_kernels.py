@@ -204,14 +204,16 @@ def test_quant_bench_smoke_rows(device, tmp_path):
 
     w = Workload("T", "tiny", 2, 40, 4, 2, head_dim=64)
     rows = quant_decode.run_decode(w, 0.0, ["fp16", "int8/token", "int4/kivi"], 10, False, str(device))
-    # packed groups: the generic kernel (the heuristic) and the planes kernel beside it, in the same run
+    # 1-byte codes: four warps on 128-token tiles beside the default; packed groups: the generic kernel (the
+    # heuristic) and the planes kernel beside it, in the same run
     assert [(r["scheme"], r["variant"], r["launch_kernel"]) for r in rows] == [
         ("fp16", "heuristic", "generic"), ("int8/token", "heuristic", "generic"),
+        ("int8/token", "w4-BLOCK_N128", "generic"),
         ("int4/kivi", "heuristic", "generic"), ("int4/kivi", "planes-BLOCK_N128", "planes")]
     for r in rows:
         assert r["section"] == "decode" and not r.get("error")
         assert r["rel_err"] < 1e-3 and r["bytes_per_token"] > 0
-    assert rows[2]["quant_err"] > rows[1]["quant_err"] > rows[0]["quant_err"]  # int4 loses more than int8
+    assert rows[3]["quant_err"] > rows[1]["quant_err"] > rows[0]["quant_err"]  # int4 loses more than int8
     write = quant_decode.run_write(0.0, ["fp8_e4m3/token", "int2/kivi"], 10, str(device), tokens=32, heads=2,
                                    head_dim=64)
     assert [r["section"] for r in write] == ["write", "write"] and all(r["bytes"] > 0 for r in write)

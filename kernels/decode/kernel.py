@@ -335,11 +335,11 @@ def _paged_decode_kernel(
     b_l = tl.zeros([G_PAD], dtype=tl.float32)
     b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
     # PEEL: the loop takes whole tiles only, the partial last tile follows it, masked. V_TRANS needs it (no token
-    # mask, so the V copies feed the dot straight from shared memory); symmetric 1-byte codes gain by it (Triton 3.6,
-    # W1 loop instructions: fp8 per tensor 1134 -> 918, int8 per token 1423 -> 1211, registers at their 255 either
-    # way), while the others keep one masked loop: peeled, fp16 went from 80 to 122 registers, asymmetric int8 from
-    # 127 to 168, packed int4 from 107 to 194 (fewer programs an SM)
-    PEEL: tl.constexpr = V_TRANS or (k_ptr.dtype.element_ty.primitive_bitwidth == 8 and QMODE != 3 and QMODE != 4)
+    # mask, so the V copies feed the dot straight from shared memory); 1-byte codes gain by it (Triton 3.6, W1 loop
+    # instructions: fp8 per tensor 1134 -> 918, int8 per token 1423 -> 1211, registers at their 255 either way),
+    # while fp16 and packed codes keep one masked loop: peeled, fp16 went from 80 to 122 registers, packed int4
+    # from 107 to 194 (fewer programs an SM)
+    PEEL: tl.constexpr = V_TRANS or (k_ptr.dtype.element_ty.primitive_bitwidth == 8 and QMODE != 4)
     i_end = hi // BLOCK_N if PEEL else tl.cdiv(hi, BLOCK_N)
     for i_t in range(lo // BLOCK_N, i_end):
         b_m, b_l, b_acc = _attend_tile(

@@ -118,6 +118,8 @@ def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
         # hold fewer registers: four warps on 128-token tiles beside the two-warp default (bench anatomy: 0.084 warp
         # instructions a byte at 168 registers against 0.080 at 201, fp8 per tensor W1)
         variants.append(("w4-BLOCK_N128", {"num_warps": 4, "BLOCK_N": 128}))
+        if not scheme.symmetric:  # its launch before the loop was peeled (kernels/decode/quant.py)
+            variants.append(("w4-BLOCK_N32", {"num_warps": 4, "BLOCK_N": 32}))
     if scheme.family == "groups":
         # the planes kernel's 32- and 64-token tiles were slower on the H200 (2026-12-05); 8 warps for the streams
         # cost more instructions a byte (bench anatomy)
