@@ -96,13 +96,18 @@ def test_streams_launch_fills_sixteen_rows():
     assert streams_launch(consts, "nhd", 64, 32) is None  # a group over 16 rows
 
 
-def test_streams_tile_grows_with_context():
-    """Where the caller names no tile: 256 tokens from 1k-token contexts (W1, W2 on the H100), 128 below (W3)."""
-    assert [streams_tile(c) for c in (0, 512, 1023, 1024, 4096, 32768)] == [128, 128, 128, 256, 256, 256]
+def test_streams_tile_grows_with_even_contexts():
+    """Where the caller names no tile: 256 tokens for even contexts from 1k tokens (W1, W2, W4 on the H200), 128
+    below (W3) and for ragged batches (W5: mean 4k, longest 8k)."""
+    assert [streams_tile(c, c) for c in (0, 512, 1023, 1024, 4096, 32768)] == [128, 128, 128, 256, 256, 256]
+    assert streams_tile(3978, 7965) == 128 and streams_tile(4000, 5000) == 256
 
 
-@pytest.mark.parametrize("name, kernel", [("int4/token", "streams"), ("int2/token", "planes")])
-def test_one_scale_a_head_takes_its_kernel_without_launch_options(name, kernel, device):
+@pytest.mark.parametrize("name, kernel, lens", [
+    ("int4/token", "streams", [1, 1500, 37, 2700]),  # ragged: 128-token tiles on a GPU
+    ("int4/token", "streams", [1500, 1500, 1400, 1300]),  # even, over 1k: 256-token tiles on a GPU
+    ("int2/token", "planes", [1, 1500, 37, 2700])])
+def test_one_scale_a_head_takes_its_kernel_without_launch_options(name, kernel, lens, device):
     """A plan given no launch options: on a GPU, one scale a token-head runs the kernel measured fastest for it
     (kernels/decode/quant.py ``_packed_defaults``); under the interpreter the generic one. Either reads the cache
     within the reference's bounds, the output poisoned first."""
@@ -111,7 +116,6 @@ def test_one_scale_a_head_takes_its_kernel_without_launch_options(name, kernel, 
     D, H, G, block_size = 128, 2, 4, 16
     scheme = quant.get(name, residual=0, value_group=D)
     g = torch.Generator().manual_seed(31 + len(name))
-    lens = [1, 1500, 2 * block_size + 5, 2700]  # mean over 1k: the 256-token tile on a GPU
     kc, vc, table = written_sequences(scheme, "nhd", block_size, H, D, lens, g, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     q = torch.randn(len(lens), H * G, D, generator=g).half().to(device)

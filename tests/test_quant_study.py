@@ -251,6 +251,32 @@ def test_decode_rows_keep_the_shipped_launch():
     assert got == [("W1", "fp16", 10.0), ("W2", "fp16", 9.0)]
 
 
+def test_a_later_run_of_some_schemes_replaces_their_rows(tmp_path):
+    """A --schemes run after the last full run re-measures its schemes (fp16, each run's baseline, stays the full
+    run's); one before it, a smoke run or another GPU's is left out."""
+    pytest.importorskip("ipywidgets")
+    import json
+
+    from workbench.ui.quant_panels import h200_decode_rows, h200_decode_run, h200_decode_updates
+
+    def run(name, date, schemes=None, gpu="NVIDIA H200", smoke=False, t=1.0):
+        rows = [{"section": "decode", "workload": "W1", "scheme": s, "variant": "heuristic", "time_us": t,
+                 "commit": name} for s in (schemes or ["fp16", "int8/token", "int4/kivi"])]
+        doc = {"meta": {"gpu": gpu, "date": date}, "smoke": smoke, "tune": False, "rows": rows,
+               **({"schemes": schemes} if schemes else {})}
+        (tmp_path / f"quant-decode-{name}.json").write_text(json.dumps(doc))
+
+    run("old-update", "2026-12-01T00:00:00Z", ["fp16", "int8/token"], t=5.0)
+    run("full", "2026-12-02T00:00:00Z")
+    run("update", "2026-12-03T00:00:00Z", ["fp16", "int8/token"], t=2.0)
+    run("smoke", "2026-12-04T00:00:00Z", ["int4/kivi"], smoke=True, t=3.0)
+    run("h100", "2026-12-04T00:00:00Z", ["int4/kivi"], gpu="NVIDIA H100 80GB HBM3", t=4.0)
+    assert h200_decode_run(tmp_path)["path"].name == "quant-decode-full.json"
+    assert [u["path"].name for u in h200_decode_updates(tmp_path)] == ["quant-decode-update.json"]
+    got = [(r["scheme"], r["commit"], r["time_us"]) for r in h200_decode_rows(tmp_path)]
+    assert got == [("fp16", "full", 1.0), ("int8/token", "update", 2.0), ("int4/kivi", "full", 1.0)]
+
+
 def test_a_labelled_variant_is_studied_under_its_label(small):
     """bench quant_decode's one-group-a-head variants join the study under the benchmark's names: more bytes of
     scales for int4/token's groups of 32 than one group a head, and less error."""

@@ -207,7 +207,7 @@ class DecodePlan:
         streams = launch.pop("streams", None)  # per-token packed codes: streams a tile at most (streams.py)
         bn0 = int(launch.get("BLOCK_N", cfg0["BLOCK_N"])) if planes else 0
         if planes and streams != 0 and "BLOCK_N" not in launch:  # the streams kernel's tile by context
-            bn0 = streams_tile(mean_seq_len if mean_seq_len is not None else f["max_seq_len"])
+            bn0 = streams_tile(mean_seq_len if mean_seq_len is not None else f["max_seq_len"], f["max_seq_len"])
         pl = streams_launch(dq.constexprs, layout, bn0, Hq // hkv, streams) if planes and streams != 0 else None
         kind = "streams" if pl is not None else "planes"
         if pl is None and planes:

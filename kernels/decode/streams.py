@@ -360,11 +360,12 @@ def _streams_decode_kernel(
         tl.store(lse_ptr + row, b_mg + tl.log2(b_lg_safe), mask=m_g)
 
 
-def streams_tile(mean_context: float) -> int:
-    """The streams kernel's tile where the caller names none: 256 tokens from 1k-token contexts, else 128 (int4 with
-    one scale a token-head, H100, 2026-12-05: 256 gives 1.50x / 1.54x fp16 on W1 / W2 (4k, 32k) against 1.20x /
-    1.29x at 128; 128 gives 1.35x on W3 (512 tokens) against 1.24x at 256)."""
-    return 256 if mean_context >= 1024 else 128
+def streams_tile(mean_context: float, max_context: float) -> int:
+    """The streams kernel's tile where the caller names none: 256 tokens for batches of even contexts from 1k tokens,
+    else 128 (int4 with one scale a token-head, H200, 2026-12-05, speed-up over fp16 at 256 / 128: W1 (4k) 1.50 /
+    1.42, W2 (32k) 1.58 / 1.30, W4 (2k, MHA) 1.50 / 1.35; W3 (512) 1.12 / 1.15; the ragged W5 (mean 4k, longest
+    8k) 1.31 / 1.53)."""
+    return 256 if mean_context >= 1024 and max_context <= 1.25 * mean_context else 128
 
 
 def streams_launch(consts: dict, layout, block_n: int, group: int, streams: int | None = None) -> dict | None:

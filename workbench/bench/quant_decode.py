@@ -444,7 +444,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_peers(WORKLOADS[key].smoke() if args.smoke else WORKLOADS[key], copy_gbps, 100, device, fi)
     path = run_files.write_results("quant-decode", rows, provenance.machine_meta(), out,
                                    extra={"copy_gbps": copy_gbps, "mode": "smoke" if args.smoke else "gpu",
-                                          "page_size": PAGE, "tune": bool(args.tune)})
+                                          "page_size": PAGE, "tune": bool(args.tune),
+                                          # a run of some schemes only (notebook 03 lays it over the last full run)
+                                          **({"schemes": schemes} if args.schemes else {})})
     for line in summary(rows):
         print(line)
     print(f"wrote {path}")

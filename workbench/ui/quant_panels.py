@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from workbench import quant
-from workbench.quant.names import STUDY_GROUP_FAMILIES
+from workbench.quant.names import REFERENCE, STUDY_GROUP_FAMILIES
 from workbench.results import run_files
 from workbench.studies.quant import QUANT, data_for, evaluate, synthetic
 from workbench.ui.controls import controls_for
@@ -22,19 +22,40 @@ from workbench.ui.panels import Panel
 DECODE_PATTERN = "quant-decode-*.json"
 
 
+H200_RUNS = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t}
+
+
 def h200_decode_run(results_dir=None, where: Mapping | None = None) -> dict | None:
-    """The newest committed H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``,
-    smoke and ``--tune`` runs left out): ``{"path", "info", "rows"}`` (``run_files.load_runs``), None when there is
-    none yet. Its ``path`` is what a notebook cites for the decode numbers."""
-    want = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: not t} if where is None else where
+    """The newest committed full H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``;
+    smoke, ``--tune`` and ``--schemes`` runs left out): ``{"path", "info", "rows"}`` (``run_files.load_runs``), None
+    when there is none yet. Its ``path`` is what a notebook cites for the decode numbers."""
+    want = {**H200_RUNS, "schemes": lambda s: s is None} if where is None else where
     runs = run_files.load_runs(DECODE_PATTERN, results_dir, want)
     return runs[-1] if runs else None
 
 
+def h200_decode_updates(results_dir=None) -> list[dict]:
+    """The committed H200 runs of some schemes only (``--schemes``) newer than :func:`h200_decode_run`, oldest
+    first: each re-measures its schemes after a kernel change (``[]`` when there is none)."""
+    base = h200_decode_run(results_dir)
+    runs = run_files.load_runs(DECODE_PATTERN, results_dir, {**H200_RUNS, "schemes": lambda s: s is not None})
+    return [r for r in runs if base is None or str(r["info"].get("date", "")) > str(base["info"].get("date", ""))]
+
+
 def h200_decode_rows(results_dir=None, where: Mapping | None = None) -> list[dict]:
-    """The rows of :func:`h200_decode_run` as :func:`best_decode_rows`; ``[]`` when there is no run yet."""
+    """The rows of :func:`h200_decode_run` as :func:`best_decode_rows`, each (workload, scheme) a later
+    :func:`h200_decode_updates` run measured replaced by its row (the rows keep their own commit); ``[]`` when
+    there is no run yet."""
     run = h200_decode_run(results_dir, where)
-    return best_decode_rows(run["rows"]) if run else []
+    if run is None:
+        return []
+    rows = best_decode_rows(run["rows"])
+    if where is None:
+        for update in h200_decode_updates(results_dir):
+            newer = {(r["workload"], r["scheme"]): r for r in best_decode_rows(update["rows"])
+                     if r["scheme"] != REFERENCE}  # the baseline each speed-up is over stays the full run's
+            rows = [newer.pop((r["workload"], r["scheme"]), r) for r in rows] + list(newer.values())
+    return rows
 
 
 def best_decode_rows(rows: list[dict]) -> list[dict]:
