@@ -11,6 +11,7 @@ import pytest
 from workbench.__main__ import main as workbench_main
 from workbench.commands import whatif as cli
 from workbench.whatif.profile import RESULTS
+from workbench.whatif.report import default_profile
 
 FAST = ["--requests", "40", "--rate", "20"]
 
@@ -131,8 +132,8 @@ def test_flags_that_change_nothing_are_warned_of(capsys):
 
 
 def test_a_profile_folder_gives_the_committed_answer(tmp_path, capsys):
-    for pattern in ("quant-decode-h200-*.json", "tiers-h200-*.json", "model-decode-h200-*.json"):
-        shutil.copy(sorted(RESULTS.glob(pattern))[-1], tmp_path)
+    for name in default_profile().files:  # the full quant-decode run and a later --schemes one, the tiers run, ...
+        shutil.copy(RESULTS / name, tmp_path)
     rc, out, err = run([*FAST, "--json"], capsys)
     assert rc == 0, err
     rc2, out2, err2 = run([*FAST, "--json", "--profile", str(tmp_path), "--gpu", "h200"], capsys)

@@ -62,8 +62,8 @@ def test_the_files_a_run_writes_are_found_under_the_gpus_name(tmp_path):
 
 
 def test_a_folder_of_result_files_is_a_profile(tmp_path):
-    for pattern in ("quant-decode-h200-*.json", "tiers-h200-*.json", "model-decode-h200-*.json"):
-        shutil.copy(sorted(RESULTS.glob(pattern))[-1], tmp_path)
+    for name in default_profile().files:  # the full quant-decode run and a later --schemes one, the tiers run, ...
+        shutil.copy(RESULTS / name, tmp_path)
     files = cli.profile_files(tmp_path)
     prof = GpuProfile.from_results(tmp_path, name="h200")
     prof = fit_layer_overhead(prof, PRESETS["smollm2-135m"], run=files["model-decode"])

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from workbench.core.workloads import WORKLOADS
+from workbench.quant.names import REFERENCE
 from workbench.tiers.link import LinkModel, latest_link_model
 
 RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
@@ -73,13 +74,18 @@ class GpuProfile:
         doc = json.loads(quant.read_text())
         copy = float(doc["copy_gbps"])
         decode, write = {}, {}
-        for r in doc["rows"]:
-            if r["section"] == "decode" and r.get("variant") == "heuristic" and r.get("time_us_graph"):
-                frac = r["bytes"] / (r["time_us_graph"] * 1e-6) / (copy * 1e9)
-                decode.setdefault(r["scheme"], {})[r["workload"]] = frac
-            elif r["section"] == "write" and r.get("bw_fraction"):
-                write[r["scheme"]] = float(r["bw_fraction"])
-        files = [quant.name]
+        updates = _updates(d, f"quant-decode-{name}-*.json", quant)
+        for i, (rows, run_copy) in enumerate([(doc["rows"], copy)] + [(u["rows"], float(u["copy_gbps"]))
+                                                                     for _, u in updates]):
+            for r in rows:  # a later --schemes run's rows replace the full run's (each over its own copy rate)
+                if r["section"] == "decode" and r.get("variant") == "heuristic" and r.get("time_us_graph"):
+                    if i and r["scheme"] == REFERENCE:
+                        continue
+                    frac = r["bytes"] / (r["time_us_graph"] * 1e-6) / (run_copy * 1e9)
+                    decode.setdefault(r["scheme"], {})[r["workload"]] = frac
+                elif r["section"] == "write" and r.get("bw_fraction"):
+                    write[r["scheme"]] = float(r["bw_fraction"])
+        files = [quant.name, *(p.name for p, _ in updates)]
         link = latest_link_model(d)
         if link.source not in files:
             files.append(link.source)
@@ -120,8 +126,15 @@ def workload_points() -> dict[str, tuple[int, int]]:
     return {w.key: (w.batch, w.context) for w in WORKLOADS}
 
 
+def _updates(d: Path, pattern: str, full: Path) -> list[tuple[Path, dict]]:
+    """The ``--schemes`` runs of ``pattern`` after the full run ``full`` (by name: their stamps), oldest first."""
+    docs = [(p, json.loads(p.read_text())) for p in sorted(d.glob(pattern)) if p.name > full.name]
+    return [(p, doc) for p, doc in docs if "schemes" in doc]
+
+
 def _newest(d: Path, pattern: str) -> Path:
-    runs = sorted(d.glob(pattern))
+    """The newest file of ``pattern`` that is a whole run (a ``--schemes`` run re-measures some schemes only)."""
+    runs = sorted(p for p in d.glob(pattern) if "schemes" not in json.loads(p.read_text()))
     if not runs:
         raise ValueError(f"no {pattern} under {d}: a profile needs a committed run of that benchmark")
     return runs[-1]
