@@ -110,6 +110,20 @@ def _assert_codes(got, want, what):
     assert torch.equal(got, want), f"{what} differ at {bad}"
 
 
+def _where_blocks_differ(cache, bs, got, want) -> str:
+    """Where two staged batches differ: how many bytes in the rows' codes and in their scales, and the first few
+    (block, layer, K/V, byte of the row) with both values: what a failure on a GPU needs to be read."""
+    row = cache.block_stride(bs) * cache.dtype.itemsize
+    codes = bs * H * cache.code_dim * cache.dtype.itemsize  # a row's codes come first, its scales after them
+    bad = (got != want).nonzero().tolist()
+    where = [(b, i // (2 * row), "kv"[i // row % 2], i % row) for b, i in bad]
+    in_codes = sum(1 for *_, o in where if o < codes)
+    first = ", ".join(f"block {b} layer {i // (2 * row)} {'kv'[i // row % 2]} byte {i % row}: {int(got[b, i])} vs "
+                      f"{int(want[b, i])}" for b, i in bad[:4])
+    return (f"decoded blocks differ from the device's write of the format in {len(bad)} bytes ({in_codes} of codes, "
+            f"{len(bad) - in_codes} of scales, row {row} bytes, codes {codes}): {first}")
+
+
 def _device_write(cache, bs, k, v):
     """The device scheme's reference write of values ``[n, L, bs, H, D]`` into fresh device blocks (every slot),
     as a staged batch ``[n, layers * 2 * row bytes]``."""
@@ -154,7 +168,7 @@ def _check_transcode(cache, fmt, seq):
         back.append(fmt.scheme.dequantize(want, "kv"[kind]).reshape(n, L, bs, H, D).to(DEV))
     staged_back = formats.decode(cache, fmt, bs, packed)
     want_back = _device_write(cache, bs, *back)
-    assert torch.equal(staged_back, want_back), "decoded blocks differ from the device's write of the format"
+    assert torch.equal(staged_back, want_back), _where_blocks_differ(cache, bs, staged_back, want_back)
     rt = formats.roundtrip_values(cache, fmt, bs, staged)
     assert torch.equal(rt, _device_values(cache, bs, want_back))
     return values, rt
