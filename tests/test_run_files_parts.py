@@ -29,3 +29,23 @@ def test_parts_of_other_runs_are_refused(field, value):
         run_files.join_parts([a, b])
     with pytest.raises(ValueError, match="at least one"):
         run_files.join_parts([])
+
+
+def test_the_latest_whole_run_and_the_schemes_runs_after_it(tmp_path):
+    """latest_with_updates: the newest run without a ``schemes`` field, and the --schemes runs after it (one before
+    it is left out); none without a whole run."""
+    import json
+
+    def write(name, date, schemes=None):
+        doc = {"meta": {"date": date}, "rows": [], **({"schemes": schemes} if schemes else {})}
+        (tmp_path / f"bench-{name}.json").write_text(json.dumps(doc))
+
+    assert run_files.latest_with_updates("bench-*.json", tmp_path) == (None, [])
+    write("early", "2026-12-01T00:00:00Z", ["a"])
+    assert run_files.latest_with_updates("bench-*.json", tmp_path) == (None, [])
+    write("whole", "2026-12-02T00:00:00Z")
+    write("late", "2026-12-03T00:00:00Z", ["b"])
+    run, updates = run_files.latest_with_updates("bench-*.json", tmp_path)
+    assert run["path"].name == "bench-whole.json" and [u["path"].name for u in updates] == ["bench-late.json"]
+    write("newer-whole", "2026-12-04T00:00:00Z")
+    assert run_files.latest_with_updates("bench-*.json", tmp_path)[1] == []

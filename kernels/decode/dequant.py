@@ -23,7 +23,7 @@ def _int_operand(b, CODES: tl.constexpr, FAST: tl.constexpr, out_dtype: tl.const
     codes a register, each byte permuted under 0x64 (the fp16 1024 + byte) and 1152 subtracted, 5 instructions for
     4 codes where a convert is one a code (FasterTransformer's trick; int8 flips its sign bit first). Pure: marked
     not pure (kept in place, fp16 values into the operand layout) it had 1211 -> 871 loop instructions (int8 per
-    token, W1, Triton 3.6) but ran 1.46x -> 0.97x fp16 on the H200 (2026-12-05)."""
+    token, W1, Triton 3.6) but ran 0.96x fp16 on the H200 against 1.45x pure (W1, 2026-12-05)."""
     if FAST:
         flip: tl.constexpr = "xor.b32 t, $2, 0x80808080;" if CODES == 1 else "mov.b32 t, $2;"
         return tl.inline_asm_elementwise(

@@ -75,18 +75,17 @@ def _in_blocks(qmode: int):
 def _one_byte_defaults(scheme) -> dict:
     """1-byte codes run two warps over 64-token tiles in three stages (fp8 per tensor, W4: 1.27x -> 1.47x our fp16).
     Asymmetric int8 ran 32-token tiles at four warps (its zero points spilled at two: W1 0.73x -> 0.86x); with the
-    loop peeled and the codes converted in place (kernels/decode/kernel.py) two warps hold 253 registers without
-    spills at 0.105 warp instructions a byte against 0.177 (bench anatomy, Triton 3.6): the old launch is timed
-    beside it (bench quant_decode)."""
+    loop peeled (kernels/decode/kernel.py) two warps hold 253 registers without spills: H200, 2026-12-05, 1.04-1.29x
+    against the old launch's 0.63-0.81x in the same run (bench quant_decode times both)."""
     return {"num_warps": 2, "BLOCK_N": 64, "num_stages": 3}
 
 
 def _packed_defaults(scheme, head_dim: int) -> dict:
     """Packed codes: the generic kernel on 32-token tiles (the unpacked operands are the register cost), except where
     a token-head has one scale and zero point (keys per token, ``value_group >= head_dim``): int4 there runs the
-    streams kernel (H100, 2026-12-05: 1.24-1.54x fp16 against the generic kernel's 1.01-1.11x; its tile by context,
-    ``plan.py``), int2 the planes kernel at 128-token tiles (1.22-1.38x against 1.00-1.12x; the streams kernel spills
-    there)."""
+    streams kernel (H200, 2026-12-05: 1.15-1.58x fp16 against the generic kernel's 0.67-0.78x; its tile by context,
+    ``streams.streams_tile``), int2 the planes kernel at 128-token tiles (1.08-1.39x against 0.66-0.77x; the streams
+    kernel spills there)."""
     if scheme.key_mode != "token" or scheme.value_group < head_dim:
         return {"BLOCK_N": 32}
     if scheme.bits == 4:

@@ -114,9 +114,8 @@ def decode_variants(scheme: quant.Scheme, base: dict, tune: bool = False,
     streams kernel (same run, same rows)."""
     variants = tune_variants(scheme, base) if tune else [("heuristic", {})]
     if scheme.family in ("static", "token") and not tune:
-        # 1-byte codes converted where the compiler keeps fp16 in the operand exchange (kernels/decode/dequant.py)
-        # hold fewer registers: four warps on 128-token tiles beside the two-warp default (bench anatomy: 0.084 warp
-        # instructions a byte at 168 registers against 0.080 at 201, fp8 per tensor W1)
+        # four warps on 128-token tiles beside the two-warp default: fewer registers since the fp8 convert stays in
+        # place (bench anatomy), yet slower on the H200 (2026-12-05: fp8 per tensor 1.37-1.58x against 1.49-1.73x)
         variants.append(("w4-BLOCK_N128", {"num_warps": 4, "BLOCK_N": 128}))
         if not scheme.symmetric:  # its launch before the loop was peeled (kernels/decode/quant.py)
             variants.append(("w4-BLOCK_N32", {"num_warps": 4, "BLOCK_N": 32}))

@@ -172,7 +172,7 @@ def evaluate_all(schemes: Iterable[Scheme | str] | None, q: torch.Tensor, k: tor
                  top_k: int = 8) -> list[dict]:
     """:func:`evaluate` for each scheme (default: every scheme of ``workbench.quant.SCHEMES``), rows concatenated
     (scheme by scheme; the fp32 attention of each layer is computed once). A labelled variant of a registered scheme
-    (``bench quant_decode``'s ``int4/token@head``: ``quant_decode.bench_scheme``) is named by its label, as the
+    (``bench quant_decode``'s ``int4/token@head``: ``quant.one_group_a_head``) is named by its label, as the
     benchmark names its rows."""
     _check_qkv(q, k, v)
     L, T, H, D = k.shape

@@ -97,6 +97,19 @@ def load_runs(pattern: str, results_dir: Path | str | None = None, where: Mappin
     return sorted(runs, key=lambda r: (str(r["info"].get("date", "")), r["path"].name))
 
 
+def latest_with_updates(pattern: str, results_dir: Path | str | None = None,
+                        where: Mapping | None = None) -> tuple[dict | None, list[dict]]:
+    """The newest run of ``pattern`` matching ``where`` that measured all it measures (no ``schemes`` field), and the
+    runs of some schemes only (a benchmark's ``--schemes``: a top-level ``schemes`` list) after it, oldest first,
+    each re-measuring its schemes after a change: ``(run, updates)`` as :func:`load_runs` gives runs, ``(None, [])``
+    without a whole run."""
+    runs = load_runs(pattern, results_dir, where)
+    whole = [i for i, r in enumerate(runs) if r["info"].get("schemes") is None]
+    if not whole:
+        return None, []
+    return runs[whole[-1]], [r for r in runs[whole[-1] + 1:] if r["info"].get("schemes") is not None]
+
+
 def load_results(pattern: str, results_dir: Path | str | None = None, where: Mapping | None = None,
                  latest: bool = False) -> list[dict]:
     """All rows of the result files matching ``pattern`` (default folder :data:`RESULTS`), oldest file first.

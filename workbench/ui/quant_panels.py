@@ -26,20 +26,20 @@ H200_RUNS = {"gpu": "NVIDIA H200", "smoke": lambda s: not s, "tune": lambda t: n
 
 
 def h200_decode_run(results_dir=None, where: Mapping | None = None) -> dict | None:
-    """The newest committed full H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``;
-    smoke, ``--tune`` and ``--schemes`` runs left out): ``{"path", "info", "rows"}`` (``run_files.load_runs``), None
-    when there is none yet. Its ``path`` is what a notebook cites for the decode numbers."""
-    want = {**H200_RUNS, "schemes": lambda s: s is None} if where is None else where
-    runs = run_files.load_runs(DECODE_PATTERN, results_dir, want)
-    return runs[-1] if runs else None
+    """The newest committed whole H200 run of the quantized decode benchmark (``data/results/quant-decode-*.json``;
+    smoke, ``--tune`` and ``--schemes`` runs left out; ``where``: other conditions, ``run_files.matches``):
+    ``{"path", "info", "rows"}`` (``run_files.load_runs``), None when there is none yet. Its ``path`` is what a
+    notebook cites for the decode numbers."""
+    if where is not None:
+        runs = run_files.load_runs(DECODE_PATTERN, results_dir, where)
+        return runs[-1] if runs else None
+    return run_files.latest_with_updates(DECODE_PATTERN, results_dir, H200_RUNS)[0]
 
 
 def h200_decode_updates(results_dir=None) -> list[dict]:
-    """The committed H200 runs of some schemes only (``--schemes``) newer than :func:`h200_decode_run`, oldest
-    first: each re-measures its schemes after a kernel change (``[]`` when there is none)."""
-    base = h200_decode_run(results_dir)
-    runs = run_files.load_runs(DECODE_PATTERN, results_dir, {**H200_RUNS, "schemes": lambda s: s is not None})
-    return [r for r in runs if base is None or str(r["info"].get("date", "")) > str(base["info"].get("date", ""))]
+    """The committed H200 runs of some schemes only (``--schemes``) after :func:`h200_decode_run`, oldest first: each
+    re-measures its schemes after a kernel change (``[]`` when there is none)."""
+    return run_files.latest_with_updates(DECODE_PATTERN, results_dir, H200_RUNS)[1]
 
 
 def h200_decode_rows(results_dir=None, where: Mapping | None = None) -> list[dict]:

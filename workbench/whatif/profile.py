@@ -26,15 +26,15 @@ What a profile holds and where each comes from:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from workbench.core.workloads import WORKLOADS
 from workbench.quant.names import REFERENCE
+from workbench.results import run_files
 from workbench.tiers.link import LinkModel, latest_link_model
 
-RESULTS = Path(__file__).resolve().parents[2] / "data" / "results"
+RESULTS = run_files.RESULTS
 
 
 @dataclass(frozen=True)
@@ -70,13 +70,15 @@ class GpuProfile:
     def from_results(cls, results_dir: Path | str | None = None, name: str = "h200") -> GpuProfile:
         """The profile of the newest committed runs in ``results_dir`` (default ``data/results``) of GPU ``name``."""
         d = Path(results_dir) if results_dir is not None else RESULTS
-        quant = _newest(d, f"quant-decode-{name}-*.json")
-        doc = json.loads(quant.read_text())
-        copy = float(doc["copy_gbps"])
+        pattern = f"quant-decode-{name}-*.json"
+        run, updates = run_files.latest_with_updates(pattern, d)
+        if run is None:
+            raise ValueError(f"no {pattern} under {d}: a profile needs a committed run of that benchmark")
+        quant = run["path"]
+        copy = float(run["info"]["copy_gbps"])
         decode, write = {}, {}
-        updates = _updates(d, f"quant-decode-{name}-*.json", quant)
-        for i, (rows, run_copy) in enumerate([(doc["rows"], copy)] + [(u["rows"], float(u["copy_gbps"]))
-                                                                     for _, u in updates]):
+        for i, (rows, run_copy) in enumerate([(run["rows"], copy)] + [(u["rows"], float(u["info"]["copy_gbps"]))
+                                                                     for u in updates]):
             for r in rows:  # a later --schemes run's rows replace the full run's (each over its own copy rate)
                 if r["section"] == "decode" and r.get("variant") == "heuristic" and r.get("time_us_graph"):
                     if i and r["scheme"] == REFERENCE:
@@ -85,7 +87,7 @@ class GpuProfile:
                     decode.setdefault(r["scheme"], {})[r["workload"]] = frac
                 elif r["section"] == "write" and r.get("bw_fraction"):
                     write[r["scheme"]] = float(r["bw_fraction"])
-        files = [quant.name, *(p.name for p, _ in updates)]
+        files = [quant.name, *(u["path"].name for u in updates)]
         link = latest_link_model(d)
         if link.source not in files:
             files.append(link.source)
@@ -124,17 +126,3 @@ class GpuProfile:
 def workload_points() -> dict[str, tuple[int, int]]:
     """``{W1: (batch, context), ...}``: what the decode points' sizes mean."""
     return {w.key: (w.batch, w.context) for w in WORKLOADS}
-
-
-def _updates(d: Path, pattern: str, full: Path) -> list[tuple[Path, dict]]:
-    """The ``--schemes`` runs of ``pattern`` after the full run ``full`` (by name: their stamps), oldest first."""
-    docs = [(p, json.loads(p.read_text())) for p in sorted(d.glob(pattern)) if p.name > full.name]
-    return [(p, doc) for p, doc in docs if "schemes" in doc]
-
-
-def _newest(d: Path, pattern: str) -> Path:
-    """The newest file of ``pattern`` that is a whole run (a ``--schemes`` run re-measures some schemes only)."""
-    runs = sorted(p for p in d.glob(pattern) if "schemes" not in json.loads(p.read_text()))
-    if not runs:
-        raise ValueError(f"no {pattern} under {d}: a profile needs a committed run of that benchmark")
-    return runs[-1]
