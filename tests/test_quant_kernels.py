@@ -2,6 +2,8 @@
 scheme with scales computed on write; paged_decode reads every scheme inside its loop within 1e-3 of the
 dequantized reference; poisoned pools, every layout, a few block sizes, random data."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import rel_err
@@ -54,11 +56,55 @@ def test_write_kv_codes_and_scales_match_scheme(name, layout, block_size, device
     assert_matches_reference(scheme, layout, block_size, H, D, nb, slots, caches, k, v)
 
 
-def assert_matches_reference(scheme, layout, block_size, H, D, nb, slots, caches, k, v):
+@pytest.mark.parametrize("name", ["fp8_e4m3/token", "int8/token", "int8_asym/token", "int4/token", "int4/kivi"])
+def test_write_kv_matches_the_reference_run_on_the_same_device(name, device):
+    """As above with ``scheme.quantize`` on the kernels' device, as the tier transcodes check it: a GPU's torch must
+    divide as the kernels do (``workbench.quant.families.common.div``)."""
+    scheme = scheme_for(name, 16)
+    g = torch.Generator().manual_seed(len(name))
+    H, D, nb = 2, 64, 4
+    slots = torch.randperm(nb * 16, generator=g)[:32] if not scheme.packed else torch.arange(32)
+    k = (torch.randn(32, H, D, generator=g) * 3).half().to(device)
+    v = torch.randn(32, H, D, generator=g).to(device)  # an fp32 source: the division by qmax is div_rn's
+    caches = [qblocks.empty_cache(scheme, "nhd", kind, nb, 16, H, D, device, fill=POISON) for kind in "kv"]
+    write_kv(k, v, caches[0], caches[1], "nhd", slots.to(device), quant=scheme)
+    assert_matches_reference(scheme, "nhd", 16, H, D, nb, slots, caches, k, v, ref_on_device=True)
+
+
+@pytest.mark.parametrize("name", ["int8/token", "int8_asym/token", "fp8_e4m3/token", "int8/tensor", "int8/head",
+                                  "int4/token"])
+def test_computed_scales_are_ieee_quotients_on_the_compute_device(name, device):
+    """A scale is ``range / qmax`` rounded once, as the write kernels divide (``div_rn``), on whatever device the
+    reference runs: torch's CUDA division by a Python number multiplies by the rounded reciprocal, one bit off
+    for some rows (the GPU-only failure of a tier transcode's check against the kernels, 2026-12-05)."""
+    s = quant.SCHEMES[name]
+    x = torch.randn(64, 4, 32, generator=torch.Generator().manual_seed(11))
+    q = torch.tensor(s.qmax, dtype=torch.float64)
+
+    def want(r):  # the exact quotient rounded to fp32, on the CPU
+        return (r.double() / q).float()
+
+    rng = (x.amax(-1) - x.amin(-1)) if not s.symmetric else x.abs().amax(-1)
+    assert (rng * torch.tensor(1 / s.qmax, dtype=torch.float32) != want(rng)).any()  # a reciprocal would differ
+    xd = x.to(device)
+    if s.family == "static":
+        amax = x.abs().amax() if s.granularity == "tensor" else x.abs().amax(dim=(0, 2))
+        assert torch.equal(s.calibrate(xd).cpu(), want(amax))
+        return
+    qz = s.quantize(xd, "k")
+    if s.family == "groups":  # groups of 32 channels: one a row here; the quotient is rounded to fp16 after
+        assert torch.equal(qz.scale.reshape(rng.shape).cpu(), want(rng).half())
+        return
+    assert torch.equal(qz.scale.cpu(), want(rng))
+
+
+def assert_matches_reference(scheme, layout, block_size, H, D, nb, slots, caches, k, v, ref_on_device=False):
     """The written slots' codes (byte for byte: fp8's -0.0 and +0.0 differ), scales and zero points equal
-    ``scheme.quantize``'s."""
+    ``scheme.quantize``'s (on the CPU, or with ``ref_on_device`` where the kernels ran)."""
     for kind, x, cache in (("k", k, caches[0]), ("v", v, caches[1])):
-        want = scheme.quantize(x.cpu(), kind)
+        want = scheme.quantize(x if ref_on_device else x.cpu(), kind)
+        want = dataclasses.replace(want, **{f.name: getattr(want, f.name).cpu() for f in dataclasses.fields(want)
+                                            if getattr(want, f.name) is not None})
         got = to_nhd(cache, layout, kind).reshape(nb * block_size, H, -1)[slots].cpu()
         if got.dtype.is_floating_point:  # fp8: the bytes
             bad = (got.view(torch.uint8) != want.codes.view(torch.uint8)).nonzero()[:3].tolist()

@@ -26,8 +26,8 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     fmt = kv_formats.get(dtype)
     if not fmt.quantized:
         return x.to(dtype)
-    s = scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)
-    q = x.float() / s
+    s = (scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)).to(x.device)  # a CPU scalar on
+    q = x.float() / s  # a GPU would multiply by its reciprocal (``workbench.quant.families.common.div``)
     if fmt.codes == "int":
         return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
     return q.clamp(fmt.qmin, fmt.qmax).to(dtype)

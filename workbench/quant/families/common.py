@@ -97,6 +97,13 @@ def round_even(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x)  # torch rounds half to even
 
 
+def div(x: torch.Tensor, q: float) -> torch.Tensor:
+    """``x / q`` rounded as IEEE division on every device, as the write kernels divide (``div_rn``): torch's CUDA
+    division by a Python number multiplies by its rounded reciprocal instead, which is one bit off for some ``x``
+    (a scale 1 ulp from the kernel's, and its codes with it)."""
+    return x / torch.tensor(q, dtype=x.dtype, device=x.device)
+
+
 def nonzero(s: torch.Tensor) -> torch.Tensor:
     """A computed scale, 1 where it is 0 (a constant row, or ``amax / qmax`` underflowing): never a division by 0."""
     return torch.where(s > 0, s, torch.ones_like(s))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .base import Scheme
-from .common import F16_MAX, BlockScales, Quantized, round_even, scales_start, to_fp16
+from .common import F16_MAX, BlockScales, Quantized, div, round_even, scales_start, to_fp16
 
 
 class GroupScheme(Scheme):
@@ -144,7 +144,7 @@ def fp16_params(lo: torch.Tensor, hi: torch.Tensor, qmax: float) -> tuple[torch.
     """A group's fp16 scale and zero point, saturated (module docstring); equal to a plain fp16 rounding of
     ``((hi - lo) / qmax, lo)`` wherever that is finite."""
     z = lo.clamp(-F16_MAX, F16_MAX)
-    s16 = ((hi - z) / qmax).clamp(0, F16_MAX).to(torch.float16)
+    s16 = div(hi - z, qmax).clamp(0, F16_MAX).to(torch.float16)
     s16 = torch.where(s16 > 0, s16, torch.ones_like(s16))  # a constant group (or an fp16 underflow)
     return s16, z.to(torch.float16)
 

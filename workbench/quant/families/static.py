@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .base import Scheme
-from .common import Quantized, check_finite, nonzero, to_codes
+from .common import Quantized, check_finite, div, nonzero, to_codes
 
 
 class StaticScheme(Scheme):
@@ -28,13 +28,13 @@ class StaticScheme(Scheme):
         check_finite("x", x)
         a = x.float().abs()
         amax = a.amax() if self.granularity == "tensor" else a.amax(dim=(0, 2))
-        return nonzero(amax / self.qmax)
+        return nonzero(div(amax, self.qmax))
 
     def scales_from_amax(self, amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
         """``amax * margin / qmax`` of per-head maxima ``[H]``: one value (``tensor``: the largest) or ``[H]``;
         1 where the maximum is 0."""
         amax = (amax if self.granularity == "head" else amax.amax().reshape(1)) * margin
-        return torch.where(amax > 0, amax / self.qmax, torch.ones_like(amax))
+        return torch.where(amax > 0, div(amax, self.qmax), torch.ones_like(amax))
 
     def layer_scales_from_amax(self, amax: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
         """:meth:`scales_from_amax` of each layer's maxima ``[L, H]``: ``[L]`` (``tensor``) or ``[L, H]``."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import Scheme
-from .common import ASYM_LIMIT, FP32_MAX, BlockScales, Quantized, nonzero, scales_start, to_codes
+from .common import ASYM_LIMIT, FP32_MAX, BlockScales, Quantized, div, nonzero, scales_start, to_codes
 
 
 class TokenScheme(Scheme):
@@ -38,10 +38,10 @@ class TokenScheme(Scheme):
     def _quantize(self, x: torch.Tensor, kind: str, scale: torch.Tensor | None) -> Quantized:
         xf = x.float()
         if self.symmetric:
-            s = nonzero(xf.abs().amax(dim=-1) / self.qmax)  # [T, H]
+            s = nonzero(div(xf.abs().amax(dim=-1), self.qmax))  # [T, H]
             return Quantized(to_codes(self.format, xf / s[..., None]), s)
         lo, hi = xf.amin(dim=-1), xf.amax(dim=-1)
-        s = nonzero((hi - lo) / self.qmax)
+        s = nonzero(div(hi - lo, self.qmax))
         return Quantized(to_codes(self.format, (xf - lo[..., None]) / s[..., None]), s, lo)
 
     def dequantize(self, qz: Quantized, kind: str = "k") -> torch.Tensor:
