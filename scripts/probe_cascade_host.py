@@ -1,0 +1,90 @@
+"""Where a shared-prefix cascade step's eager time goes on the host (issue 33): the GPU is idle while Python
+launches, so an eager step costs ``max(host time, GPU time)``.
+
+For the bench's 32k x 64 GQA 32/8 point (suffix 128) and a tiny one (GPU time ~nothing: the loop measures the
+host), times ``CascadePlan.run`` and ``DecodePlan.run`` back to back without a sync (host us a call), and each
+launch inside a cascade run (Triton's ``JITFunction.run``, ``torch.index_select``) by wrapping them. Writes JSON to
+``--out`` (default ``results/``, untracked)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from triton.runtime.jit import JITFunction
+
+from workbench.bench.harness import time_us, time_us_graph
+from workbench.bench.shared_prefix import Point
+from workbench.results.provenance import machine_meta
+
+
+def host_us(fn, n=200) -> float:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def per_launch(fn) -> dict:
+    """Host us of each launch (Triton kernels by name, index_select) within one call of ``fn``, median of 50."""
+    seen: dict[str, list[float]] = {}
+    orig_run, orig_sel = JITFunction.run, torch.index_select
+
+    def run(self, *a, **k):
+        t = time.perf_counter()
+        r = orig_run(self, *a, **k)
+        seen.setdefault(self.fn.__name__, []).append((time.perf_counter() - t) * 1e6)
+        return r
+
+    def sel(*a, **k):
+        t = time.perf_counter()
+        r = orig_sel(*a, **k)
+        seen.setdefault("index_select", []).append((time.perf_counter() - t) * 1e6)
+        return r
+
+    JITFunction.run, torch.index_select = run, sel
+    try:
+        for _ in range(60):
+            t = time.perf_counter()
+            fn()
+            seen.setdefault("(whole call)", []).append((time.perf_counter() - t) * 1e6)
+    finally:
+        JITFunction.run, torch.index_select = orig_run, orig_sel
+    torch.cuda.synchronize()
+    out = {}
+    for name, v in seen.items():
+        per_call = len(v) // 60
+        v = sorted(v[10 * per_call:])
+        out[name] = {"calls": per_call, "median_us": v[len(v) // 2]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args()
+    rows = []
+    for label, (prefix, sharers, suffix) in {"32k x 64": (32768, 64, 128), "tiny": (256, 4, 16)}.items():
+        p = Point(prefix, sharers, suffix, 32, 8)
+        plain, casc = p.plain(), p.cascade(64)
+        for impl, plan in (("plain", plain), ("cascade", casc)):
+            def fn(plan=plan, p=p):
+                return plan.run(p.q, p.k, p.v)
+            rows.append({"point": label, "impl": impl, "host_us": host_us(fn), "time_us": time_us(fn, rep_ms=100),
+                         "time_us_graph": time_us_graph(fn, rep_ms=100), "launches": per_launch(fn)})
+            print(json.dumps(rows[-1]))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cascade-host.json").write_text(json.dumps({"meta": machine_meta(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
