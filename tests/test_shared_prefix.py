@@ -115,6 +115,47 @@ def test_cascade_matches_references(tree, layout, block_size, hkv, group, head_d
     assert torch.allclose(lse.cpu().double()[finite], ref_lse[finite], atol=2e-2 if kv_dtype else 5e-3)
 
 
+@pytest.mark.parametrize("tree", [[(8, [(3, [5, 60]), 0, 30]), (0, [50])], [(10, [0, 0])]], ids=["nested", "all"])
+@pytest.mark.parametrize("splits, shared_splits", [(3, 2), (2, 5)])
+def test_cascade_merges_every_split_of_both_passes(tree, splits, shared_splits, device):
+    """The merge reads each pass's split partials itself: rows whose segment or suffix has fewer chunks than
+    splits (their later splits never written: poison), empty suffixes ("all"), rows in fewer segments."""
+    q, k, v, table, lens = make_shared_case(tree, "nhd", 8, 2, 4, 32, torch.float16, device, seed=splits)
+    segments, suffix = cut(*(lambda r: (r, range(len(r))))(find_shared_runs(table, lens, 8)), len(lens))
+    plan = CascadePlan(table, lens, segments, suffix, layout="nhd", k_cache=k, v_cache=v, num_q_heads=q.shape[1],
+                       q_dtype=q.dtype, rows_per_tile=16, return_lse=True, num_splits=splits,
+                       shared_launch={"num_splits": shared_splits})
+    for p in filter(None, plan.plans):  # unwritten splits hold NaN: a merge that read one would show it
+        p._o_part.fill_(float("nan"))
+        p._lse.fill_(float("nan"))
+    shared, sfx = plan.plans
+    assert shared.num_splits > 1 and (sfx.num_splits > 1 or sfx.max_seq_len == 0)  # "all": no suffix tokens
+    got, lse = plan.run(q, k, v)
+    ref_c, ref_lse = cascade_decode_ref(q, k, v, "nhd", table, lens, segments, suffix, 8)
+    assert rel_err(got.cpu(), ref_c) < 1e-2
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(lse.cpu()))
+    assert torch.allclose(lse.cpu().double()[finite], ref_lse[finite], atol=5e-3)
+
+
+def test_run_partials_is_the_plans_decode_without_its_merge(device):
+    from workbench.kernels import DecodePlan
+    from workbench.kernels.decode.merge import merge_states
+
+    q, k, v, table, lens = make_shared_case("nested", "nhd", 8, 2, 4, 32, torch.float16, device, seed=3)
+    kw = dict(layout="nhd", k_cache=k, v_cache=v, num_q_heads=q.shape[1], q_dtype=q.dtype, num_splits=3)
+    with pytest.raises(ValueError, match="return_lse=True"):
+        DecodePlan(table, lens, **kw).run_partials(q, k, v)
+    plan = DecodePlan(table, lens, return_lse=True, **kw)
+    with pytest.raises(ValueError, match="q must be"):
+        plan.run_partials(q[:, :1], k, v)
+    out, lse = plan.run(q, k, v)
+    o_part, s_part = plan.run_partials(q, k, v)
+    n = torch.clamp((lens + plan.chunk - 1) // plan.chunk, max=plan.num_splits)
+    got, got_lse = merge_states(o_part.transpose(1, 2), s_part.transpose(1, 2), num_valid=n.to(torch.int32))
+    assert torch.equal(got.to(out.dtype), out) and torch.equal(got_lse, lse)
+
+
 def test_shared_prefix_decode_paths_agree(device):
     q, k, v, table, lens = make_shared_case("nested", "nhd", 16, 2, 2, 32, torch.float16, device, seed=3)
     outs = {}

@@ -11,8 +11,10 @@ belongs to, in order from block 0, and a private *suffix* (the rest of its table
    one "sequence" with ``rows_per_tile`` query heads per kv head; a segment of ``S`` sharers needs
    ``ceil(S * G / rows_per_tile)`` tiles, and that is how often its blocks are read (not ``S`` times).
 2. **Suffix pass.** The ordinary paged decode of every sequence over its own blocks.
-3. **Merge.** Each query head has one partial state per segment it is in plus its suffix's; they are merged by
-   log-sum-exp (base 2, as the decode kernel writes them), reading the states through an index: no copies.
+3. **Merge.** Each query head has the split partials of every segment it is in and of its suffix, as the two
+   passes' decode kernels leave them (fp32, in their plans' scratch); one kernel merges them all by log-sum-exp
+   (base 2, as the decode kernel writes them), reading the shared ones through an index: no copies, and not the
+   passes' own merges (two launches fewer: in eager timing the host's launches are most of a step).
 
 Everything that depends only on the batch (tables, lengths, segments) is done once in :class:`CascadePlan`;
 ``run`` launches four kernels (a query gather, the two decode passes, the merge) with no host sync and no
@@ -38,19 +40,33 @@ _describe = common.describe
 
 
 @triton.jit
-def _merge_indexed_kernel(
-    o_ptr,  # [R, D] partial outputs of every pass (normalized), rows addressed through idx
-    s_ptr,  # [R] fp32 log2-sum-exps (-inf: an empty state, not read)
-    idx_ptr,  # [B, L, Hq] int32 state rows of each (sequence, query head)
+def _absorb(b_m, b_l, b_acc, b_s, p_v, m_d):
+    """One partial state (base-2 LSE ``b_s``, normalized output at ``p_v``) folded into the running merge."""
+    b_v = tl.load(p_v, mask=m_d, other=0.0)
+    b_m_new = tl.maximum(b_m, b_s)
+    b_alpha = tl.exp2(b_m - b_m_new)
+    b_w = tl.exp2(b_s - b_m_new)
+    return b_m_new, b_l * b_alpha + b_w, b_acc * b_alpha + b_w * b_v
+
+
+@triton.jit
+def _merge_passes_kernel(
+    sh_o_ptr, sh_s_ptr,  # the shared pass's split partials [V, Hkv * T, S_sh, D] fp32 / [V, Hkv * T, S_sh]
+    sh_len_ptr,  # [V] int32 tokens of each shared tile's segment
+    sx_o_ptr, sx_s_ptr,  # the suffix pass's [B, Hq, S_sx, D] / [B, Hq, S_sx]
+    sx_len_ptr,  # [B] int32 suffix tokens
+    idx_ptr,  # [B, L, Hq] int32 shared state of each (row, segment, query head): tile * Hkv * T + tile row, or -1
     out_ptr,  # [B, Hq, D]
     lse_ptr,  # [B, Hq] fp32 (HAS_LSE)
     s_ob, s_oh,
-    num_states,
-    num_heads,
+    num_segments, num_heads, tile_heads,  # L, Hq, Hkv * T
+    sh_splits, sh_chunk, sx_splits, sx_chunk,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
+    """Every state of one (row, query head): each split partial of each of its segments, then of its suffix (a
+    split past a sequence's ``ceil(len / chunk)`` was never written, an empty one has LSE ``-inf``)."""
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     o_d = tl.arange(0, BLOCK_D)
@@ -58,17 +74,21 @@ def _merge_indexed_kernel(
     b_m = tl.zeros((), tl.float32) + float("-inf")
     b_l = tl.zeros((), tl.float32)
     b_acc = tl.zeros([BLOCK_D], tl.float32)
-    for i_s in range(num_states):
-        row = tl.load(idx_ptr + (i_b * num_states + i_s) * num_heads + i_h).to(tl.int64)
-        b_s = tl.load(s_ptr + row)
+    for i_s in range(num_segments):
+        st = tl.load(idx_ptr + (i_b * num_segments + i_s) * num_heads + i_h).to(tl.int64)
+        if st >= 0:
+            n = tl.minimum(tl.cdiv(tl.load(sh_len_ptr + st // tile_heads), sh_chunk), sh_splits)
+            for j in range(n):
+                b_s = tl.load(sh_s_ptr + st * sh_splits + j)
+                if b_s > float("-inf"):
+                    b_m, b_l, b_acc = _absorb(b_m, b_l, b_acc, b_s, sh_o_ptr + (st * sh_splits + j) * HEAD_DIM + o_d,
+                                              m_d)
+    row = i_b * num_heads + i_h
+    n = tl.minimum(tl.cdiv(tl.load(sx_len_ptr + i_b), sx_chunk), sx_splits)
+    for j in range(n):
+        b_s = tl.load(sx_s_ptr + row * sx_splits + j)
         if b_s > float("-inf"):
-            b_v = tl.load(o_ptr + row * HEAD_DIM + o_d, mask=m_d, other=0.0).to(tl.float32)
-            b_m_new = tl.maximum(b_m, b_s)
-            b_alpha = tl.exp2(b_m - b_m_new)
-            b_w = tl.exp2(b_s - b_m_new)
-            b_l = b_l * b_alpha + b_w
-            b_acc = b_acc * b_alpha + b_w * b_v
-            b_m = b_m_new
+            b_m, b_l, b_acc = _absorb(b_m, b_l, b_acc, b_s, sx_o_ptr + (row * sx_splits + j) * HEAD_DIM + o_d, m_d)
     b_l_safe = tl.where(b_l > 0, b_l, 1.0)
     tl.store(out_ptr + i_b * s_ob + i_h * s_oh + o_d, (b_acc / b_l_safe).to(out_ptr.dtype.element_ty), mask=m_d)
     if HAS_LSE:
@@ -150,13 +170,11 @@ class CascadePlan:
             sh_lens = (n_blk * block_size).to(torch.int32)
             shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size,
                                       **kw, **{**launch, "batch_fast": True, **(shared_launch or {})})
-        states = torch.empty((n_shared + B * num_q_heads + 1,), dtype=torch.float32, device=device)
-        states[-1] = float("-inf")  # the padding state of rows in fewer segments
         self.__dict__.update(  # past __setattr__: the one place a plan is written
-            _shared=shared_plan, _suffix=suffix_plan, _s=states,
-            _o=torch.empty((n_shared + B * num_q_heads + 1, D), dtype=q_dtype, device=device),
+            _shared=shared_plan, _suffix=suffix_plan,
             _q_idx=q_idx.to(device), _q_v=torch.empty((n_shared, D), dtype=q_dtype, device=device),
             _state_idx=state_idx.to(device=device, dtype=torch.int32).contiguous(),
+            _sh_lens=sh_lens if V else sfx_lens,
             layout=layout, batch_size=B, num_q_heads=num_q_heads, num_kv_heads=hkv, head_dim=D, block_size=block_size,
             q_dtype=q_dtype, device=device, rows_per_tile=T, return_lse=bool(return_lse), num_tiles=V,
             num_states=n_states, segments=tuple(segs), suffix_start=tuple(int(s) for s in suffix_start),
@@ -190,16 +208,21 @@ class CascadePlan:
         lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device) if self.return_lse else None
         if B == 0:
             return (out, lse) if self.return_lse else out
+        # three launches and the query gather: each pass's decode kernel leaves its split partials in its plan's
+        # scratch, and one merge reads them all (the passes' own merges would be two more launches)
+        sx_o, sx_s = self._suffix.run_partials(q, k_cache, v_cache, **sc)
+        sh, sx = self._shared or self._suffix, self._suffix
         if self._shared is not None:
             torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
             V = self.num_tiles
-            self._shared.run(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, out=self._o[:n_sh].view(V, -1, D),
-                             lse=self._s[:n_sh].view(V, -1), **sc)
-        self._suffix.run(q, k_cache, v_cache, out=self._o[n_sh:n_sh + B * Hq].view(B, Hq, D),
-                         lse=self._s[n_sh:n_sh + B * Hq].view(B, Hq), **sc)
-        _merge_indexed_kernel[(B, Hq)](
-            self._o, self._s, self._state_idx, out, lse if lse is not None else self._s, out.stride(0), out.stride(1),
-            self.num_states, Hq, HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HAS_LSE=lse is not None, num_warps=1,
+            sh_o, sh_s = self._shared.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
+        else:
+            sh_o, sh_s = sx_o, sx_s  # not read: no row has a segment
+        _merge_passes_kernel[(B, Hq)](
+            sh_o, sh_s, self._sh_lens, sx_o, sx_s, sx.seq_lens, self._state_idx, out,
+            lse if lse is not None else sx_s, out.stride(0), out.stride(1), self.num_states - 1, Hq,
+            self.num_kv_heads * self.rows_per_tile, sh.num_splits, max(sh.chunk, 1), sx.num_splits,
+            max(sx.chunk, 1), HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HAS_LSE=lse is not None, num_warps=1,
         )
         return (out, lse) if self.return_lse else out
 
@@ -265,7 +288,9 @@ def _check_sharers(block_table, segs) -> None:
 
 
 def _index_maps(segs, suffix_start, B, Hq, hkv, G, T):
-    """The query gather of the shared pass, the merge's state rows, the shared tiles' (start, end, source row)."""
+    """The query gather of the shared pass, each (row, segment, query head)'s row of the shared pass (tile * Hkv * T +
+    its row in the tile; -1 past the row's segments), the shared tiles' (start, end, source row), the number of
+    states a row merges at most (its segments and its suffix)."""
     q_rows, tables = [], []
     state = [[] for _ in range(B)]  # per row: state-row offsets of its segments, per query head
     heads = torch.arange(Hq)
@@ -282,14 +307,11 @@ def _index_maps(segs, suffix_start, B, Hq, hkv, G, T):
             r = p * G + heads % G  # this row's stacked position, per query head
             v = len(tables) - (-(-n // T)) + r // T
             state[row].append(v * hkv * T + (heads // G) * T + r % T)
-    n_sh = len(tables) * hkv * T
-    L = 1 + max((len(s) for s in state), default=0)
-    pad = n_sh + B * Hq  # the -inf state
-    idx = torch.full((B, L, Hq), pad, dtype=torch.int64)
+    L = 1 + max((len(s) for s in state), default=0)  # the segments of the row in most, and its suffix
+    idx = torch.full((B, max(L - 1, 1), Hq), -1, dtype=torch.int64)  # -1: a row in fewer segments
     for b in range(B):
         for i, s in enumerate(state[b]):
             idx[b, i] = s
-        idx[b, len(state[b])] = n_sh + b * Hq + heads
     q_idx = torch.cat(q_rows) if q_rows else torch.zeros(0, dtype=torch.int64)
     return q_idx, idx, tables, L
 

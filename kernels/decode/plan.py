@@ -272,15 +272,7 @@ class DecodePlan:
         ``k_scale``, ``v_scale``: this layer's static scales (per-layer scales; each defaults to the planned one), fp32
         tensors of the planned scales' shape (:attr:`scale_shape`) on the plan's device with unit stride, e.g. a
         row view of a ``[L, Hkv]`` table: only their addresses change, so a captured graph holds one per layer."""
-        if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
-                or q.device != self.device or q.stride(2) != 1:
-            raise ValueError(f"q must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with unit "
-                             f"last stride, as planned; got {_describe(q)}")
-        for name, cache, (shape, stride) in (("k_cache", k_cache, self._k_meta), ("v_cache", v_cache, self._v_meta)):
-            if not isinstance(cache, torch.Tensor) or cache.shape != shape or cache.stride() != stride \
-                    or cache.dtype != self.kv_dtype or cache.device != self.device:
-                raise ValueError(f"{name} must have the planned geometry: a {self.kv_dtype} tensor of shape {shape}, "
-                                 f"strides {stride} on {self.device}; got {_describe(cache)}")
+        self._check_inputs(q, k_cache, v_cache)
         if out is not None and (not isinstance(out, torch.Tensor) or out.shape != self._q_shape
                                 or out.dtype != self.q_dtype or out.device != self.device or out.stride(2) != 1):
             raise ValueError(f"out must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with "
@@ -294,6 +286,33 @@ class DecodePlan:
                                  f"{_describe(lse)}")
         scales = self.layer_scales(k_scale, v_scale)
         return self._launch(q, k_cache, v_cache, out, lse=lse, scales=scales)
+
+    def run_partials(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+        """The decode kernel alone, for a caller that merges its split partials with other states in one launch of
+        its own (the shared-prefix cascade): ``(o_part, lse_part)``, the plan's scratch ``[B, Hq, S, D]`` fp32
+        (normalized) and ``[B, Hq, S]`` fp32 base-2 log-sum-exps; split ``s`` of row ``b`` is written only where
+        ``s < ceil(seq_lens[b] / chunk)`` (:attr:`chunk`, :attr:`num_splits`). A plan built with ``return_lse=True``
+        (it keeps its partials); checked as :meth:`run`, overwritten by the plan's next run."""
+        if not self.return_lse:
+            raise ValueError("run_partials needs a plan built with return_lse=True (its split partials are kept)")
+        self._check_inputs(q, k_cache, v_cache)
+        scales = self.layer_scales(k_scale, v_scale)
+        if self.batch_size:
+            kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, q, self._o_part, self._lse, scales)
+            kernel[self._grid](*args, **constexprs)
+        return self._o_part, self._lse
+
+    def _check_inputs(self, q, k_cache, v_cache) -> None:
+        if not isinstance(q, torch.Tensor) or q.shape != self._q_shape or q.dtype != self.q_dtype \
+                or q.device != self.device or q.stride(2) != 1:
+            raise ValueError(f"q must be a {self.q_dtype} tensor of shape {self._q_shape} on {self.device} with unit "
+                             f"last stride, as planned; got {_describe(q)}")
+        for name, cache, (shape, stride) in (("k_cache", k_cache, self._k_meta), ("v_cache", v_cache, self._v_meta)):
+            if not isinstance(cache, torch.Tensor) or cache.shape != shape or cache.stride() != stride \
+                    or cache.dtype != self.kv_dtype or cache.device != self.device:
+                raise ValueError(f"{name} must have the planned geometry: a {self.kv_dtype} tensor of shape {shape}, "
+                                 f"strides {stride} on {self.device}; got {_describe(cache)}")
 
     @property
     def scale_shape(self) -> tuple[int, ...] | None:
