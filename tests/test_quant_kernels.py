@@ -349,3 +349,39 @@ def test_per_head_and_per_tensor_static_scales_mix(v_scale_kind, device):
     paged_decode(q, kc, vc, "nhd", table, lens, k_scale=ks, v_scale=vs, out=out)
     ref = paged_decode_ref(q, kc.float() * ks.reshape(1, 1, -1, 1), vc.float() * 0.03, "nhd", table, lens)
     assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8_e4m3/head", "int8/tensor", "fp8_e5m2/token", "int8/token",
+                                  "int8_asym/token", "int4/token", "int4/kivi", "int2/token", "int2/kivi"])
+def test_dequantize_blocks_is_the_reference_bit_for_bit(name, layout, device):
+    """Every slot of poisoned, partly written blocks: the reference's values (static scales per layer and head
+    applied), NaN where it has NaN; with ``nonfinite``, NaN/Inf as 0 and counted."""
+    from workbench.kernels.write.dequantize import dequantize_blocks
+
+    s = scheme_for(name, 16)
+    if layout == "vllm" and s.packed and s.key_mode == "channel":
+        pytest.skip("the vllm layout cannot hold packed KIVI keys")
+    g = torch.Generator().manual_seed(len(name) + len(layout))
+    H, D, nb, bs = 2, 64, 3, 16
+    T = 2 * bs if s.packed else nb * bs - 5  # the last block partly (packed: not at all) written: poison
+    k, v = ((torch.randn(T, H, D, generator=g) * 2).half().to(device) for _ in range(2))
+    caches = [qblocks.empty_cache(s, layout, kind, nb, bs, H, D, device, fill=POISON) for kind in "kv"]
+    slots = torch.arange(T, device=device)
+    if s.static:
+        write_kv_ref(k, v, caches[0], caches[1], layout, slots, k_scale=torch.tensor([0.03], device=device),
+                     v_scale=torch.tensor([0.04], device=device))
+    else:
+        write_cache_ref(s, k, v, caches[0], caches[1], layout, slots)
+    static = torch.tensor([[0.5, 0.25], [2.0, 0.75], [1.0, 3.0]], device=device) if s.static else None  # 3 layers
+    for kind, cache in zip("kv", caches, strict=True):
+        ref = dequantize_cache_ref(s, cache, layout, kind, D)
+        if static is not None:
+            ref = ref * static[torch.arange(nb, device=device) % 3][:, None, :, None]
+        got = dequantize_blocks(s, cache, layout, kind, D, static_scale=static)
+        assert torch.equal(torch.isnan(got), torch.isnan(ref))
+        assert torch.isnan(ref).any() or name == "int8/tensor"  # the poison: NaN but in static int8 codes (-1)
+        assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+        bad = torch.zeros(1, dtype=torch.int32, device=device)
+        clean = dequantize_blocks(s, cache, layout, kind, D, static_scale=static, nonfinite=bad)
+        assert torch.equal(clean, ref.nan_to_num(0.0, 0.0, 0.0)) and int(bad) == int((~torch.isfinite(ref)).sum())

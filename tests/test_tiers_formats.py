@@ -208,6 +208,22 @@ def test_transcoding_applies_static_scales_per_cache_head_or_layer(kv_dtype, k_s
         assert (rt[ok] - values[ok]).abs().max() < 0.3  # the roundtrip is near the values (not a scale off)
 
 
+@pytest.mark.parametrize("device_scheme, layout, host", [
+    ("fp16", "nhd", "int4/token"), ("bf16", "vllm", "int4/kivi"), ("fp8_e4m3", "hnd", "int8/token"),
+    ("int8/token", "vllm", "int4/token"), ("int4/kivi", "nhd", "fp8_e4m3/token"), ("fp16", "hnd", "int8_asym/token")])
+def test_the_kernels_transcode_as_the_references(device_scheme, layout, host):
+    """ops="kernels": each direction reads its blocks with ``dequantize_blocks`` (NaN/Inf of unwritten slots as 0,
+    counted, in the same pass) and writes with ``write_kv``: the references' codes and scales, byte for byte, for
+    casts, static scales per layer, per-token and packed codes (KIVI's per-channel keys), every layout."""
+    cache = _cache(device_scheme, layout, ops="kernels", per_layer=True)
+    g = sum(map(ord, host + device_scheme + layout))
+    n = 3 * BS + 7
+    k, v = _kv(n, g, scale=0.5 if device_scheme == "fp8_e4m3" else 1.0)
+    cache.add("s", _tokens(n), k, v)
+    values, _ = _check_transcode(cache, formats.tier_format(cache, host), "s")
+    assert not torch.isfinite(values).all()  # the unwritten slots' NaN went through, counted
+
+
 def test_the_write_kernels_transcode_as_the_references():
     """ops="kernels": each direction's batch is written by write_kv (Triton, interpreted here: the groups kernel
     down, the token kernel back): the references' codes and scales, code for code."""

@@ -35,6 +35,7 @@ import torch
 from workbench import quant
 from workbench.core.layout import Layout, block_view, to_nhd
 from workbench.kernels.common import check_kernel_shape
+from workbench.kernels.write.dequantize import dequantize_blocks
 from workbench.kernels.write.reference import dequantize_cache_ref
 from workbench.quant import blocks as qblocks
 
@@ -160,15 +161,30 @@ def _static_scales(cache, kind: str) -> torch.Tensor | None:
     return s[None, :, None, :, None]
 
 
-def _values(cache, st: _Staged, kind: int, static: torch.Tensor | None, block_size: int) -> torch.Tensor:
-    """Values ``[n, L, bs, H, D]`` of every block of ``st``: fp32 (static scales applied), or a cast's own dtype."""
+def _values(cache, st: _Staged, kind: int, static: torch.Tensor | None, block_size: int,
+            nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+    """Values ``[n, L, bs, H, D]`` of every block of ``st``: fp32 (static scales applied), or a cast's own dtype;
+    with ``nonfinite`` (int32 ``[1]``), NaN/Inf ones as 0, counted into it. A cache that writes with the kernels
+    reads with one too (``dequantize_blocks``: one launch, one pass); else the PyTorch reference."""
     planes = st.plane_view(None, kind, block_size)
-    if st.scheme.family == "cast":  # the values themselves: no fp32 copy (the write upcasts in registers)
+    cast = st.scheme.family == "cast"  # the values themselves: no fp32 copy (the write upcasts in registers)
+    if cache.ops == "kernels":
+        x = dequantize_blocks(st.scheme, planes, st.layout, "kv"[kind], st.head_dim,
+                              static_scale=static.reshape(static.shape[1], static.shape[3]) if static is not None
+                              else None, out_dtype=st.scheme.format.storage if cast else torch.float32,
+                              nonfinite=nonfinite)
+        return x.view(st.n, st.num_layers, *x.shape[1:])
+    if cast:
         x = to_nhd(planes, st.layout, "kv"[kind])
-        return x.reshape(st.n, st.num_layers, *x.shape[1:])
-    x = dequantize_cache_ref(st.scheme, planes, st.layout, "kv"[kind], st.head_dim)  # [n*L, bs, H, D]
-    x = x.view(st.n, st.num_layers, *x.shape[1:])
-    return x * static if static is not None else x
+        x = x.reshape(st.n, st.num_layers, *x.shape[1:])
+    else:
+        x = dequantize_cache_ref(st.scheme, planes, st.layout, "kv"[kind], st.head_dim)  # [n*L, bs, H, D]
+        x = x.view(st.n, st.num_layers, *x.shape[1:])
+        x = x * static if static is not None else x
+    if nonfinite is not None:
+        nonfinite += (~torch.isfinite(x)).sum()
+        x = torch.nan_to_num(x, 0.0, 0.0, 0.0)
+    return x
 
 
 def _write(cache, st: _Staged, block_size: int, k: torch.Tensor, v: torch.Tensor, per_layer: bool) -> None:
@@ -227,11 +243,10 @@ def encode(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor,
     src = _staged(cache, cache.scheme, cache.layout, staged, n, dev_row)
     out = torch.zeros((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
     dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
-    k = _values(cache, src, 0, _static_scales(cache, "k"), block_size)
-    v = _values(cache, src, 1, _static_scales(cache, "v"), block_size)
-    if nonfinite is not None:
-        nonfinite += (~torch.isfinite(k)).sum() + (~torch.isfinite(v)).sum()
-    k, v = torch.nan_to_num(k, 0.0, 0.0, 0.0), torch.nan_to_num(v, 0.0, 0.0, 0.0)
+    if nonfinite is None:
+        nonfinite = torch.zeros(1, dtype=torch.int32, device=staged.device)
+    k = _values(cache, src, 0, _static_scales(cache, "k"), block_size, nonfinite)
+    v = _values(cache, src, 1, _static_scales(cache, "v"), block_size, nonfinite)
     _write(cache, dst, block_size, k, v, per_layer=False)
     return out
 
