@@ -123,8 +123,8 @@ def test_cascade_merges_every_split_of_both_passes(tree, splits, shared_splits, 
     q, k, v, table, lens = make_shared_case(tree, "nhd", 8, 2, 4, 32, torch.float16, device, seed=splits)
     segments, suffix = cut(*(lambda r: (r, range(len(r))))(find_shared_runs(table, lens, 8)), len(lens))
     plan = CascadePlan(table, lens, segments, suffix, layout="nhd", k_cache=k, v_cache=v, num_q_heads=q.shape[1],
-                       q_dtype=q.dtype, rows_per_tile=16, return_lse=True, num_splits=splits,
-                       shared_launch={"num_splits": shared_splits})
+                       q_dtype=q.dtype, rows_per_tile=16, return_lse=True, num_splits=splits, BLOCK_N=16,
+                       shared_launch={"num_splits": shared_splits})  # 16-token tiles: a GPU's would take no split
     for p in filter(None, plan.plans):  # unwritten splits hold NaN: a merge that read one would show it
         p._o_part.fill_(float("nan"))
         p._lse.fill_(float("nan"))

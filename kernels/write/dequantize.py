@@ -40,7 +40,7 @@ def _dequantize_blocks_kernel(
     st_ptr,  # [static_layers * static_heads] fp32 static scales (STATIC), else any pointer
     out_ptr,  # [nb, bs, H, HEAD_DIM] values
     bad_ptr,  # [1] int32: non-finite values seen (ZERO_NONFINITE)
-    bs,
+    bs, num_slots,  # tokens a block, blocks * bs
     s_blk, s_tok, s_head, s_dgrp,  # code (blk, tok, h, c): blk*s_blk + tok*s_tok + h*s_head + (c // X)*s_dgrp + ...
     sc_blk, sc_tg, sc_h, sc_cg,  # scale (and zero point) view strides: [blocks, token groups, heads, channel groups]
     static_layers, static_heads,  # the static table's rows (block b is layer b % static_layers) and heads (1 or H)
@@ -53,21 +53,22 @@ def _dequantize_blocks_kernel(
     TG: tl.constexpr, CG: tl.constexpr,  # tokens and channels a scale covers
     HAS_SCALE: tl.constexpr, HAS_ZERO: tl.constexpr, STATIC: tl.constexpr,
     ZERO_NONFINITE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):
-    i_b = tl.program_id(0).to(tl.int64)
-    i_t = tl.program_id(1)
-    i_h = tl.program_id(2)
-    num_heads = tl.num_programs(2)
-    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    i_u = tl.program_id(0)
+    i_h = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    o_u = i_u * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] slots (block * bs + token): small blocks, many a program
+    o_b = (o_u // bs).to(tl.int64)
+    o_t = o_u % bs
     o_j = tl.arange(0, BLOCK_DC)  # [BLOCK_DC] stored element of the row
-    m = (o_t < bs)[:, None] & (o_j < DC)[None, :]
-    p_c = cache_ptr + i_b * s_blk + (o_t.to(tl.int64) * s_tok + i_h * s_head)[:, None] \
+    m = (o_u < num_slots)[:, None] & (o_j < DC)[None, :]
+    p_c = cache_ptr + (o_b * s_blk + o_t.to(tl.int64) * s_tok + i_h * s_head)[:, None] \
         + _columns(o_j, s_dgrp, S_D, X, DC)[None, :]
     b_raw = tl.load(p_c, mask=m)  # masked lanes are never stored (no `other`: fp8 takes no constant)
     if STATIC:
-        b_st = tl.load(st_ptr + (i_b % static_layers) * static_heads + i_h % static_heads)
-    p_out = out_ptr + ((i_b * bs + o_t[:, None]) * num_heads + i_h) * HEAD_DIM
+        b_st = tl.load(st_ptr + ((o_b % static_layers) * static_heads + i_h % static_heads)[:, None], mask=m)
+    p_out = out_ptr + (o_u.to(tl.int64)[:, None] * num_heads + i_h) * HEAD_DIM
     for k in tl.static_range(8 // BITS if BITS else 1):
         if BITS:
             b_x = ((b_raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
@@ -77,7 +78,7 @@ def _dequantize_blocks_kernel(
                 b_x = tl.where((b_raw.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F, float("nan"), b_x)
         o_c = k * DC + o_j  # [BLOCK_DC] the channel of each element of this plane
         if HAS_SCALE:
-            o_s = i_b * sc_blk + ((o_t // TG).to(tl.int64) * sc_tg + i_h * sc_h)[:, None] + (o_c // CG)[None, :] * sc_cg
+            o_s = (o_b * sc_blk + (o_t // TG).to(tl.int64) * sc_tg + i_h * sc_h)[:, None] + (o_c // CG)[None, :] * sc_cg
             b_x = b_x * tl.load(sc_ptr + o_s, mask=m, other=1.0).to(tl.float32)
             if HAS_ZERO:
                 b_x = b_x + tl.load(z_ptr + o_s, mask=m, other=0.0).to(tl.float32)
@@ -121,13 +122,14 @@ def dequantize_blocks(scheme, cache: torch.Tensor, layout: Layout | str, kind: s
     st_layers, st_heads = (static_scale.shape[0], static_scale.shape[-1]) if static_scale is not None else (1, 1)
     bad = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=cache.device)
     packed = scheme.code_dim(head_dim) != head_dim
-    block_t = min(32, triton.next_power_of_2(max(bs, 1)))
+    block_dc = triton.next_power_of_2(dc)
+    block_u = min(256, max(16, 8192 // block_dc), triton.next_power_of_2(max(nb * bs, 1)))  # ~8k elements a program
     if nb and bs and H:
-        _dequantize_blocks_kernel[(nb, triton.cdiv(bs, block_t), H)](
-            cache, scale, zero, static, out, bad, bs, a.s_blk, a.s_tok, a.s_head, a.s_dgrp, *sc_strides,
-            st_layers, st_heads, S_D=a.s_d, X=a.x, HEAD_DIM=head_dim, DC=dc, BLOCK_DC=triton.next_power_of_2(dc),
+        _dequantize_blocks_kernel[(triton.cdiv(nb * bs, block_u), H)](
+            cache, scale, zero, static, out, bad, bs, nb * bs, a.s_blk, a.s_tok, a.s_head, a.s_dgrp, *sc_strides,
+            st_layers, st_heads, S_D=a.s_d, X=a.x, HEAD_DIM=head_dim, DC=dc, BLOCK_DC=block_dc,
             BITS=scheme.bits if packed else 0, E4M3=cache.dtype == torch.float8_e4m3fn, TG=tg, CG=cg, HAS_SCALE=sc is not None,
             HAS_ZERO=sc is not None and sc.has_zero, STATIC=static_scale is not None,
-            ZERO_NONFINITE=nonfinite is not None, BLOCK_T=block_t, num_warps=4, enable_fp_fusion=False,
+            ZERO_NONFINITE=nonfinite is not None, BLOCK_U=block_u, num_warps=4, enable_fp_fusion=False,
         )
     return out

@@ -28,12 +28,13 @@ ROUND_MAGIC = 12582912.0  # 1.5 * 2**23
 
 @triton.jit
 def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    # in the operands' dtype: a bf16 maximum comes back fp32 (Triton 3.6), which a reduction's combine refuses
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL).to(a.dtype)
 
 
 @triton.jit
 def _min_nan(a, b):
-    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL).to(a.dtype)
 
 
 if is_interpreted():  # its max/min ignore NaN (numpy's nanmax), and a combine function runs element by element
