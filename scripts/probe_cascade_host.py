@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from triton.runtime.jit import JITFunction
+from workbench.kernels.launch import PlannedLaunch
 
 from workbench.bench.harness import time_us, time_us_graph
 from workbench.bench.shared_prefix import Point
@@ -50,20 +51,28 @@ def per_launch(fn) -> dict:
         seen.setdefault("index_select", []).append((time.perf_counter() - t) * 1e6)
         return r
 
-    JITFunction.run, torch.index_select = run, sel
+    orig_planned = PlannedLaunch.__call__
+
+    def planned(self, *a, **k):
+        t = time.perf_counter()
+        r = orig_planned(self, *a, **k)
+        seen.setdefault(self.fn.__name__ + " (planned)", []).append((time.perf_counter() - t) * 1e6)
+        return r
+
+    JITFunction.run, torch.index_select, PlannedLaunch.__call__ = run, sel, planned
     try:
         for _ in range(60):
             t = time.perf_counter()
             fn()
             seen.setdefault("(whole call)", []).append((time.perf_counter() - t) * 1e6)
     finally:
-        JITFunction.run, torch.index_select = orig_run, orig_sel
+        JITFunction.run, torch.index_select, PlannedLaunch.__call__ = orig_run, orig_sel, orig_planned
     torch.cuda.synchronize()
     out = {}
     for name, v in seen.items():
-        per_call = len(v) // 60
-        v = sorted(v[10 * per_call:])
-        out[name] = {"calls": per_call, "median_us": v[len(v) // 2]}
+        per_call = len(v) / 60  # Triton's path runs only the first time where a launch is planned
+        v = sorted(v[-50 * max(1, int(per_call)):]) if per_call >= 1 else sorted(v)
+        out[name] = {"calls": round(per_call, 2), "median_us": v[len(v) // 2]}
     return out
 
 

@@ -31,6 +31,7 @@ from workbench.core.layout import Layout
 
 from .. import common
 from .. import validate as _validate
+from ..launch import PlannedLaunch
 from ..validate import capturing
 from . import checks as _checks
 from . import config as _config
@@ -256,6 +257,12 @@ class DecodePlan:
                 f.update(_merge_args=(Hq * splits * D, D, splits * D, Hq * splits, 1, splits),
                          _merge_kw=dict(HEAD_DIM=D, BLOCK_D=geo.block_d, BLOCK_S=min(16, common.next_pow2(splits)),
                                         HAS_N=True, N_FROM_LEN=True, num_warps=4))
+        # the launches the plan repeats: Triton's per-launch path once (kernels/launch.py)
+        f["_launches"] = {"decode": PlannedLaunch(f["_decode_kernel"], f["_constexprs"])}
+        if split:
+            f["_launches"]["reduce"] = PlannedLaunch(_kernel._decode_reduce_kernel, f["_reduce_kw"])
+            if f["return_lse"]:
+                f["_launches"]["merge"] = PlannedLaunch(_merge_states_kernel, f["_merge_kw"])
         return _fill(self, f)
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None,
@@ -299,8 +306,8 @@ class DecodePlan:
         self._check_inputs(q, k_cache, v_cache)
         scales = self.layer_scales(k_scale, v_scale)
         if self.batch_size:
-            kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, q, self._o_part, self._lse, scales)
-            kernel[self._grid](*args, **constexprs)
+            _, args, _ = self._decode_call(q, k_cache, v_cache, q, self._o_part, self._lse, scales)
+            self._launches["decode"](self._grid, *args)
         return self._o_part, self._lse
 
     def _check_inputs(self, q, k_cache, v_cache) -> None:
@@ -357,18 +364,18 @@ class DecodePlan:
             lse_part = torch.empty(self._o_part_shape[:3], dtype=torch.float32, device=self.device)
         else:
             o_part, lse_part = self._o_part, self._lse
-        kernel, args, constexprs = self._decode_call(q, k_cache, v_cache, out, o_part, lse_part, scales)
-        kernel[self._grid](*args, **constexprs)
+        _, args, _ = self._decode_call(q, k_cache, v_cache, out, o_part, lse_part, scales)
+        self._launches["decode"](self._grid, *args)
         if self.return_lse:
-            _merge_states_kernel[(self.batch_size, self.num_q_heads)](
-                o_part, lse_part, self.seq_lens, out, lse, *self._merge_args, out.stride(0), out.stride(1),
-                lse.stride(0), lse.stride(1), self.num_splits, 1.0, self.chunk, **self._merge_kw,
+            self._launches["merge"](
+                (self.batch_size, self.num_q_heads), o_part, lse_part, self.seq_lens, out, lse, *self._merge_args,
+                out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), self.num_splits, 1.0, self.chunk,
             )
             return out, lse
         if self._split:
-            _kernel._decode_reduce_kernel[self._reduce_grid](
-                o_part, lse_part, self.seq_lens, out, out.stride(0), out.stride(1), self.chunk, self.num_splits,
-                **self._reduce_kw,
+            self._launches["reduce"](
+                self._reduce_grid, o_part, lse_part, self.seq_lens, out, out.stride(0), out.stride(1), self.chunk,
+                self.num_splits,
             )
         return out
 
