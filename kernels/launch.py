@@ -10,10 +10,13 @@ its launcher with the arguments in the kernel's order (``CompiledKernel[grid](*a
 
 A launch reuses a compiled kernel only for arguments of the same specialization: the key is every argument's own
 value where Triton specializes on it (ints exactly, tensors by dtype and 16-byte alignment), so a call that Triton
-would compile otherwise takes Triton's path again. Under the interpreter every call is Triton's.
+would compile otherwise takes Triton's path again. Under the interpreter every call is Triton's, and so is every
+call with ``WORKBENCH_PLANNED_LAUNCH=0`` in the environment (to compare, or to rule the runner out).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -35,7 +38,7 @@ class PlannedLaunch:
     def __init__(self, fn, constexprs: dict):
         self.fn, self.constexprs = fn, dict(constexprs)
         self._runners: dict = {}
-        self._direct = not is_interpreted()
+        self._direct = not is_interpreted() and os.environ.get("WORKBENCH_PLANNED_LAUNCH", "1") != "0"
 
     def __call__(self, grid, *args) -> None:
         if not self._direct:
