@@ -224,6 +224,26 @@ def test_the_kernels_transcode_as_the_references(device_scheme, layout, host):
     assert not torch.isfinite(values).all()  # the unwritten slots' NaN went through, counted
 
 
+@pytest.mark.parametrize("ops", ["torch", "kernels"])
+def test_read_values_is_the_read_half_of_a_transcode(ops):
+    cache = _cache("int8/token", "hnd", pages=3, ops=ops)
+    k, v = _kv(BS + 3, 9)
+    cache.add("s", _tokens(BS + 3), k, v)
+    staged = _staged(cache, "s")
+    values = _device_values(cache, BS, staged)  # [n, L, 2, bs, H, D], NaN in the unwritten slots
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=DEV)
+    rk, rv = formats.read_values(cache, formats.DEVICE, BS, staged, nonfinite)
+    for kind, got in enumerate((rk, rv)):
+        assert torch.equal(got, values[:, :, kind].nan_to_num(0.0, 0.0, 0.0))
+    assert int(nonfinite) == int((~torch.isfinite(values)).sum()) > 0
+    fmt = formats.tier_format(cache, "int4/kivi")
+    packed = formats.encode(cache, fmt, BS, staged)
+    assert torch.equal(formats.decode(cache, fmt, BS, packed), _device_write(cache, BS, *formats.read_values(
+        cache, fmt, BS, packed)))  # decode = the read half, then the device's write
+    with pytest.raises(ValueError, match="buf"):
+        formats.read_values(cache, fmt, BS, staged)  # device rows are not the format's
+
+
 def test_the_write_kernels_transcode_as_the_references():
     """ops="kernels": each direction's batch is written by write_kv (Triton, interpreted here: the groups kernel
     down, the token kernel back): the references' codes and scales, code for code."""

@@ -23,7 +23,8 @@ scales, zero points) and ``bytes_fraction`` (their ratio). ``kind``:
   (:func:`break_even`): ``hide_gbps`` (the link bandwidth at which the transcode takes as long as the DMA of the
   format's bytes: on a slower link, batches pipelined, it hides behind the DMA), ``pays_serial_gbps`` (below it,
   transcode then DMA beats fp16's DMA alone) and ``pays_pipelined_gbps``; ``hidden_at_pinned``: the run's pinned
-  bandwidth is below ``hide_gbps``.
+  bandwidth is below ``hide_gbps``; ``read_us``: the read half alone (``formats.read_values``: the blocks
+  dequantized), so ``time_us - read_us`` is the write half's.
 - ``beside``: a decode (``bench tiers``' W1 step) timed alone and with transcoding swaps of a batch running on a
   side stream all the while (the decode steps queued first, the swaps issued while they run): ``slowdown``,
   ``overlap`` (share of the decode span with swaps in flight; a slowdown is only as full as it) and the swaps'
@@ -58,8 +59,8 @@ SMOKE_SHAPE = (2, 2, 32)
 BLOCK_SIZES, SMOKE_BLOCK_SIZES = (16, 64), (16, 32)
 BATCHES, QUICK_BATCHES, SMOKE_BATCHES = (64, 256, 1024), (64, 256), (2, 3)
 BESIDE_BS, BESIDE_BATCH = 64, 64  # a swap beside the decode: 64 blocks of 64 tokens (90 MiB in fp16; every format)
-TIMING = ("time_us", "tokens_per_s", "wire_gbps", "frac_pinned", "tokens_ratio", "gbps", "frac_copy", "hide_gbps",
-          "pays_serial_gbps", "pays_pipelined_gbps", "hidden_at_pinned")
+TIMING = ("time_us", "read_us", "tokens_per_s", "wire_gbps", "frac_pinned", "tokens_ratio", "gbps", "frac_copy",
+          "hide_gbps", "pays_serial_gbps", "pays_pipelined_gbps", "hidden_at_pinned")
 
 
 # ---- what follows from measured times (pure) ---------------------------------------------------------------------
@@ -201,13 +202,20 @@ def _transcode_rows(cache, fmt, bs, ids, base, timer, pinned, copy_gbps) -> list
     packed = formats.encode(cache, fmt, bs, staged)
     dev_bytes, fmt_bytes = staged.numel(), packed.numel()
     rows = []
-    for op, fn, direction in (("encode", lambda: formats.encode(cache, fmt, bs, staged), "d2h"),
-                              ("decode", lambda: formats.decode(cache, fmt, bs, packed), "h2d")):
-        t = timer(fn, reps=max(2, min(10, (1 << 30) // (dev_bytes + fmt_bytes))))
+    nonfinite = torch.zeros(1, dtype=torch.int32, device=staged.device)
+    for op, fn, read, direction in (
+            ("encode", lambda: formats.encode(cache, fmt, bs, staged),
+             lambda: formats.read_values(cache, formats.DEVICE, bs, staged, nonfinite), "d2h"),
+            ("decode", lambda: formats.decode(cache, fmt, bs, packed),
+             lambda: formats.read_values(cache, fmt, bs, packed), "h2d")):
+        reps = max(2, min(10, (1 << 30) // (dev_bytes + fmt_bytes)))
+        t = timer(fn, reps=reps)
+        t_read = timer(read, reps=reps)  # the read half alone: the rest of t is the write
         gbps = (dev_bytes + fmt_bytes) / t / 1e3 if t else None
         be = break_even(dev_bytes, fmt_bytes, t * 1e-6 if t else None)
         link = pinned[f"pinned_{direction}"] if pinned else None
-        rows.append(dict(base, kind="transcode", op=op, direction=direction, time_us=t, bytes=dev_bytes + fmt_bytes,
+        rows.append(dict(base, kind="transcode", op=op, direction=direction, time_us=t, read_us=t_read,
+                         bytes=dev_bytes + fmt_bytes,
                          gbps=gbps, frac_copy=gbps / copy_gbps if gbps and copy_gbps else None, **be,
                          hidden_at_pinned=bool(link < be["hide_gbps"]) if link and be["hide_gbps"] else None,
                          tokens_per_s=n * bs / t * 1e6 if t else None))

@@ -229,6 +229,20 @@ def _check_batch(cache, name: str, buf: torch.Tensor, want_row: int) -> int:
     return buf.shape[0]
 
 
+def read_values(cache, fmt: TierFormat, block_size: int, buf: torch.Tensor,
+                nonfinite: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The read half of a transcode: K and V ``[n, L, bs, H, D]`` of a batch ``buf`` of blocks in ``fmt`` (``DEVICE``:
+    the device's staged blocks, static scales applied) as the write half takes them (``encode`` and ``decode`` are
+    this, then the other side's write); with ``nonfinite``, NaN/Inf as 0 and counted (what ``encode`` does)."""
+    row = row_bytes(cache, fmt, block_size)
+    n = _check_batch(cache, "buf", buf, row)
+    if fmt.scheme is None:
+        src, static = _staged(cache, cache.scheme, cache.layout, buf, n, row), _static_scales
+        return tuple(_values(cache, src, kind, static(cache, "kv"[kind]), block_size, nonfinite) for kind in (0, 1))
+    src = _staged(cache, fmt.scheme, Layout.NHD, buf, n, row)
+    return tuple(_values(cache, src, kind, None, block_size, nonfinite) for kind in (0, 1))
+
+
 def encode(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor,
            nonfinite: torch.Tensor | None = None) -> torch.Tensor:
     """Device blocks ``staged`` ``[n, block bytes]`` (as gathered: every layer's K and V rows in the cache's
@@ -240,13 +254,11 @@ def encode(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor,
         return staged
     dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
     n = _check_batch(cache, "staged", staged, dev_row)
-    src = _staged(cache, cache.scheme, cache.layout, staged, n, dev_row)
     out = torch.zeros((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
     dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
     if nonfinite is None:
         nonfinite = torch.zeros(1, dtype=torch.int32, device=staged.device)
-    k = _values(cache, src, 0, _static_scales(cache, "k"), block_size, nonfinite)
-    v = _values(cache, src, 1, _static_scales(cache, "v"), block_size, nonfinite)
+    k, v = read_values(cache, DEVICE, block_size, staged, nonfinite)
     _write(cache, dst, block_size, k, v, per_layer=False)
     return out
 
@@ -258,10 +270,9 @@ def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> tor
         return packed
     dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
     n = _check_batch(cache, "packed", packed, row)
-    src = _staged(cache, fmt.scheme, Layout.NHD, packed, n, row)
     out = torch.zeros((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
     dst = _staged(cache, cache.scheme, cache.layout, out, n, dev_row)
-    k, v = _values(cache, src, 0, None, block_size), _values(cache, src, 1, None, block_size)
+    k, v = read_values(cache, fmt, block_size, packed)
     _write(cache, dst, block_size, k, v, per_layer=cache.scheme.needs_static_scales and cache.per_layer_scales)
     return out
 
