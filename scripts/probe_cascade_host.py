@@ -35,38 +35,31 @@ def host_us(fn, n=200) -> float:
 
 
 def per_launch(fn) -> dict:
-    """Host us of each launch (Triton kernels by name, index_select) within one call of ``fn``, median of 50."""
+    """Host us of each launch (Triton kernels by name, planned launches, index_select) within one call of ``fn``,
+    median of the last 50 of 60 calls."""
     seen: dict[str, list[float]] = {}
-    orig_run, orig_sel = JITFunction.run, torch.index_select
 
-    def run(self, *a, **k):
-        t = time.perf_counter()
-        r = orig_run(self, *a, **k)
-        seen.setdefault(self.fn.__name__, []).append((time.perf_counter() - t) * 1e6)
-        return r
+    def timed(orig, name_of):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            r = orig(*a, **k)
+            seen.setdefault(name_of(a), []).append((time.perf_counter() - t) * 1e6)
+            return r
+        return wrapper
 
-    def sel(*a, **k):
-        t = time.perf_counter()
-        r = orig_sel(*a, **k)
-        seen.setdefault("index_select", []).append((time.perf_counter() - t) * 1e6)
-        return r
-
-    orig_planned = PlannedLaunch.__call__
-
-    def planned(self, *a, **k):
-        t = time.perf_counter()
-        r = orig_planned(self, *a, **k)
-        seen.setdefault(self.fn.__name__ + " (planned)", []).append((time.perf_counter() - t) * 1e6)
-        return r
-
-    JITFunction.run, torch.index_select, PlannedLaunch.__call__ = run, sel, planned
+    wrapped = [(JITFunction, "run", lambda a: a[0].fn.__name__), (torch, "index_select", lambda a: "index_select"),
+               (PlannedLaunch, "__call__", lambda a: a[0].fn.__name__ + " (planned)")]
+    origs = [getattr(owner, attr) for owner, attr, _ in wrapped]
+    for (owner, attr, name_of), orig in zip(wrapped, origs, strict=True):
+        setattr(owner, attr, timed(orig, name_of))
     try:
         for _ in range(60):
             t = time.perf_counter()
             fn()
             seen.setdefault("(whole call)", []).append((time.perf_counter() - t) * 1e6)
     finally:
-        JITFunction.run, torch.index_select, PlannedLaunch.__call__ = orig_run, orig_sel, orig_planned
+        for (owner, attr, _), orig in zip(wrapped, origs, strict=True):
+            setattr(owner, attr, orig)
     torch.cuda.synchronize()
     out = {}
     for name, v in seen.items():

@@ -253,4 +253,3 @@ def test_static_scales_are_calibrated_on_the_data_by_default():
         assert s.calibrate(x).shape == shape
         assert torch.equal(s.roundtrip(x), s.roundtrip(x, scale=s.calibrate(x)))
     assert SCHEMES["int8/token"].calibrate(x) is None
-

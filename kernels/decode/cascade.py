@@ -175,9 +175,8 @@ class CascadePlan:
             _shared=shared_plan, _suffix=suffix_plan,
             _q_idx=q_idx.to(device), _q_v=torch.empty((n_shared, D), dtype=q_dtype, device=device),
             _state_idx=state_idx.to(device=device, dtype=torch.int32).contiguous(),
-            _sh_lens=sh_lens if V else sfx_lens,
-            **{f"_merge{'_lse' if has else ''}": PlannedLaunch(_merge_passes_kernel, dict(
-                HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HAS_LSE=has, num_warps=1)) for has in (False, True)},
+            _merges=tuple(PlannedLaunch(_merge_passes_kernel, dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
+                                                                   HAS_LSE=has, num_warps=1)) for has in (False, True)),
             layout=layout, batch_size=B, num_q_heads=num_q_heads, num_kv_heads=hkv, head_dim=D, block_size=block_size,
             q_dtype=q_dtype, device=device, rows_per_tile=T, return_lse=bool(return_lse), num_tiles=V,
             num_states=n_states, segments=tuple(segs), suffix_start=tuple(int(s) for s in suffix_start),
@@ -221,11 +220,10 @@ class CascadePlan:
             sh_o, sh_s = self._shared.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
         else:
             sh_o, sh_s = sx_o, sx_s  # not read: no row has a segment
-        merge = self._merge_lse if lse is not None else self._merge
-        merge((B, Hq), sh_o, sh_s, self._sh_lens, sx_o, sx_s, sx.seq_lens, self._state_idx, out,
-              lse if lse is not None else sx_s, out.stride(0), out.stride(1), self.num_states - 1, Hq,
-              self.num_kv_heads * self.rows_per_tile, sh.num_splits, max(sh.chunk, 1), sx.num_splits,
-              max(sx.chunk, 1))
+        self._merges[lse is not None](
+            (B, Hq), sh_o, sh_s, sh.seq_lens, sx_o, sx_s, sx.seq_lens, self._state_idx, out,
+            lse if lse is not None else sx_s, out.stride(0), out.stride(1), self.num_states - 1, Hq,
+            self.num_kv_heads * self.rows_per_tile, sh.num_splits, max(sh.chunk, 1), sx.num_splits, max(sx.chunk, 1))
         return (out, lse) if self.return_lse else out
 
     def __repr__(self) -> str:

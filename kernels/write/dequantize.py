@@ -121,14 +121,13 @@ def dequantize_blocks(scheme, cache: torch.Tensor, layout: Layout | str, kind: s
     static = static_scale.reshape(-1).float() if static_scale is not None else dummy
     st_layers, st_heads = (static_scale.shape[0], static_scale.shape[-1]) if static_scale is not None else (1, 1)
     bad = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=cache.device)
-    packed = scheme.code_dim(head_dim) != head_dim
     block_dc = triton.next_power_of_2(dc)
     block_u = min(256, max(16, 8192 // block_dc), triton.next_power_of_2(max(nb * bs, 1)))  # ~8k elements a program
     if nb and bs and H:
         _dequantize_blocks_kernel[(triton.cdiv(nb * bs, block_u), H)](
             cache, scale, zero, static, out, bad, bs, nb * bs, a.s_blk, a.s_tok, a.s_head, a.s_dgrp, *sc_strides,
             st_layers, st_heads, S_D=a.s_d, X=a.x, HEAD_DIM=head_dim, DC=dc, BLOCK_DC=block_dc,
-            BITS=scheme.bits if packed else 0, E4M3=cache.dtype == torch.float8_e4m3fn, TG=tg, CG=cg, HAS_SCALE=sc is not None,
+            BITS=scheme.bits if dc != head_dim else 0, E4M3=cache.dtype == torch.float8_e4m3fn, TG=tg, CG=cg, HAS_SCALE=sc is not None,
             HAS_ZERO=sc is not None and sc.has_zero, STATIC=static_scale is not None,
             ZERO_NONFINITE=nonfinite is not None, BLOCK_U=block_u, num_warps=4, enable_fp_fusion=False,
         )

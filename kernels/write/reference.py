@@ -26,8 +26,9 @@ def quantize_ref(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     fmt = kv_formats.get(dtype)
     if not fmt.quantized:
         return x.to(dtype)
-    s = (scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)).to(x.device)  # a CPU scalar on
-    q = x.float() / s  # a GPU would multiply by its reciprocal (``workbench.quant.families.common.div``)
+    # on x's device: a GPU divides by a CPU scalar as a multiply by its reciprocal (quant.families.common.div)
+    s = (scale.reshape(()) if scale.numel() == 1 else scale.reshape(1, -1, 1)).to(x.device)
+    q = x.float() / s
     if fmt.codes == "int":
         return q.clamp(fmt.qmin, fmt.qmax).round().to(dtype)
     return q.clamp(fmt.qmin, fmt.qmax).to(dtype)
