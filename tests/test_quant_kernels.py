@@ -378,10 +378,12 @@ def test_dequantize_blocks_is_the_reference_bit_for_bit(name, layout, device):
         ref = dequantize_cache_ref(s, cache, layout, kind, D)
         if static is not None:
             ref = ref * static[torch.arange(nb, device=device) % 3][:, None, :, None]
-        got = dequantize_blocks(s, cache, layout, kind, D, static_scale=static)
+        got = dequantize_blocks(s, cache, layout, kind, D, static_scale=static,
+                                out=torch.full(ref.shape, 12345.0, device=device))  # poisoned: every slot written
         assert torch.equal(torch.isnan(got), torch.isnan(ref))
         assert torch.isnan(ref).any() or name == "int8/tensor"  # the poison: NaN but in static int8 codes (-1)
         assert torch.equal(got.nan_to_num(), ref.nan_to_num())
         bad = torch.zeros(1, dtype=torch.int32, device=device)
-        clean = dequantize_blocks(s, cache, layout, kind, D, static_scale=static, nonfinite=bad)
+        clean = dequantize_blocks(s, cache, layout, kind, D, static_scale=static, nonfinite=bad,
+                                  out=torch.full(ref.shape, float("nan"), device=device))
         assert torch.equal(clean, ref.nan_to_num(0.0, 0.0, 0.0)) and int(bad) == int((~torch.isfinite(ref)).sum())

@@ -95,21 +95,23 @@ def _dequantize_blocks_kernel(
 
 def dequantize_blocks(scheme, cache: torch.Tensor, layout: Layout | str, kind: str, head_dim: int, *,
                       static_scale: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                      nonfinite: torch.Tensor | None = None) -> torch.Tensor:
+                      nonfinite: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Values of every slot of ``cache`` (``nb`` blocks of one kind in ``layout``, e.g. a ``block_view``; packed or
     not) as ``[nb, block_size, heads, head_dim]`` in ``out_dtype`` (fp32; a cast scheme's own dtype holds its values
     exactly): :func:`~workbench.kernels.write.reference.dequantize_cache_ref` times ``static_scale`` in one launch.
 
     ``static_scale``: ``[layers or 1, heads or 1]`` fp32 on the cache's device, block ``b``'s row ``b % layers``
     (a tier's staging holds block ``i``'s layers ``l`` as ``i * layers + l``). ``nonfinite``: an int32 ``[1]``
-    tensor: NaN/Inf values become 0 and are counted into it (no sync). Arguments are the caller's to check."""
+    tensor: NaN/Inf values become 0 and are counted into it (no sync). ``out``: a contiguous buffer of that shape and
+    dtype to write into (else a new one). Arguments are the caller's to check."""
     layout = Layout.parse(layout)
     nb = cache.shape[0]
     a = addressing(cache, layout, kind)
     bs = cache.shape[1] if layout is Layout.NHD else cache.shape[2] if layout is Layout.HND else cache.shape[3]
     H = cache.shape[2] if layout is Layout.NHD else cache.shape[1]
     dc = scheme.code_dim(head_dim)
-    out = torch.empty((nb, bs, H, head_dim), dtype=out_dtype, device=cache.device)
+    if out is None:
+        out = torch.empty((nb, bs, H, head_dim), dtype=out_dtype, device=cache.device)
     sc = scheme.block_scales(kind, bs, H, head_dim)
     dummy = out
     scale = zero = dummy
