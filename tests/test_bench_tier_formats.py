@@ -35,7 +35,10 @@ def test_smoke_checks_every_format_and_claims_no_time(smoke_run, capsys):
     assert by[("fp16", 16)]["max_abs_change"] == 0 and not by[("fp16", 16)]["lossy"]
     assert 0 < by[("int8/token", 16)]["max_abs_change"] < by[("int2/token", 16)]["max_abs_change"]
     moves = [r for r in rows if r["kind"] == "move"]
-    assert len(moves) == 2 * len(tier_formats.SMOKE_BATCHES) * len(cases)  # both directions, every batch
+    transcoding = {c for c in cases if c[0] != "fp16"}  # timed twice: in chunks and the batch at once (serial)
+    assert len(moves) == 2 * len(tier_formats.SMOKE_BATCHES) * (len(cases) + len(transcoding))  # both directions
+    assert {(r["format"], r["block_size"]) for r in moves if r["serial"]} == transcoding
+    assert all(r["chunks"] >= 1 for r in moves)
     for r in moves + [r for r in rows if r["kind"] == "transcode"]:
         assert r["time_us"] is None and r["tokens_per_s"] is None and r.get("gbps") is None  # no claim from a CPU
     int4 = next(r for r in moves if r["format"] == "int4/token")

@@ -13,7 +13,9 @@ batch), ``device_block_bytes`` (fp16), ``format_block_bytes`` (what the host hol
 scales, zero points) and ``bytes_fraction`` (their ratio). ``kind``:
 
 - ``move``: ``direction`` ``d2h`` (demote, swap out) / ``h2d`` (promote, swap in), one batch at a time, timed with
-  CUDA events around the call on the current stream (eager: the host's launches included, as a swap issues them):
+  CUDA events around the call on the current stream (eager: the host's launches included, as a swap issues them);
+  a transcoding format twice: in ``chunks`` (the mover's default, ``workbench.tiers.pipeline``: a chunk's transcode
+  beside the previous chunk's copy) and the batch at once (``serial`` True, one chunk: transcode, then copy):
   ``time_us``, ``tokens_per_s``, ``wire_gbps`` (format bytes / time), ``frac_pinned`` (of the run's pinned copy in
   that direction) and ``tokens_ratio``: tokens/s over fp16's at the same block size, batch and direction (the
   issue's target: int4 on the host >= 3x).
@@ -51,7 +53,7 @@ from workbench.cache import PagedKVCache
 from workbench.model.config import SMOLLM2_135M
 from workbench.quant.names import TIER_FORMATS
 from workbench.results.run_files import print_table
-from workbench.tiers import TieredCache, formats
+from workbench.tiers import TieredCache, formats, pipeline
 
 SMOKE_HELP = "the formats section alone on tiny shapes on the CPU: round trips checked, no timings"
 SHAPE = (SMOLLM2_135M.num_hidden_layers, SMOLLM2_135M.num_key_value_heads, SMOLLM2_135M.head_dim)
@@ -86,7 +88,7 @@ def add_ratios(rows: list[dict], reference: str = TIER_FORMATS[0]) -> list[dict]
     """Set each ``move`` row's ``tokens_ratio``: its tokens/s over the ``reference`` format's at the same block size,
     batch and direction (None where either is missing). Returns ``rows``."""
     ref = {(r["block_size"], r["blocks"], r["direction"]): r.get("tokens_per_s") for r in rows
-           if r.get("kind") == "move" and r["format"] == reference}
+           if r.get("kind") == "move" and r["format"] == reference and not r.get("serial")}
     for r in rows:
         if r.get("kind") == "move":
             base = ref.get((r["block_size"], r["blocks"], r["direction"]))
@@ -180,13 +182,19 @@ def format_case(cache, name: str, bs: int, batches, timer: Timer, pinned: dict |
                 rows.append(dict(base, kind="check", lossy=fmt.lossy(cache.scheme), ok=ok,
                                  max_abs_change=float((got - formats.roundtrip_values(
                                      cache, formats.DEVICE, bs, before)).abs().max())))
-            for direction in ("d2h", "h2d"):
-                t = timer(swap(mover, bs, ids, starts, direction))
-                wire = n * mover.wire_bytes(bs)
-                rows.append(dict(base, kind="move", direction=direction, time_us=t,
-                                 tokens_per_s=n * bs / t * 1e6 if t else None,
-                                 wire_gbps=wire / t / 1e3 if t else None,
-                                 frac_pinned=wire / t / 1e3 / pinned[f"pinned_{direction}"] if t and pinned else None))
+            # a transcoding format twice: in chunks (the mover's default) and the batch at once (``serial``)
+            for chunk_bytes in ((mover.chunk_bytes, None) if fmt.transcodes else (mover.chunk_bytes,)):
+                mover.chunk_bytes = chunk_bytes
+                for direction in ("d2h", "h2d"):
+                    t = timer(swap(mover, bs, ids, starts, direction))
+                    wire = n * mover.wire_bytes(bs)
+                    rows.append(dict(base, kind="move", direction=direction, chunks=len(mover.chunks(n, bs)),
+                                     serial=fmt.transcodes and chunk_bytes is None, time_us=t,
+                                     tokens_per_s=n * bs / t * 1e6 if t else None,
+                                     wire_gbps=wire / t / 1e3 if t else None,
+                                     frac_pinned=wire / t / 1e3 / pinned[f"pinned_{direction}"] if t and pinned
+                                     else None))
+            mover.chunk_bytes = pipeline.CHUNK_BYTES
             if fmt.transcodes:
                 rows += _transcode_rows(cache, fmt, bs, ids, base, timer, pinned, copy_gbps)
             host.free(starts, [mover.units(bs)] * n)
@@ -310,8 +318,8 @@ def summary(rows: list[dict]) -> None:
     if any(r.get("smoke") for r in pick("check")):  # no timings to show
         print_table(pick("check") + pick("skipped"), ["format", "block_size", "blocks", "kind", "ok", "reason"])
         return
-    print_table(pick("move"), ["format", "block_size", "blocks", "direction", "bytes_fraction", "tokens_per_s",
-                               "tokens_ratio", "frac_pinned"])
+    print_table(pick("move"), ["format", "block_size", "blocks", "direction", "chunks", "serial", "bytes_fraction",
+                               "tokens_per_s", "tokens_ratio", "frac_pinned"])
     print_table(pick("transcode"), ["format", "block_size", "blocks", "op", "gbps", "frac_copy", "hide_gbps",
                                     "pays_serial_gbps", "hidden_at_pinned"])
     if pick("beside"):

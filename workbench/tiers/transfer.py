@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from workbench.tiers import formats
+from workbench.tiers import formats, pipeline
 from workbench.tiers.host import HostPool, contiguous_runs
 
 PATHS = ("dma", "sm", "auto")
@@ -120,10 +120,13 @@ class BlockMover:
         fmt: what the blocks are below the device (``workbench.tiers.formats``): the device's bytes, or another
             scheme, transcoded on the device between the gather and the copy (and between the copy and the
             scatter); such moves always stage (``"dma"``), and a block takes ``units`` of the format's size.
+        chunk_bytes: a transcoding move is cut into chunks of at least this many wire bytes, each chunk's transcode
+            beside the previous one's copy (``workbench.tiers.pipeline``); None: the batch at once.
     """
 
     def __init__(self, cache, host: HostPool, *, path: str = "auto", sm_programs: int | None = None,
-                 dma_programs: int | None = None, fmt: formats.TierFormat = formats.DEVICE):
+                 dma_programs: int | None = None, fmt: formats.TierFormat = formats.DEVICE,
+                 chunk_bytes: int | None = pipeline.CHUNK_BYTES):
         if path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}, got {path!r}")
         self.fmt = fmt
@@ -140,6 +143,20 @@ class BlockMover:
         self.ids = PinnedIds() if self.cuda else None
         self.stats = TransferStats()
         self.nonfinite = torch.zeros(1, dtype=torch.int32, device=cache.device)  # NaN/Inf a transcode stored as 0
+        self._chunk_bytes = pipeline.CHUNK_BYTES
+        self.chunk_bytes = chunk_bytes
+        self._xcode_stream = None  # a transcode's stream, made at the first one (pipeline.py)
+
+    @property
+    def chunk_bytes(self) -> int | None:
+        """Wire bytes a chunk of a transcoding move takes at least (``pipeline.chunk_ranges``); None: one chunk."""
+        return self._chunk_bytes
+
+    @chunk_bytes.setter
+    def chunk_bytes(self, v: int | None) -> None:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"chunk_bytes must be None or a positive int, got {v!r}")
+        self._chunk_bytes = v
 
     # ---- geometry ------------------------------------------------------------------
     def units(self, block_size: int) -> int:
@@ -261,36 +278,64 @@ class BlockMover:
         # are made on the stream whose kernel uses them: a swap-out's gather runs on the current stream, and an
         # arange queued on the side stream could still be unwritten when it read it (blocks gathered to the wrong
         # place: the H200 run lost a block's bytes on a round trip through the disk).
-        # A format below the device: the batch is transcoded on the side stream between the gather and the copy
-        # (after the copy, before the scatter, on the way back), so a decode on the current stream overlaps it.
+        # A format below the device: the batch is transcoded on a stream of its own between the gather and the
+        # copies (after the copies, before the scatter, on the way back), in chunks (``_run_transcoded``), so a
+        # decode on the current stream overlaps it and each chunk's transcode overlaps the previous chunk's copy.
         dev_bb = g["num_rows"] * g["row_bytes"]
         stage_space = dict(row=g["row_bytes"], blk=dev_bb)
         geometry = dict(num_rows=g["num_rows"], row_bytes=g["row_bytes"])
+        if self.fmt.transcodes and not to_host:  # no staging of the whole batch: each chunk decodes into its own
+            return self._run_transcoded(False, None, dev_t, runs, bb, bs, main,
+                                        lambda st, sq, ids: self._scatter(st, sq, ids, stage_space, pool_space,
+                                                                          geometry))
         with torch.cuda.stream(main) if (to_host and main is not None) else _nullcontext():
             staging = torch.empty(n * dev_bb, dtype=torch.uint8, device=c.device)
             seq = torch.arange(n, dtype=torch.int64, device=c.device)
             if to_host:
                 self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
         keep = [staging]
+        if self.fmt.transcodes:
+            return keep + self._run_transcoded(True, staging.view(n, dev_bb), dev_t, runs, bb, bs, main, None)
         if to_host:
             if main is not None:
-                self.side.wait_stream(main)  # the copies (and a transcode) read what the gather wrote
-            wire = self._encode(staging.view(n, dev_bb), bs, bb).reshape(-1)
-            keep.append(wire)
+                self.side.wait_stream(main)  # the copies read what the gather wrote
             for first, host_run, count in runs:
-                host_run.copy_(wire[first * bb:(first + count) * bb], non_blocking=self.cuda)
+                host_run.copy_(staging[first * bb:(first + count) * bb], non_blocking=self.cuda)
         else:
-            wire = staging if not self.fmt.transcodes else torch.empty(n * bb, dtype=torch.uint8, device=c.device)
-            keep.append(wire)
             for first, host_run, count in runs:
-                wire[first * bb:(first + count) * bb].copy_(host_run[:count * bb], non_blocking=self.cuda)
-            if self.fmt.transcodes:
-                staging = self._decode(wire.view(n, bb), bs).reshape(-1)
-                keep.append(staging)
+                staging[first * bb:(first + count) * bb].copy_(host_run[:count * bb], non_blocking=self.cuda)
             self._scatter(staging, seq, dev_t, stage_space, pool_space, geometry)
         if self.cuda:
             keep[0].record_stream(self.side)
         return keep
+
+    def chunks(self, n: int, block_size: int) -> list[tuple[int, int]]:
+        """How a transcoding move of ``n`` blocks of ``block_size`` is cut (``pipeline.chunk_ranges`` with this
+        mover's ``chunk_bytes``); one chunk where the format is the device's."""
+        if not self.fmt.transcodes:
+            return pipeline.chunk_ranges(n, self.wire_bytes(block_size), None)
+        return pipeline.chunk_ranges(n, self.wire_bytes(block_size), self.chunk_bytes)
+
+    def _run_transcoded(self, to_host, staging, dev_t, runs, bb, bs, main, scatter) -> list:
+        """A transcoding move in chunks (``pipeline``): encodes and decodes on the ``xcode`` stream, copies on
+        ``side``; on a CPU the same chunks in turn."""
+        n = len(dev_t)
+        chunks = self.chunks(n, bs)
+        xcode, side = (self._xcode(), self.side) if self.cuda else (None, None)
+        if to_host:
+            if xcode is not None:
+                xcode.wait_stream(main)  # the encodes read what the gather wrote
+                staging.record_stream(xcode)
+            return pipeline.transcode_out(self, staging, runs, bb, bs, chunks, xcode, side)
+        wire = torch.empty(n * bb, dtype=torch.uint8, device=self.cache.device)  # on side (a CUDA move)
+        if xcode is not None:
+            xcode.wait_stream(side)  # a swap-in's scatters come after what side waited for (ordered moves)
+        return [wire] + pipeline.transcode_in(self, wire, runs, bb, bs, chunks, dev_t, scatter, xcode, side)
+
+    def _xcode(self):
+        if self._xcode_stream is None:
+            self._xcode_stream = torch.cuda.Stream(self.cache.device)
+        return self._xcode_stream
 
     def _encode(self, staged: torch.Tensor, bs: int, wire_bytes: int) -> torch.Tensor:
         """Device-format blocks ``[n, device block bytes]`` -> what goes on the link ``[n, wire_bytes]``."""

@@ -1,0 +1,121 @@
+"""A transcoding move in chunks: the transcode of one chunk runs beside the host link's copy of the one before.
+
+A format below the device (``workbench.tiers.formats``) puts a transcode between the gather and the copy of a swap-out
+(between the copy and the scatter of a swap-in). Done for the whole batch and then copied, the two add up: on an H100
+(``bench tiers``, 2026-12-05) int4 per token moved 2.0-2.3x fp16's tokens a second at 1024 blocks, where its bytes
+(0.31 of fp16's) allow 3.2x, because the transcode of the batch (0.27 of copy bandwidth) ran before its DMA began.
+Cut into chunks, the transcode of chunk ``i + 1`` (on the mover's ``xcode`` stream) runs while the copy engine moves
+chunk ``i`` (on its ``side`` stream): what is left of the transcode is its first chunk's share, and the link moves
+the format's bytes at its own speed. A chunk must stay large: issuing its transcode costs the host ~0.9 ms whatever
+its size (four Triton launches and their checks: ``scripts/probe_transcode_host.py``, H100, 2026-12-05: encode 910-950
+us, decode 850-880 us, at 32 and 128 blocks of 64 tokens), and a move whose chunks copy faster than the host issues
+them is host-bound (the same H100 with 8 MiB chunks: int4 at 16-token blocks 1.2x fp16's tokens a second against 2.2x
+in one piece). So a chunk's copy takes about twice that issue time: 96 MiB at the link's ~55 GB/s is 1.8 ms.
+
+On a CPU the same chunks run one after another (no streams): the tests cover the splitting there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: A chunk's wire bytes at least (its copy outlasts the host's issue of the next chunk's transcode, see above),
+#: and at most this many chunks a batch.
+CHUNK_BYTES = 96 << 20
+MAX_CHUNKS = 8
+
+
+def chunk_ranges(n: int, block_bytes: int, chunk_bytes: int | None = CHUNK_BYTES,
+                 max_chunks: int = MAX_CHUNKS) -> list[tuple[int, int]]:
+    """Block ranges ``[(lo, hi), ...]`` that cut a batch of ``n`` blocks of ``block_bytes`` (wire bytes) into chunks of
+    at least ``chunk_bytes`` each, at most ``max_chunks``, as equal as whole blocks allow; ``chunk_bytes=None``: one
+    chunk (the whole batch, no pipeline)."""
+    for name, v in (("n", n), ("block_bytes", block_bytes), ("max_chunks", max_chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "n" else 1):
+            raise ValueError(f"{name} must be an int >= {0 if name == 'n' else 1}, got {v!r}")
+    if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                    or chunk_bytes < 1):
+        raise ValueError(f"chunk_bytes must be None or a positive int, got {chunk_bytes!r}")
+    if n == 0:
+        return []
+    k = 1 if chunk_bytes is None else max(1, min(max_chunks, n // -(-chunk_bytes // block_bytes)))
+    bounds = [n * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def run_pieces(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The parts of host runs ``[(first block, blocks), ...]`` (a batch's blocks in host order) that fall in the chunk
+    ``[lo, hi)``: ``(run index, first block, last block + 1)`` in batch order."""
+    out = []
+    for i, (first, count) in enumerate(runs):
+        a, b = max(lo, first), min(hi, first + count)
+        if a < b:
+            out.append((i, a, b))
+    return out
+
+
+def _stream(s):
+    return torch.cuda.stream(s) if s is not None else _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]],
+                  xcode, side) -> list[torch.Tensor]:
+    """Swap-out: device blocks ``staging`` ``[n, device block bytes]`` (gathered) -> the host runs, a chunk at a time:
+    encode on ``xcode``, copy on ``side`` after it (``None`` streams: a CPU, one after another). Returns the buffers
+    to keep alive until the move completes."""
+    keep = []
+    spans = [(first, count) for first, _, count in runs]
+    for lo, hi in chunks:
+        with _stream(xcode):
+            wire = mover._encode(staging[lo:hi], bs, bb).reshape(-1)
+            done = None
+            if xcode is not None:
+                done = torch.cuda.Event()
+                xcode.record_event(done)
+                wire.record_stream(side)
+        keep.append(wire)
+        with _stream(side):
+            if done is not None:
+                side.wait_event(done)
+            for i, a, b in run_pieces(spans, lo, hi):
+                first, host_run, _ = runs[i]
+                host_run[(a - first) * bb:(b - first) * bb].copy_(wire[(a - lo) * bb:(b - lo) * bb],
+                                                                  non_blocking=xcode is not None)
+    return keep
+
+
+def transcode_in(mover, wire: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]], dev_t,
+                 scatter, xcode, side) -> list[torch.Tensor]:
+    """Swap-in: the host runs -> ``wire`` ``[n * bb]`` a chunk at a time on ``side``, each chunk decoded and scattered
+    (``scatter(staging, seq, ids)``) on ``xcode`` once its copy is in; ``side`` then waits for ``xcode`` (the move's
+    end event, recorded on ``side``, covers the scatters). Returns the buffers to keep alive."""
+    keep = []
+    spans = [(first, count) for first, _, count in runs]
+    if xcode is not None:
+        wire.record_stream(xcode)
+    for lo, hi in chunks:
+        with _stream(side):
+            for i, a, b in run_pieces(spans, lo, hi):
+                first, host_run, _ = runs[i]
+                wire[a * bb:b * bb].copy_(host_run[(a - first) * bb:(b - first) * bb], non_blocking=side is not None)
+            if side is not None:
+                arrived = torch.cuda.Event()
+                side.record_event(arrived)
+        with _stream(xcode):
+            if xcode is not None:
+                xcode.wait_event(arrived)
+            staging = mover._decode(wire.view(-1, bb)[lo:hi], bs).reshape(-1)
+            seq = torch.arange(hi - lo, dtype=torch.int64, device=wire.device)
+            scatter(staging, seq, dev_t[lo:hi])
+        keep.append(staging)
+    if side is not None:
+        side.wait_stream(xcode)
+    return keep
