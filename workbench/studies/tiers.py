@@ -250,12 +250,16 @@ def quality_table() -> format_quality.QualityTable:
 
 @functools.lru_cache(maxsize=1)
 def measured_transcodes() -> dict[str, tuple[format_cost.Transcode, format_cost.Transcode]]:
-    """The transcode throughput per format measured by the newest committed H200 ``bench tiers`` run with a
-    ``formats`` section (``format_cost.measured_transcodes``); empty while none is committed (then assumed)."""
-    for run in reversed(tier_runs.runs()):
-        found = format_cost.measured_transcodes(run["rows"], tier_runs.run_name(run))
-        if found:
-            return found
+    """The transcode throughput per format (a fraction of the same run's copy bandwidth) measured by the newest
+    committed full ``bench tiers`` run with a ``formats`` section (``format_cost.measured_transcodes``): an H200's,
+    else another GPU's (the source names it: the device lent since 2026-12-05 is an H100); empty while none is
+    committed (then assumed)."""
+    any_gpu = {k: v for k, v in tier_runs.H200.items() if k != "gpu"}
+    for where in (None, any_gpu):
+        for run in reversed(tier_runs.runs(where=where)):
+            found = format_cost.measured_transcodes(run["rows"], tier_runs.run_name(run))
+            if found:
+                return found
     return {}
 
 
