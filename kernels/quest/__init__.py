@@ -9,6 +9,8 @@ to the top-k pages. One module per kernel, their PyTorch references beside them:
 - ``scores.py``: :func:`quest_page_scores`, the score of every page of every sequence (two tensor-core dots);
 - ``select.py``: :func:`quest_select`, the top ``page_budget`` pages of every sequence and the compacted table, in
   one launch with no host sync (a radix search and a prefix sum);
+- ``select_split.py``: the same table from a kernel that spreads each row over many programs (two row histograms
+  by atomics, then the row's last program finishes), for a few long rows (``split_select``, the rule);
 - ``plan.py``: :class:`QuestPlan`, scores and selection planned once per decode step and run per layer (FlashInfer's
   plan / run);
 - ``reference.py``: ``key_bounds_ref``, ``quest_page_scores_ref`` (the selection's reference is

@@ -16,6 +16,7 @@ import triton.language as tl
 from workbench.core.backend import is_interpreted
 
 from .. import common
+from ..decode.config import _num_sms
 
 INT_MIN = tl.constexpr(-(2**31))  # a padding lane's key: below every score's (-inf's is -2139095041)
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -175,7 +176,8 @@ def _check_select_inputs(block_table, seq_lens, page_budget, page_size, out_tabl
 
 def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, page_budget: int, *,
                  page_size: int, out_table: torch.Tensor | None = None, out_lens: torch.Tensor | None = None,
-                 block_w: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_w: int | None = None, split: bool | None = None,
+                 block_s: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The compacted block table of each sequence's ``page_budget`` best pages: one launch, on the device (no host
     sync, no ``torch.topk``).
 
@@ -192,6 +194,9 @@ def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
         out_table, out_lens: optional buffers ``[B, min(page_budget, max_blocks)]`` / ``[B]`` int32 (a plan's).
         block_w: pages per tile of the kernel (a power of two; default: the whole row up to 8192 pages). Tests use
             small tiles to cover rows of several.
+        split: the multi-program kernel (:mod:`.select_split`, True), the one-program kernel (False), or the rule's
+            choice (None: :func:`~.select_split.split_select` on ``B``, ``max_blocks`` and the GPU's SMs).
+        block_s: pages per program of the multi-program kernel (a power of two; default: as many programs as SMs).
 
     Returns:
         ``(table, lens)``: the chosen pages' blocks in their original order (then padding: the sequence's first
@@ -201,16 +206,32 @@ def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
     One program per sequence: the scores become order-preserving int32 keys; a radix search (4 key bits a pass,
     16 candidate thresholds counted in one reduction, at most 8 passes, fewer once exactly the budget's count is
     above a threshold) finds the budget-th largest key; one prefix sum then places every chosen page at its rank
-    in page order.
+    in page order. The multi-program kernel gives the same table (its docstring says how); this call allocates its
+    scratch (a plan keeps its own).
     """
+    from . import select_split as _split  # (the multi-program kernel builds on this module's helpers)
+
+    if split is not None and not isinstance(split, bool):
+        raise ValueError(f"split must be True, False or None (the rule's choice), got {split!r}")
+    if split is False and block_s is not None:
+        raise ValueError(f"block_s is the multi-program kernel's (split=True or None), got {block_s!r} with split=False")
     B, W, k, out_table, out_lens = _check_select_inputs(block_table, seq_lens, page_budget, page_size, out_table,
                                                         out_lens)
     if not isinstance(scores, torch.Tensor) or scores.shape != (B, W) or scores.dtype != torch.float32 \
             or scores.device != block_table.device or (W and scores.stride(1) != 1):
         raise ValueError(f"scores must be an fp32 [{B}, {W}] tensor on {block_table.device} with unit last stride, "
                          f"got {common.describe(scores)}")
-    ce = _select_config(W, page_size, block_w)
+    num_sms = _num_sms(block_table.device)
+    split_ce = _split._split_config(B, W, page_size, num_sms, block_s, block_w) if split is not False else None
+    if split is None:
+        split = _split.split_select(B, W, num_sms)
+    grid, ce = split_ce if split else ((B,), _select_config(W, page_size, block_w))
     if B and W:
-        _select_pages_kernel[(B,)](scores, block_table, seq_lens, out_table, out_lens, W, k, scores.stride(0),
-                                   block_table.stride(0), out_table.stride(0), **ce)
+        if split:
+            _split._split_select_kernel[grid](scores, block_table, seq_lens, out_table, out_lens,
+                                              *_split.split_scratch(B, W, scores.device), W, k, scores.stride(0),
+                                              block_table.stride(0), out_table.stride(0), **ce)
+        else:
+            _select_pages_kernel[grid](scores, block_table, seq_lens, out_table, out_lens, W, k, scores.stride(0),
+                                       block_table.stride(0), out_table.stride(0), **ce)
     return out_table, out_lens

@@ -1,7 +1,7 @@
 """Quest page selection against full paged decode on the GPU, and its recall on real activations.
 
 ``python -m workbench bench quest [--smoke] [--context 32768] [--batches 8,1] [--budgets 2048,4096,1024,8192]
-[--page-sizes 16,32] [--reduce sum] [--no-sweep] [--out DIR]``
+[--page-sizes 16,32] [--reduce sum] [--select one,split] [--no-sweep] [--out DIR]``
 
 Workload: ``--context`` tokens per sequence (32k), batches 8 and 1, GQA 32 query / 8 kv heads, head_dim 128,
 pages of ``--page-sizes`` tokens (16 and 32: 32-token pages halve the bounds the scores read) handed out by a random
@@ -17,6 +17,12 @@ in one run:
   launch) + the same paged decode over it: the whole per-layer path, planned once on the table buffers.
 - ``quest_scores``, ``quest_select``, ``quest_attend``: its three parts alone.
 
+``quest`` and ``quest_select`` rows come once per select kernel of ``--select`` (``select``: ``one``, one program per
+sequence; ``split``, the multi-program kernel, ``kernels/quest/select_split.py``); ``select_default`` marks the one
+``split_select``'s rule picks for the shape (what ``QuestDecode`` runs), the rows ``workbench.results.compress``
+reads. ``select_match_after``: the table still the reference's after the timed (and graph-replayed) runs, which
+reuse the split kernel's scratch.
+
 Every row: ``page_size``, ``time_us`` (the lower of two ``do_bench`` medians, CUDA events), ``time_us_graph``
 (CUDA-graph replay), ``bytes`` (what the call must read and write: the K/V of the attended tokens, the bounds of every
 page, scores, tables, q and out), ``gbps``; ``quest`` rows ``speedup`` / ``speedup_graph`` (full's time over
@@ -29,8 +35,10 @@ cannot use) and the oracle shared set (the true attention mass) beside it.
 
 Unless ``--no-sweep``, ``section="sweep"`` rows (graph times only) time launch variants of each part at the first
 budget (``launch`` names them): ``quest_scores`` per ``block_p`` / ``num_stages``, ``quest_select`` per
-``select_warps`` / ``select_radix``, and ``quest_attend`` per ``num_splits`` (half, the heuristic's, double),
-``BLOCK_N`` and ``num_stages``: the data for their heuristics.
+``select_warps`` / ``select_radix`` (the split kernel's per ``select_warps`` / ``select_block_s``), and
+``quest_attend`` per ``num_splits`` (half, the heuristic's, double), ``BLOCK_N`` and ``num_stages``: the data for
+their heuristics; and ``section="select_rule"`` rows time the two select kernels alone per batch (1, 8, 32, 128)
+and row width (512 to 8192 pages), the data of ``split_select``'s rule.
 
 ``--smoke`` runs tiny shapes through the interpreter on a CPU: correctness only (no times).
 
@@ -41,6 +49,7 @@ path (the argument checks and launch arguments are the plans', made once).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import math
 import sys
@@ -54,20 +63,27 @@ from workbench.compress.page_selection import quest_recall, select_pages
 from workbench.core.argtypes import positive_float, positive_int, positive_int_list
 from workbench.core.workloads import PagedKV, Workload, build_paged
 from workbench.kernels import DecodePlan
+from workbench.kernels.decode.config import _num_sms
 from workbench.kernels.decode.reference import paged_decode_ref
 from workbench.kernels.quest import QuestPlan, key_bounds, quest_page_scores
 from workbench.kernels.quest.reference import quest_page_scores_ref
+from workbench.kernels.quest.select_split import split_select
 from workbench.model import capture
 from workbench.results import provenance, run_files
 
 REAL_PAGE = 16  # the captured prompts' recall rows
-COLUMNS = ["section", "workload", "batch", "context", "page_size", "impl", "budget_tokens", "reduce", "launch",
-           "time_us", "time_us_graph", "gbps", "speedup", "speedup_graph", "rel_err", "recall_random", "recall",
-           "recall_per_head", "recall_oracle"]
+COLUMNS = ["section", "workload", "batch", "context", "page_size", "impl", "select", "budget_tokens", "reduce",
+           "launch", "time_us", "time_us_graph", "gbps", "speedup", "speedup_graph", "rel_err", "recall_random",
+           "recall", "recall_per_head", "recall_oracle"]
 REDUCES = ("max", "sum", "softmax")
 REAL_BUDGETS = (3, 4, 6, 8)  # pages of 16 tokens: the captured prompts hold 135-284 keys (9-18 pages)
 SCORES_SWEEP = [dict(block_p=bp, num_stages=st) for bp in (16, 32, 64) for st in (2, 3, 4)]
-SELECT_SWEEP = [dict(select_warps=w) for w in (4, 8, 16)] + [dict(select_radix=2)]
+SELECT_SWEEP = ([dict(select_split=False, select_warps=w) for w in (4, 8, 16)] + [dict(select_split=False,
+                                                                                   select_radix=2)]
+                + [dict(select_split=True, select_warps=w) for w in (4, 8)]
+                + [dict(select_split=True, select_block_s=bs) for bs in (64, 256)])
+SELECTS = ("one", "split")  # the select kernels: one program per sequence, many (kernels/quest/select_split.py)
+RULE_BATCHES, RULE_WIDTHS = (1, 8, 32, 128), (512, 1024, 2048, 4096, 8192)  # the select_rule rows' shapes
 
 
 def workload(batch: int, context: int, page_size: int = 16) -> Workload:
@@ -211,6 +227,33 @@ def _launch_name(kw: dict) -> str:
     return "-".join(f"{k}{v}" for k, v in kw.items()) or "default"
 
 
+def select_rule_rows(rep_ms: float, page: int = 16, batches=RULE_BATCHES, widths=RULE_WIDTHS) -> list[dict]:
+    """Graph times of the two select kernels alone (each through a :class:`QuestPlan`'s ``select``) per batch and
+    row width, on scores like the timing rows' (a sum over 32 heads of random keys' bounds: about 513 +- 2.3, so a
+    16-bit bucket holds many pages; the first and last pages forced), every row full, a budget of 1/16 of the row:
+    the data of ``split_select``'s rule (``rule``: the kernel it picks)."""
+    rows = []
+    sms = _num_sms(torch.device("cuda"))
+    for batch in batches:
+        for width in widths:
+            g = torch.Generator().manual_seed(batch * width)
+            scores = (513 + 2.3 * torch.randn(batch, width, generator=g)).cuda()
+            scores[:, [0, -1]] = float("inf")
+            table = torch.randperm(2 * batch * width, generator=g)[:batch * width].view(batch, width)
+            table = table.to(torch.int32).cuda()
+            lens = torch.full((batch,), width * page, dtype=torch.int32, device="cuda")
+            for sel in SELECTS:
+                plan = QuestPlan(table, lens, width // 16, page_size=page, num_q_heads=1, num_kv_heads=1, head_dim=16,
+                                 q_dtype=torch.float16, scores=scores, select_split=sel == "split")
+                row = {"section": "select_rule", "impl": "quest_select", "select": sel, "batch": batch,
+                       "width": width, "budget_pages": width // 16, "page_size": page,
+                       "time_us_graph": _time_graph(plan.select, rep_ms),
+                       "rule": "split" if split_select(batch, width, sms) else "one"}
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
 def sweep_rows(w: Workload, p: PagedKV, bounds: torch.Tensor, budget: int, reduce: str, rep_ms: float,
                copy_gbps: float) -> list[dict]:
     """Graph times of the scores kernel per tile / stages, of the select kernel per warps / radix and of the attend
@@ -245,21 +288,25 @@ def sweep_rows(w: Workload, p: PagedKV, bounds: torch.Tensor, budget: int, reduc
 
 
 def run_gpu(batches, context: int, budgets, reduce: str, rep_ms: float, page_sizes=(16, 32),
-            sweep: bool = True) -> tuple[list[dict], dict]:
+            sweep: bool = True, selects=SELECTS) -> tuple[list[dict], dict]:
     copy_gbps = harness.copy_bandwidth_gbps()
     print(f"copy bandwidth {copy_gbps:.0f} GB/s", flush=True)
     rows = []
     for page in page_sizes:
         for batch in batches:
-            rows += _run_one(workload(batch, context, page), page, budgets, reduce, rep_ms, copy_gbps, sweep)
+            rows += _run_one(workload(batch, context, page), page, budgets, reduce, rep_ms, copy_gbps, sweep, selects)
             gc.collect()
             torch.cuda.empty_cache()
+    if sweep:
+        rows += select_rule_rows(rep_ms)
     return rows, {"copy_gbps": copy_gbps}
 
 
-def _run_one(w: Workload, page: int, budgets, reduce: str, rep_ms: float, copy_gbps: float, sweep: bool) -> list:
+def _run_one(w: Workload, page: int, budgets, reduce: str, rep_ms: float, copy_gbps: float, sweep: bool,
+             selects=SELECTS) -> list:
     rows = []
     p = build_paged(w, layout="nhd", block_size=page, kv_dtype=torch.float16, device="cuda")
+    rule = "split" if split_select(w.batch, p.block_table.shape[1], _num_sms(p.q.device)) else "one"
     bounds = page_bounds(p)
     out_full = torch.empty_like(p.q)
     full = DecodePlan(p.block_table, p.seq_lens, layout="nhd", k_cache=p.k_cache, v_cache=p.v_cache,
@@ -271,25 +318,32 @@ def _run_one(w: Workload, page: int, budgets, reduce: str, rep_ms: float, copy_g
     rows.append(_row(w, "full", None, None, t_full, tg_full, full_bytes, page, copy_gbps=copy_gbps))
     print_row(rows[-1])
     for budget in budgets:
-        qr = QuestRun(p, bounds, max(2, budget // page), reduce)
-        qr()
-        torch.cuda.synchronize()
-        err = harness.rel_err(qr.out, restricted_ref(p, qr.table, qr.lens))
-        t_ref, l_ref = select_pages(qr.scores, p.seq_lens, p.block_table, qr.budget, page_size=page)
-        same = bool(torch.equal(qr.table, t_ref) and torch.equal(qr.lens, l_ref))
-        rec = random_recall(p, qr.table)
-        nb = qr.bytes()
-        t, tg = _time(qr, rep_ms)
-        rows.append(_row(w, "quest", budget, reduce, t, tg, nb["quest"], page, copy_gbps=copy_gbps, rel_err=err,
-                         select_match=same, recall_random=rec, speedup=t_full / t if t else None,
-                         speedup_graph=tg_full / tg if tg and tg_full else None, bytes_full=full_bytes,
-                         bytes_ratio=full_bytes / nb["quest"], attend_config=dict(qr.plan.config)))
-        print_row(rows[-1])
-        for name, fn in (("quest_scores", qr.score), ("quest_select", qr.select), ("quest_attend", qr.attend)):
-            t_p, tg_p = _time(fn, rep_ms)
-            rows.append(_row(w, name, budget, reduce, t_p, tg_p, nb[name], page, copy_gbps=copy_gbps))
-            print_row(rows[-1])
-        del qr
+        for i, sel in enumerate(selects):  # the whole path and the select alone per select kernel; the rest once
+            qr = QuestRun(p, bounds, max(2, budget // page), reduce, quest_launch={"select_split": sel == "split"})
+            qr()
+            torch.cuda.synchronize()
+            err = harness.rel_err(qr.out, restricted_ref(p, qr.table, qr.lens))
+            t_ref, l_ref = select_pages(qr.scores, p.seq_lens, p.block_table, qr.budget, page_size=page)
+            same = bool(torch.equal(qr.table, t_ref) and torch.equal(qr.lens, l_ref))
+            rec = random_recall(p, qr.table)
+            nb = qr.bytes()
+            tag = dict(select=sel, select_default=sel == rule)
+            t, tg = _time(qr, rep_ms)
+            row = _row(w, "quest", budget, reduce, t, tg, nb["quest"], page, copy_gbps=copy_gbps, rel_err=err,
+                       select_match=same, recall_random=rec, speedup=t_full / t if t else None,
+                       speedup_graph=tg_full / tg if tg and tg_full else None, bytes_full=full_bytes,
+                       bytes_ratio=full_bytes / nb["quest"], attend_config=dict(qr.plan.config), **tag)
+            rows.append(row)
+            print_row(row)
+            parts = (("quest_scores", qr.score), ("quest_select", qr.select), ("quest_attend", qr.attend))
+            for name, fn in parts if i == 0 else parts[1:2]:
+                t_p, tg_p = _time(fn, rep_ms)
+                rows.append(_row(w, name, budget, reduce, t_p, tg_p, nb[name], page, copy_gbps=copy_gbps,
+                                 **(tag if name == "quest_select" else {})))
+                print_row(rows[-1])
+            torch.cuda.synchronize()  # the table again after the timed and replayed runs (the scratch reused)
+            row["select_match_after"] = bool(torch.equal(qr.table, t_ref) and torch.equal(qr.lens, l_ref))
+            del qr
     if sweep and budgets:
         rows += sweep_rows(w, p, bounds, budgets[0], reduce, rep_ms, copy_gbps)
     return rows
@@ -320,9 +374,10 @@ def real_recall_rows(budgets=REAL_BUDGETS, reduces=REDUCES, prompts=None, layers
     return out
 
 
-def run_smoke(page_sizes=(16, 32)) -> list[dict]:
+def run_smoke(page_sizes=(16, 32), selects=SELECTS) -> list[dict]:
     """Tiny shapes through the active backend (the interpreter on a CPU): kernels against their references and
-    Quest at a full budget against full decode, per page size (both reduces at the first). Correctness only."""
+    Quest at a full budget against full decode, per page size (both reduces at the first) and select kernel.
+    Correctness only."""
     dev = workbench.device()
     rows = []
     w = Workload("quest-smoke", "gqa-b2-l70", 2, 70, 8, 2, 64, min_context=20, seed=3)
@@ -339,25 +394,36 @@ def run_smoke(page_sizes=(16, 32)) -> list[dict]:
             score_err = float((s.double()[fin] - ref[fin]).abs().max()) if fin.any() else 0.0
             same_inf = bool(torch.equal(torch.isinf(s), torch.isinf(ref)))
             for budget in (2, 3, 8) if i == 0 else (2, 8):
-                qr = QuestRun(p, bounds, budget, reduce)
-                qr()
-                t_ref, l_ref = select_pages(s, p.seq_lens, p.block_table, budget, page_size=page)
-                same = bool(torch.equal(qr.table, t_ref) and torch.equal(qr.lens, l_ref))
-                err = harness.rel_err(qr.out, restricted_ref(p, qr.table, qr.lens))
-                row = _row(w, "quest", budget * page, reduce, None, None, qr.bytes()["quest"], page, rel_err=err,
-                           score_err=score_err, scores_inf_match=same_inf, select_match=same, sweep="smoke")
-                if budget * page >= max(p.lens):
-                    row["err_vs_full"] = harness.rel_err(qr.out, full)
-                rows.append(row)
+                for sel in selects:
+                    qr = QuestRun(p, bounds, budget, reduce, quest_launch={"select_split": sel == "split"})
+                    qr()
+                    t_ref, l_ref = select_pages(s, p.seq_lens, p.block_table, budget, page_size=page)
+                    same = bool(torch.equal(qr.table, t_ref) and torch.equal(qr.lens, l_ref))
+                    err = harness.rel_err(qr.out, restricted_ref(p, qr.table, qr.lens))
+                    row = _row(w, "quest", budget * page, reduce, None, None, qr.bytes()["quest"], page, rel_err=err,
+                               score_err=score_err, scores_inf_match=same_inf, select_match=same, sweep="smoke",
+                               select=sel)
+                    if budget * page >= max(p.lens):
+                        row["err_vs_full"] = harness.rel_err(qr.out, full)
+                    rows.append(row)
     rows += real_recall_rows(budgets=(3,), reduces=("max", "sum"), prompts=1, layers=1)
     return rows
 
 
 def print_row(row: dict) -> None:
-    keys = ["section", "workload", "impl", "budget_tokens", "reduce", "launch", "time_us", "time_us_graph", "gbps",
-            "speedup", "speedup_graph", "rel_err", "recall_random", "recall", "error"]
+    keys = ["section", "workload", "impl", "select", "batch", "width", "budget_tokens", "reduce", "launch", "time_us",
+            "time_us_graph", "gbps", "speedup", "speedup_graph", "rel_err", "recall_random", "recall", "error"]
     print(" ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else f"{k}={row[k]}" for k in keys
                    if row.get(k) is not None), flush=True)
+
+
+def select_list(text: str) -> list[str]:
+    """``--select``: comma-separated names of :data:`SELECTS`, each once."""
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    if not vals or any(v not in SELECTS for v in vals) or len(set(vals)) != len(vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated names among {', '.join(SELECTS)}, each once, "
+                                         f"got {text!r}")
+    return vals
 
 
 def parser() -> BenchParser:
@@ -367,6 +433,8 @@ def parser() -> BenchParser:
     ap.add_argument("--budgets", type=positive_int_list, default=[2048, 4096, 1024, 8192], help="token budgets")
     ap.add_argument("--page-sizes", type=positive_int_list, default=[16, 32], help="tokens per page, comma-separated")
     ap.add_argument("--reduce", choices=("max", "sum"), default="sum", help="aggregate of the heads' bounds")
+    ap.add_argument("--select", type=select_list, default=list(SELECTS),
+                    help="select kernels to time, comma-separated: one (a program per sequence), split (many)")
     ap.add_argument("--rep-ms", type=positive_float, default=100.0, help="do_bench repetition time")
     ap.add_argument("--no-real", action="store_true", help="skip the recall on real activations")
     ap.add_argument("--no-sweep", action="store_true", help="skip the launch sweeps of the scores and the attend")
@@ -381,10 +449,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     meta = provenance.machine_meta()
     if args.smoke:
-        rows, extra = run_smoke(args.page_sizes), {"mode": "smoke"}
+        rows, extra = run_smoke(args.page_sizes, args.select), {"mode": "smoke"}
     else:
         rows, extra = run_gpu(args.batches, args.context, args.budgets, args.reduce, args.rep_ms, args.page_sizes,
-                              sweep=not args.no_sweep)
+                              sweep=not args.no_sweep, selects=args.select)
         if not args.no_real:
             try:
                 rows += real_recall_rows()
@@ -396,5 +464,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}")
     bad = [r for r in rows if r.get("impl") == "quest" and r.get("section") == "timing"
            and (r.get("rel_err") is None or r["rel_err"] > 2e-2 or r.get("select_match") is False
-                or r.get("scores_inf_match") is False or (r.get("err_vs_full") or 0) > 2e-2)]
+                or r.get("select_match_after") is False or r.get("scores_inf_match") is False
+                or (r.get("err_vs_full") or 0) > 2e-2)]
     return 1 if bad else 0

@@ -11,8 +11,9 @@
 - the H200 Quest runs (``python -m workbench bench quest``, ``quest-h200-*.json``): ``timing`` rows (``impl``
   ``full`` / ``quest`` and its parts ``quest_scores``, ``quest_select``, ``quest_attend``, per batch, page size and
   token budget; ``time_us`` eager and ``time_us_graph`` replayed from a CUDA graph; ``quest`` rows carry ``speedup``
-  / ``speedup_graph`` against ``full``), ``sweep`` rows (launch settings tried; not read here) and ``recall_real``
-  rows (Quest's recall on the captured SmolLM2-135M activations per ``reduce`` and page budget).
+  / ``speedup_graph`` against ``full``; newer runs time ``quest`` / ``quest_select`` per select kernel and mark the
+  rule's choice ``select_default``, the one read here), ``sweep`` rows (launch settings tried; not read here) and
+  ``recall_real`` rows (Quest's recall on the captured SmolLM2-135M activations per ``reduce`` and page budget).
 
 Pure functions of a loaded run (``{"path", "info", "rows"}`` from :func:`workbench.results.run_files.load_runs`): no
 plotly, no widgets, no model. ``tests/test_compress_panels.py`` checks them against the files.
@@ -251,7 +252,8 @@ def quest_speedups(run: Mapping, batch: int, page_size: int = 16) -> list[dict]:
     time_us_graph}}``."""
     _choice("batch", batch, quest_batches(run))
     _choice("page_size", page_size, quest_page_sizes(run))
-    rows = [r for r in section(run, "timing") if r["batch"] == batch and int(r.get("page_size") or 16) == page_size]
+    rows = [r for r in section(run, "timing") if r["batch"] == batch and int(r.get("page_size") or 16) == page_size
+            and r.get("select_default", True)]  # newer runs time both select kernels: the rule's choice only
     full = next(r for r in rows if r["impl"] == "full")
     out = []
     for r in sorted((r for r in rows if r["impl"] == "quest"), key=lambda r: r["budget_tokens"]):
