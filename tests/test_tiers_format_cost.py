@@ -154,7 +154,8 @@ def test_format_table_skips_what_cannot_store_the_block_size():
     (lambda: fc.format_table(SMOL, 16, batch=1, link=55.0, measured=[1]), "measured must be"),
     (lambda: fc.measured_transcodes([], ""), "source must be"),
     (lambda: fc.Transcode(0.0), "fraction must be"), (lambda: fc.Transcode(0.5, -1.0), "copy_gbps must be"),
-    (lambda: fc.Transcode(0.5, source=""), "source must be"),
+    (lambda: fc.Transcode(0.5, source=""), "source must be"), (lambda: fc.Transcode(0.5, floor_s=-1e-3), "floor_s"),
+    (lambda: fc.Transcode(0.5, floor_s=math.inf), "floor_s"),
     (lambda: fc.format_table(SMOL, 16, "fp16", batch=1, link=55.0), "formats must be"),
     (lambda: fc.block_bytes(SMOL, 16, "int4/token"), "fmt must be a TierFormat"),
 ])
@@ -256,19 +257,27 @@ def test_format_panel_shows_the_studys_rows():
     ringed = [c for c in p.figure.data[0].marker.line.color if c != "rgba(0,0,0,0)"]
     assert not ringed and "int4/kivi" not in list(p.figure.data[0].x)
     p.reset()
-    assert p.headline().startswith("int4/token: 3.06x fp16 down")
+    row = s.point(**p.values())  # the default: the transcode as the newest committed run measured it
+    assert p.headline().startswith(f"int4/token: {row['down_speedup']:.2f}x fp16 down")
     assert all(math.isfinite(y) for y in p.figure.data[0].y)
+    assert p.controls["transcode"].disabled == bool(tier_studies.measured_transcodes())
+    p.controls["transcode_from"].value = "assumed"  # what a kernel at the slider's fraction would buy
+    assert not p.controls["transcode"].disabled
+    assert "assumed" in p.compute()["setup"]["subtitle"]
 
 
-def test_measured_transcodes_are_the_bench_rows_medians():
+def test_measured_transcodes_are_the_largest_rows_bandwidth_and_the_least_time():
     rng = random.Random(2)
-    rows, want = [], {}
+    rows, want, floor = [], {}, {}
     for fmt in ("int8/token", "int4/token"):
         for op in ("encode", "decode"):
             fr = [rng.uniform(0.2, 0.9) for _ in range(3)]
-            want[(fmt, op)] = sorted(fr)[1]
+            size = rng.sample([1 << 20, 1 << 24, 1 << 28], 3)  # bytes, in random order
+            us = [rng.uniform(300.0, 3000.0) for _ in range(3)]
+            want[(fmt, op)] = fr[size.index(max(size))]  # the fraction of the batch that moved the most bytes
+            floor[(fmt, op)] = min(us) * 1e-6
             rows += [{"section": "formats", "kind": "transcode", "format": fmt, "op": op, "frac_copy": f,
-                      "gbps": f * 4000.0} for f in fr]
+                      "gbps": f * 4000.0, "bytes": b, "time_us": t} for f, b, t in zip(fr, size, us, strict=True)]
     rows += [{"section": "formats", "kind": "transcode", "format": "int2/token", "op": "encode", "frac_copy": 0.5,
               "gbps": 2000.0},  # decode unmeasured: left out
              {"section": "formats", "kind": "transcode", "format": "fp8_e4m3/token", "op": "encode",
@@ -278,6 +287,7 @@ def test_measured_transcodes_are_the_bench_rows_medians():
     assert set(got) == {"int8/token", "int4/token"}
     for fmt, (down, up) in got.items():
         assert (down.fraction, up.fraction) == (want[(fmt, "encode")], want[(fmt, "decode")])
+        assert (down.floor_s, up.floor_s) == pytest.approx((floor[(fmt, "encode")], floor[(fmt, "decode")]))
         assert down.copy_gbps == pytest.approx(4000.0) and down.source == up.source == "tiers-h200-x.json"
     assert fc.measured_transcodes(rows[-3:], "x") == {}
     t = fc.format_table(SMOL, 16, ("fp16", "int4/token", "int2/token"), got, batch=64, link=55.0)
@@ -285,3 +295,16 @@ def test_measured_transcodes_are_the_bench_rows_medians():
                                                                     transcode=got["int4/token"])["down_transcode_s"]
     assert t.row("int2/token")["up_transcode_s"] == fc.format_cost(SMOL, 16, "int2/token", batch=64,
                                                                   link=55.0)["up_transcode_s"]  # the assumed one
+
+
+def test_a_transcode_takes_its_floor_at_least():
+    rng = random.Random(5)
+    for _ in range(30):
+        frac, floor = rng.uniform(0.05, 1.0), rng.choice((0.0, rng.uniform(1e-5, 2e-3)))
+        t = fc.Transcode(frac, floor_s=floor)
+        read, written = rng.randint(1, 1 << 30), rng.randint(1, 1 << 30)
+        assert t.seconds(read, written) == pytest.approx(max(floor, (read + written) / (frac * fc.H200_COPY_GBPS
+                                                                                        * 1e9)), rel=1e-12)
+    # a small batch on the host link: the floor, not the bytes, sets the format's time (and it can lose to fp16)
+    slow = fc.format_cost(SMOL, 16, "int4/token", batch=4, link=55.0, transcode=fc.Transcode(0.3, floor_s=6e-4))
+    assert slow["down_transcode_s"] == 6e-4 and slow["down_speedup"] < 1

@@ -238,6 +238,8 @@ PREEMPTION = Study(
 
 # ---- a format per tier -------------------------------------------------------------------------------------------
 FORMAT_LINKS = {"host": "host (measured)", "disk": "disk (assumed)", "flat": "flat (slider)"}  # the toggle's words
+#: where the format panel's transcode throughput comes from, with the toggle's words
+TRANSCODE_FROM = {"measured": "measured (run)", "assumed": "assumed (slider)"}
 DEVICE_FORMAT = "fp16"  # what the device holds: the reference of every speed-up and of the quality rows
 QUALITY_KEYS = ("agreement", "mean_kl", "ppl_change")
 
@@ -264,15 +266,18 @@ def measured_transcodes() -> dict[str, tuple[format_cost.Transcode, format_cost.
 
 
 def formats_table(model: str, block_size: int, batch: int, link: str, bandwidth_gbps: int, transcode: float,
-                  formats=TIER_FORMATS) -> tuple[format_cost.FormatTable, dict]:
+                  formats=TIER_FORMATS, transcode_from: str = "measured") -> tuple[format_cost.FormatTable, dict]:
     """``format_cost.format_table`` of ``formats`` for ``model``'s KV shape on ``link`` (``host``: the newest
     committed ``bench tiers`` run; ``disk``: its assumed NVMe curve; ``flat``: ``bandwidth_gbps``), the transcode as
-    a committed run measured it (:func:`measured_transcodes`), else at ``transcode`` of the H200's copy bandwidth
-    (assumed); each row with its quality cost (:data:`QUALITY_KEYS`, NaN where no committed row has the format).
+    a committed run measured it (:func:`measured_transcodes`), else (or with ``transcode_from="assumed"``: what a
+    faster kernel would buy) at ``transcode`` of the H200's copy bandwidth; each row with its quality cost
+    (:data:`QUALITY_KEYS`, NaN where no committed row has the format).
     Also the sources, in words: ``link``, ``transcode``, ``quality``."""
+    if transcode_from not in TRANSCODE_FROM:
+        raise ValueError(f"transcode_from must be one of {tuple(TRANSCODE_FROM)}, got {transcode_from!r}")
     shape = model_spec.model(model)
     curves = link_model("latest")
-    measured = measured_transcodes()
+    measured = measured_transcodes() if transcode_from == "measured" else {}
     assumed = format_cost.Transcode(transcode)
     table = format_cost.format_table(shape, block_size, formats, measured, batch=batch,
                                      link=float(bandwidth_gbps) if link == "flat" else curves, transcode=assumed,
@@ -292,9 +297,10 @@ def formats_table(model: str, block_size: int, batch: int, link: str, bandwidth_
 
 
 def format_point(format: str, model: str, block_size: int, batch: int, link: str, bandwidth_gbps: int,
-                 transcode: float) -> dict:
+                 transcode: float, transcode_from: str = "measured") -> dict:
     """:func:`formats_table`'s row of one format (``ValueError`` where it cannot store the block size)."""
-    table, sources = formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats=(format,))
+    table, sources = formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats=(format,),
+                                   transcode_from=transcode_from)
     if not table.rows:
         raise ValueError(f"format {format} cannot store {block_size}-token blocks of {model}: "
                          f"{table.skipped[format]}")
@@ -313,7 +319,8 @@ def draw_formats(result: dict):
 FORMAT_COLUMNS = {
     "format": ("host format",), "model": ("model",), "block_size": ("block size", "tokens"),
     "batch": ("blocks a batch",), "link": ("link",), "bandwidth_gbps": ("flat link", "GB/s"),
-    "transcode": ("transcode throughput (of copy bandwidth)",), "transcodes": ("transcoded",),
+    "transcode": ("transcode throughput (of copy bandwidth)",), "transcode_from": ("transcode from",),
+    "transcodes": ("transcoded",),
     "lossy": ("lossy",), "block_bytes": ("block in the format", "KiB", 1 / 1024),
     "bytes_per_token": ("bytes a token (all layers)", "B"), "ratio": ("device bytes / format bytes",),
     "batch_bytes": ("a batch in the format", "MiB", MIB),
@@ -346,12 +353,16 @@ FORMAT_PER_TIER = Study(
         Param("bandwidth_gbps", "int", 64, choices=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
               label="flat link (GB/s)", help="link=flat"),
         Param("transcode", "float", format_cost.ASSUMED_FRACTION, choices=(0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0),
-              label="transcode / copy", help="of the device's copy bandwidth, assumed (a committed bench tiers "
-                                                   "formats run replaces it)")),
+              label="transcode / copy", help="of the device's copy bandwidth, assumed (transcode_from=assumed, or "
+                                                   "where no committed bench tiers formats run measured it)"),
+        Param("transcode_from", "str", "measured", choices=tuple(TRANSCODE_FROM), labels=TRANSCODE_FROM,
+              label="transcode", help="measured: the newest committed run's; assumed: the transcode slider")),
     format_point, notebook="05_prefetch_and_tiers", panel="format_panel", x="block_size", color="format",
     y=("down_tokens_per_s", "down_speedup", "up_speedup", "down_hidden", "down_pays_below_gbps", "mean_kl",
        "agreement"),
-    columns=FORMAT_COLUMNS, controls=("format", "model", "block_size", "batch", "link", "bandwidth_gbps", "transcode"),
-    enabled={"bandwidth_gbps": lambda link, **_: link == "flat", "transcode": lambda **_: not measured_transcodes()},
+    columns=FORMAT_COLUMNS, controls=("format", "model", "block_size", "batch", "link", "bandwidth_gbps",
+                                      "transcode_from", "transcode"),
+    enabled={"bandwidth_gbps": lambda link, **_: link == "flat",
+             "transcode": lambda transcode_from, **_: transcode_from == "assumed" or not measured_transcodes()},
     draw=draw_formats)
 STUDIES = (PREFETCH, PREEMPTION, FORMAT_PER_TIER)

@@ -15,8 +15,10 @@ Per batch of ``batch`` blocks of ``block_size`` tokens (a swap or a prefetch mov
   or at a flat bandwidth;
 - the transcode (a format other than the device's): one pass on the device that reads the device's bytes and
   writes the format's (down) or the reverse (up), at :class:`Transcode` ``fraction`` of the device's copy bandwidth
-  (bytes read + written per second, as ``bench`` measures it). Until a ``bench tiers`` run of section ``formats``
-  is committed the fraction is an assumption (``source="assumed"``); :func:`measured_transcodes` reads one;
+  (bytes read + written per second, as ``bench`` measures it), and never under its ``floor_s`` (the host's issue of
+  its launches: a small batch's transcode takes that, not its bytes' time). Until a ``bench tiers`` run of section
+  ``formats`` is committed the fraction is an assumption (``source="assumed"``, no floor); :func:`measured_transcodes`
+  reads one;
 - pipelined over batches on two streams (batch i+1's transcode beside batch i's copy), a batch takes
   ``max(copy, transcode)`` in the steady state (the pipeline's fill, one transcode, is not counted), and the share
   of the transcode hidden behind the copy is ``min(transcode, copy) / transcode``;
@@ -31,7 +33,6 @@ count its transcode in place of that gather on top of the same curve, a small ov
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -55,23 +56,30 @@ TIERS = {"host": ("dma", "d2h", "h2d"), "disk": ("disk", "write", "read")}  # ti
 @dataclass(frozen=True)
 class Transcode:
     """The transcode kernels' throughput: ``fraction`` of the device's copy bandwidth ``copy_gbps`` (bytes read +
-    written per second); ``source`` says where the fraction comes from (``"assumed"`` until a run measures it)."""
+    written per second), and ``floor_s``, the least a batch's transcode takes whatever its size (the host's issue of
+    its launches and their checks, as the mover makes them; measured: ~0.5-0.8 ms on the H100's host, 2026-12-05,
+    where a small batch's kernels take microseconds); ``source`` says where they come from (``"assumed"``: no floor,
+    until a run measures them)."""
 
     fraction: float = ASSUMED_FRACTION
     copy_gbps: float = H200_COPY_GBPS
     source: str = "assumed"
+    floor_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("fraction", "copy_gbps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        v = self.floor_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"floor_s must be a finite number >= 0 (seconds), got {v!r}")
         if not isinstance(self.source, str) or not self.source:
             raise ValueError(f"source must be a non-empty string, got {self.source!r}")
 
     def seconds(self, read_bytes: int, written_bytes: int) -> float:
-        """One pass that reads ``read_bytes`` and writes ``written_bytes`` on the device."""
-        return (read_bytes + written_bytes) / (self.fraction * self.copy_gbps * 1e9)
+        """One pass that reads ``read_bytes`` and writes ``written_bytes`` on the device, ``floor_s`` at least."""
+        return max(self.floor_s, (read_bytes + written_bytes) / (self.fraction * self.copy_gbps * 1e9))
 
 
 def _positive_int(name: str, v) -> int:
@@ -239,24 +247,30 @@ def format_table(shape: ModelSpec, block_size: int, formats: Sequence[str] = TIE
 
 
 def measured_transcodes(rows: Sequence[Mapping], source: str) -> dict[str, tuple[Transcode, Transcode]]:
-    """Per format, ``(down, up)`` :class:`Transcode` from a ``bench tiers`` run's ``formats`` section: its
-    ``transcode`` rows (``op`` ``encode`` / ``decode``, ``frac_copy`` of the copy bandwidth measured in the same
-    run, ``gbps``), the median over the block sizes and batches measured; ``source`` names the run. Formats with
-    either op unmeasured (a ``--smoke`` run's None) are left out: an empty dict means nothing was measured."""
+    """Per format, ``(down, up)`` :class:`Transcode` from a ``bench tiers`` run's ``formats`` section, its
+    ``transcode`` rows (``op`` ``encode`` / ``decode``, ``bytes``, ``time_us``, ``frac_copy`` of the copy bandwidth
+    measured in the same run, ``gbps``): the fraction of the row that moved the most bytes (the kernels' bandwidth;
+    a small batch's time is its launches'), the floor the least time of any row (``floor_s``; 0 for rows without a
+    time). ``source`` names the run. Formats with either op unmeasured (a ``--smoke`` run's None) are left out: an
+    empty dict means nothing was measured."""
     if not isinstance(source, str) or not source:
         raise ValueError(f"source must be a non-empty string (the run's file name), got {source!r}")
-    seen: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    seen: dict[tuple[str, str], list[Mapping]] = {}
     for r in rows:
         if r.get("section") != "formats" or r.get("kind") != "transcode" or not r.get("frac_copy"):
             continue
         if r.get("op") not in ("encode", "decode") or not r.get("gbps"):
             continue
-        seen.setdefault((str(r["format"]), r["op"]), []).append((float(r["frac_copy"]),
-                                                                 float(r["gbps"]) / float(r["frac_copy"])))
+        seen.setdefault((str(r["format"]), r["op"]), []).append(r)
     out = {}
     for fmt in dict.fromkeys(f for f, _ in seen):
         if (fmt, "encode") in seen and (fmt, "decode") in seen:
-            out[fmt] = tuple(Transcode(statistics.median(f for f, _ in seen[(fmt, op)]),
-                                       statistics.median(c for _, c in seen[(fmt, op)]), source)
-                             for op in ("encode", "decode"))
+            pair = []
+            for op in ("encode", "decode"):
+                got = seen[(fmt, op)]
+                big = max(got, key=lambda r: r.get("bytes") or 0)
+                times = [float(r["time_us"]) for r in got if r.get("time_us")]
+                pair.append(Transcode(float(big["frac_copy"]), float(big["gbps"]) / float(big["frac_copy"]), source,
+                                      floor_s=min(times) * 1e-6 if times else 0.0))
+            out[fmt] = tuple(pair)
     return out

@@ -167,9 +167,10 @@ def preemption_panel(link: LinkModel | None = None, block_sizes: Sequence[int] =
 
 
 def format_panel(formats: Sequence[str] = TIER_FORMATS, **values) -> Panel:
-    """Format, KV shape, block size, blocks a batch, link, flat bandwidth and transcode throughput (the controls of
-    the ``tier_formats`` study) -> tokens/s moved down and up in every format (``tiers.formats_table``), a batch's
-    copy against its transcode, and each format's quality cost from the committed ``bench model_quality`` run.
+    """Format, KV shape, block size, blocks a batch, link, flat bandwidth and transcode throughput, measured or
+    assumed (the controls of the ``tier_formats`` study) -> tokens/s moved down and up in every format
+    (``tiers.formats_table``), a batch's copy against its transcode, and each format's quality cost from the
+    committed ``bench model_quality`` run.
 
     Args:
         formats: the formats shown (default ``workbench.quant.names.TIER_FORMATS``, fp16 first: the reference).
@@ -177,8 +178,9 @@ def format_panel(formats: Sequence[str] = TIER_FORMATS, **values) -> Panel:
     """
     formats = tuple(formats)
 
-    def compute(format, model, block_size, batch, link, bandwidth_gbps, transcode):
-        table, sources = tiers.formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats)
+    def compute(format, model, block_size, batch, link, bandwidth_gbps, transcode, transcode_from):
+        table, sources = tiers.formats_table(model, block_size, batch, link, bandwidth_gbps, transcode, formats,
+                                             transcode_from)
         shape = model_spec.model(model)
         ref = next(r for r in table.rows if not r["transcodes"])
         row = table.row(format)
