@@ -5,11 +5,14 @@ and ``bench whatif_replay --smoke`` end to end on the CPU (the real model's plum
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from workbench.bench import whatif_replay
 from workbench.sim.traces import Request, Trace
-from workbench.whatif.replay import compare, metrics, predict_replay, replay
+from workbench.whatif import PRESETS, GpuProfile
+from workbench.whatif.replay import calibrate, compare, metrics, predict_replay, replay
+from workbench.whatif.step_time import StepModel, fit_layer_overhead_to, step_seconds
 
 
 class _Clock:
@@ -67,3 +70,34 @@ def test_bench_smoke_writes_a_row(tmp_path):
     (f,) = tmp_path.glob("whatif-replay-*.json")
     row = json.loads(f.read_text())["rows"][0]
     assert row["measured_completed"] == row["predicted_completed"] == 3 and "error_throughput_tok_s" in row
+    assert row["calibration_step_ms"] > 0 and "this machine" in row["launch_fit"] and "eager_ms" in row["committed_fit"]
+    assert row["committed_fit_completed"] == 3 and row["predicted_prefill_ms"] > 0
+
+
+def test_calibrate_times_the_runners_own_step_and_prefill():
+    clock = _Clock()
+    runner = _FakeRunner(clock)
+    cal = calibrate(runner, context=20, prompt=12, reps=3, clock=clock)
+    assert cal["step_ms"] == pytest.approx(1.1) and cal["prefill_ms"] == pytest.approx(10.0)
+    assert (cal["context"], cal["prompt"]) == (21, 12) and runner.live == set()  # every sequence freed
+    for bad in (dict(context=0), dict(prompt=-1), dict(reps=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            calibrate(runner, clock=clock, **bad)
+
+
+def test_the_fit_explains_the_measured_step_and_a_slower_host_predicts_a_slower_replay():
+    cfg, base = PRESETS["smollm2-135m"], GpuProfile.from_results()
+    for step_ms in (12.0, 27.7, 55.0):
+        prof = fit_layer_overhead_to(base, cfg, step_ms, 1, 130, "a test's step")
+        model_ms = step_seconds(StepModel(prof, cfg, "fp16").decode(1, 130)) * 1e3
+        assert model_ms == pytest.approx(step_ms, rel=1e-9) and "a test's step" in prof.launch_us.source
+    tr = Trace("t", tuple(Request(i, i * 0.05, 20, 8) for i in range(40)))
+    fast, slow = (predict_replay(tr, calibration={"step_ms": ms, "context": 130, "prompt": 20})
+                  for ms in (12.0, 55.0))
+    assert "this machine" in fast["launch_us"] and fast["prefill_ms"] < slow["prefill_ms"]
+    assert metrics(slow)["throughput_tok_s"] < metrics(fast)["throughput_tok_s"]
+    assert metrics(slow)["ttft_p50_s"] > metrics(fast)["ttft_p50_s"]
+    with pytest.raises(ValueError, match="calibration must hold"):
+        predict_replay(tr, calibration={"step_ms": 12.0})
+    with pytest.raises(ValueError, match="step_ms"):
+        fit_layer_overhead_to(base, cfg, 0.0, 1, 130, "x")

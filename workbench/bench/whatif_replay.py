@@ -5,9 +5,12 @@ throughput and TTFT within 20%).
     python -m workbench bench whatif_replay [--requests 300] [--rate 20] [--out data/results]
 
 The trace is the Alpaca-like one (short prompts and outputs, so a few hundred requests take a minute), re-spaced
-as Poisson arrivals at ``--rate``. The prediction's per-layer floor is fitted to the committed ``bench
-model_decode`` run's eager step at batch 1 (the runner here runs eagerly); ``--smoke``: two layers on the CPU, a
-handful of requests, the plumbing only (no timing claim).
+as Poisson arrivals at ``--rate``. The prediction's per-layer floor is fitted to the runner's eager step at batch 1
+measured on this machine before the replay (``workbench.whatif.replay.calibrate``: an eager step is mostly host
+time, which differs between machines); the row also carries the prediction fitted to the committed ``bench
+model_decode`` run's eager step (``committed_fit_*``, the way before) and the calibration's prefill against the
+model's (``calibration_prefill_ms``, ``predicted_prefill_ms``: a check, not fitted). ``--smoke``: two layers on the
+CPU, a handful of requests, the plumbing only (no timing claim).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from workbench.core.argtypes import positive_float, positive_int
 from workbench.model import SMOLLM2_135M, Llama, PagedKV, Runner, random_weights
 from workbench.results import provenance, run_files
 from workbench.sim.traces import Trace
-from workbench.whatif.replay import compare, predict_replay, replay
+from workbench.whatif.replay import calibrate, compare, predict_replay, replay
 from workbench.whatif.report import load_trace
 
 
@@ -59,15 +62,23 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if not args.smoke:  # warm up the kernels (compilation is not serving time)
         replay(Trace("warmup", trace.requests[:4]), runner, sync=sync, max_batch=args.max_batch)
+    # this machine's eager step at batch 1 (the prediction's one fitted number) and a prefill (a check)
+    cal = calibrate(runner, context=8 if args.smoke else 128, prompt=8 if args.smoke else 64,
+                    reps=2 if args.smoke else 8, sync=sync)
     t0 = time.perf_counter()
     measured = replay(trace, runner, max_batch=args.max_batch, sync=sync)
     wall = time.perf_counter() - t0
-    predicted = predict_replay(trace, max_batch=args.max_batch)
+    predicted = predict_replay(trace, max_batch=args.max_batch, calibration=cal)
+    committed = predict_replay(trace, max_batch=args.max_batch)  # fitted to the committed run instead: the old way
     result = compare(measured, predicted)
     print(f"measured {result['measured']}\npredicted {result['predicted']}\nerror {result['error']}")
     row = {"section": "replay", "requests": n, "rate": args.rate, "max_batch": args.max_batch,
            "steps_measured": measured["steps"], "steps_predicted": predicted["steps"], "wall_s": wall,
-           "launch_fit": predicted["launch_us"],
+           "launch_fit": predicted["launch_us"], "calibration_step_ms": cal["step_ms"],
+           "calibration_prefill_ms": cal["prefill_ms"], "calibration_prompt": cal["prompt"],
+           "predicted_prefill_ms": predicted["prefill_ms"],
+           "committed_fit": committed["launch_us"],
+           **{f"committed_fit_{k}": v for k, v in compare(measured, committed)["predicted"].items()},
            **{f"measured_{k}": v for k, v in result["measured"].items()},
            **{f"predicted_{k}": v for k, v in result["predicted"].items()},
            **{f"error_{k}": v for k, v in result["error"].items()}}

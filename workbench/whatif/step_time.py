@@ -159,12 +159,25 @@ def fit_layer_overhead(profile: GpuProfile, cfg: LlamaConfig, run: Path | str | 
     row = next((r for r in doc["rows"] if r.get("section") == "decode" and r.get("batch") == batch), None)
     if row is None or column not in row:
         raise ValueError(f"{Path(path).name} has no decode row at batch {batch} with {column!r}")
-    ctx = int(row["context_end"])
+    fitted = fit_layer_overhead_to(profile, cfg, row[column], batch, batch * int(row["context_end"]),
+                                   f"{Path(path).name} batch {batch} {column}")
+    return replace(fitted, files=(*profile.files, Path(path).name))
+
+
+def fit_layer_overhead_to(profile: GpuProfile, cfg: LlamaConfig, step_ms: float, batch: int, context_tokens: int,
+                          source: str) -> GpuProfile:
+    """``profile`` with ``launch_us`` fitted to one measured decode step of ``step_ms`` at ``batch`` sequences holding
+    ``context_tokens`` in all (what the step's weights, attention and write do not explain, spread over the layers);
+    ``source`` says where the step was measured. :func:`fit_layer_overhead` takes the step from a committed run; a
+    replay measures its own runner's on the machine it runs on (``workbench.whatif.replay.calibrate``)."""
+    if isinstance(step_ms, bool) or not isinstance(step_ms, (int, float)) or not step_ms > 0:
+        raise ValueError(f"step_ms must be a number > 0 (milliseconds), got {step_ms!r}")
+    _check_count("batch", batch, 1)
+    _check_count("context_tokens", context_tokens, 0)
     base = StepModel(profile.with_launch(Measured(0.0, "fitted")), cfg, "fp16", weight_bytes=2.0)
-    rest = step_seconds(base.decode(batch, batch * ctx))
-    per_layer = max(0.0, (row[column] * 1e-3 - rest) / cfg.num_hidden_layers) * 1e6
-    src = f"fitted: {Path(path).name} batch {batch} {column} {row[column]:.3f} ms"
-    return replace(profile, launch_us=Measured(per_layer, src), files=(*profile.files, Path(path).name))
+    rest = step_seconds(base.decode(batch, context_tokens))
+    per_layer = max(0.0, (step_ms * 1e-3 - rest) / cfg.num_hidden_layers) * 1e6
+    return replace(profile, launch_us=Measured(per_layer, f"fitted: {source} {step_ms:.3f} ms"))
 
 
 def _check_count(name: str, v, lo: int) -> None:
