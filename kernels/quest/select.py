@@ -1,7 +1,7 @@
 """Quest page selection: the top ``page_budget`` pages of every sequence and the compacted block table, in one launch.
 
-:func:`quest_select` runs one program per sequence: a radix search over order-preserving int32 keys of the scores
-(:mod:`.scores`) finds the budget-th largest, a prefix sum places the chosen pages in page order, their block ids and
+The one-program kernel (:func:`~.api.quest_select` chooses it or :mod:`.select_split`'s) runs one program per
+sequence: a radix search over order-preserving int32 keys of the scores (:mod:`.scores`) finds the budget-th largest, a prefix sum places the chosen pages in page order, their block ids and
 the new lengths are written (every chosen page full but the sequence's last, which keeps its partial length). Ties go
 to the lower page index, as in the reference (``workbench.compress.page_selection.select_pages``), so the tables match bit for
 bit. No host sync anywhere: the tables feed :class:`~workbench.kernels.decode.DecodePlan` built once on these buffers.
@@ -16,7 +16,6 @@ import triton.language as tl
 from workbench.core.backend import is_interpreted
 
 from .. import common
-from ..decode.config import _num_sms
 
 INT_MIN = tl.constexpr(-(2**31))  # a padding lane's key: below every score's (-inf's is -2139095041)
 INT_MAX = tl.constexpr(2**31 - 1)
@@ -172,66 +171,3 @@ def _check_select_inputs(block_table, seq_lens, page_budget, page_size, out_tabl
     out_table = common.output_buffer("out_table", out_table, (B, k), torch.int32, dev)
     out_lens = common.output_buffer("out_lens", out_lens, (B,), torch.int32, dev)
     return B, W, k, out_table, out_lens
-
-
-def quest_select(scores: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, page_budget: int, *,
-                 page_size: int, out_table: torch.Tensor | None = None, out_lens: torch.Tensor | None = None,
-                 block_w: int | None = None, split: bool | None = None,
-                 block_s: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compacted block table of each sequence's ``page_budget`` best pages: one launch, on the device (no host
-    sync, no ``torch.topk``).
-
-    The choice is :func:`workbench.compress.page_selection.select_pages`' (the reference, the same table bit for bit): per
-    sequence the ``min(page_budget, pages)`` pages of highest score among its ``ceil(seq_lens / page_size)`` pages,
-    equal scores going to the lower page index; NaN counts as ``+inf``, ``-0.0`` as ``+0.0``. The forced pages are
-    the scores kernel's ``+inf`` (``keep_first`` / ``keep_last``); the scores of padding pages are not read.
-
-    Args:
-        scores: ``[B, max_blocks]`` fp32 page scores (:func:`quest_page_scores`), unit last stride.
-        block_table: ``[B, max_blocks]`` int32, unit last stride; seq_lens: ``[B]`` int32.
-        page_budget: pages kept per sequence (all of them where a sequence has fewer).
-        page_size: tokens per page.
-        out_table, out_lens: optional buffers ``[B, min(page_budget, max_blocks)]`` / ``[B]`` int32 (a plan's).
-        block_w: pages per tile of the kernel (a power of two; default: the whole row up to 8192 pages). Tests use
-            small tiles to cover rows of several.
-        split: the multi-program kernel (:mod:`.select_split`, True), the one-program kernel (False), or the rule's
-            choice (None: :func:`~.select_split.split_select` on ``B``, ``max_blocks`` and the GPU's SMs).
-        block_s: pages per program of the multi-program kernel (a power of two; default: as many programs as SMs).
-
-    Returns:
-        ``(table, lens)``: the chosen pages' blocks in their original order (then padding: the sequence's first
-        block, never read), and each sequence's length over them (every chosen page full but the sequence's last,
-        which keeps its partial length).
-
-    One program per sequence: the scores become order-preserving int32 keys; a radix search (4 key bits a pass,
-    16 candidate thresholds counted in one reduction, at most 8 passes, fewer once exactly the budget's count is
-    above a threshold) finds the budget-th largest key; one prefix sum then places every chosen page at its rank
-    in page order. The multi-program kernel gives the same table (its docstring says how); this call allocates its
-    scratch (a plan keeps its own).
-    """
-    from . import select_split as _split  # (the multi-program kernel builds on this module's helpers)
-
-    if split is not None and not isinstance(split, bool):
-        raise ValueError(f"split must be True, False or None (the rule's choice), got {split!r}")
-    if split is False and block_s is not None:
-        raise ValueError(f"block_s is the multi-program kernel's (split=True or None), got {block_s!r} with split=False")
-    B, W, k, out_table, out_lens = _check_select_inputs(block_table, seq_lens, page_budget, page_size, out_table,
-                                                        out_lens)
-    if not isinstance(scores, torch.Tensor) or scores.shape != (B, W) or scores.dtype != torch.float32 \
-            or scores.device != block_table.device or (W and scores.stride(1) != 1):
-        raise ValueError(f"scores must be an fp32 [{B}, {W}] tensor on {block_table.device} with unit last stride, "
-                         f"got {common.describe(scores)}")
-    num_sms = _num_sms(block_table.device)
-    split_ce = _split._split_config(B, W, page_size, num_sms, block_s, block_w) if split is not False else None
-    if split is None:
-        split = _split.split_select(B, W, num_sms)
-    grid, ce = split_ce if split else ((B,), _select_config(W, page_size, block_w))
-    if B and W:
-        if split:
-            _split._split_select_kernel[grid](scores, block_table, seq_lens, out_table, out_lens,
-                                              *_split.split_scratch(B, W, scores.device), W, k, scores.stride(0),
-                                              block_table.stride(0), out_table.stride(0), **ce)
-        else:
-            _select_pages_kernel[grid](scores, block_table, seq_lens, out_table, out_lens, W, k, scores.stride(0),
-                                       block_table.stride(0), out_table.stride(0), **ce)
-    return out_table, out_lens

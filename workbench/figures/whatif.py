@@ -1,5 +1,5 @@
 """Plotly figures of notebook 10 (serving what-if), built from the plain data of ``workbench.whatif.whatif`` and the
-rows of ``workbench.studies.whatif`` (:func:`~workbench.studies.whatif.frontier`, ``why_table``).
+rows of ``workbench.studies.whatif`` (:func:`~workbench.studies.whatif.frontier`) and ``workbench.whatif.why``.
 
 - :func:`frontier_figure`: throughput against TTFT p50 and TPOT p50 as the arrival rate grows, a curve per K/V
   scheme, and each scheme's quality against its throughput at the highest rate;
@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from workbench.figures.titles import setup_title, wrap
-from workbench.studies.whatif import files_of, why_table
+from workbench.whatif.why import files_of, why_table
 
 PALETTE = ("#264653", "#2a9d8f", "#e9c46a", "#e76f51", "#8ab17d", "#6d597a", "#9c6644", "#577590", "#f4a261")
 PART_COLORS = {"weights": "#264653", "attention": "#2a9d8f", "write": "#e9c46a", "overhead": "#8d99ae",

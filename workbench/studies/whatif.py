@@ -24,6 +24,7 @@ from workbench.studies.base import Param, Study
 from workbench.whatif import models, report, validation
 from workbench.whatif.profile import GpuProfile, Measured
 from workbench.whatif.serve import PREEMPTION, Knobs
+from workbench.whatif.why import bench_of, files_of, kind_of, why_table  # noqa: F401  (the study's names too)
 
 GPUS = {"h200": "H200 (committed runs)"}  # a profile per GPU whose runs are committed (GpuProfile.from_results)
 SCHEMES = WHATIF_SCHEMES  # the K/V schemes the H200 profile's bench quant_decode run timed (tests check each)
@@ -36,7 +37,6 @@ SAME = "same"  # host_format: the device's own scheme
 KEEPS = (1.0, 0.5, 0.25, 0.1)  # the budgets the committed compression run measured (and all of the prompt)
 POLICIES = ("h2o", "snapkv", "streaming")
 PARTS = ("weights", "attention", "write", "overhead")  # a decode step's parts (workbench.whatif.step_time)
-_FILE = re.compile(r"[\w.-]+\.json")
 
 
 def knobs(block_size: int, kv_gib: float, preemption: str, host_gib: float, host_format: str, keep: float,
@@ -79,33 +79,6 @@ def run(model: str, profile: str, trace: str, rate: float, block_size: int, sche
 def trace_label(name: str) -> str:
     """A trace's name in words: ``sharegpt_synth`` (``traces.generate``'s) -> ``ShareGPT-like``; others as they are."""
     return TRACES.get(name.removesuffix("_synth"), name)
-
-
-def files_of(source: str) -> list[str]:
-    """The result files a source names (``quant-decode-h200-....json``), in order, once each."""
-    return list(dict.fromkeys(_FILE.findall(source)))
-
-
-def kind_of(source: str) -> str:
-    """``measured``, ``fitted``, ``assumed`` or a mix (``measured + assumed``) of what a source says it rests on: a
-    result file outside a ``fitted: ...`` clause is measured."""
-    clauses = re.split(r"[;(]", source)
-    kinds = [k for k, hit in (("measured", any(_FILE.search(c) and "fitted" not in c and "assumed" not in c
-                                               for c in clauses)),
-                              ("fitted", "fitted" in source), ("assumed", "assumed" in source)) if hit]
-    return " + ".join(kinds) or "given"
-
-
-def why_table(out: dict, step: str = "decode") -> list[dict]:
-    """One row a part of ``out["why"][step]`` (``decode`` or ``prefill``): ``part``, ``ms``, ``share`` of the step,
-    ``kind`` (:func:`kind_of`), ``files`` (the result files it came from, joined) and ``source`` (the words)."""
-    if step not in ("decode", "prefill"):
-        raise ValueError(f"step must be 'decode' or 'prefill', got {step!r}")
-    parts = out["why"][step]
-    total = sum(p["seconds"] for p in parts)
-    return [{"part": p["name"], "ms": p["seconds"] * 1e3, "share": p["seconds"] / total if total else 0.0,
-             "kind": kind_of(p["source"]), "files": ", ".join(files_of(p["source"])) or "-", "source": p["source"]}
-            for p in parts]
 
 
 def whatif_point(model: str, profile: str, trace: str, rate: float, block_size: int, scheme: str, kv_gib: float,
@@ -157,11 +130,6 @@ def frontier(schemes, rates, **params) -> list[dict]:
 INPUT_WORDS = {"copy_gbps": "copy bandwidth (GB/s)", "launch_us": "kernel floor a layer (µs)",
                "gemv_frac": "weight reads (of copy)", "peak_tflops": "tensor peak (TFLOP/s)",
                "prefill_mfu": "prefill (of the peak)", "hbm_gib": "HBM (GiB)"}
-
-
-def bench_of(source: str) -> str:
-    """A source with each result file named by its benchmark: ``quant-decode-h200-2026...json`` -> ``quant-decode``."""
-    return _FILE.sub(lambda m: re.sub(r"-[^-]+-\d{8}T\d+\.json$", "", m.group()), source)
 
 
 def inputs(profile: str = "h200", schemes=("fp16",)) -> list[dict]:
