@@ -56,6 +56,35 @@ def _emit_tile(b_key, o_w, m_w, t_lo, t_hi, need, n_above, n_bucket, bt_row, out
 
 
 @triton.jit
+def _emit_tiles(sc_row, bt_row, out_row, o_w, n_valid, t_lo, t_hi, need, last_page, BLOCK_W: tl.constexpr):
+    """:func:`_emit_tile` over a row's tiles, its keys read again from the scores; whether the sequence's last page
+    was chosen."""
+    n_above = tl.zeros([], dtype=tl.int32)
+    n_bucket = tl.zeros([], dtype=tl.int32)
+    has_last = n_valid < 0
+    for i_t in range(0, tl.cdiv(n_valid, BLOCK_W)):
+        o_t = i_t * BLOCK_W + o_w
+        n_above, n_bucket, h = _emit_tile(_page_keys(sc_row, o_t, n_valid), o_t, o_t < n_valid, t_lo, t_hi, need,
+                                          n_above, n_bucket, bt_row, out_row, last_page)
+        has_last = has_last | h
+    return has_last
+
+
+@triton.jit
+def _finish_row(bt_row, out_row, out_lens_ptr, i_b, o_w, kk, K, seq_len, n_pages, has_last, PAGE: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    """The compacted row's padding past its ``kk`` chosen pages (the sequence's first block, never read) and its
+    length (every chosen page full but the sequence's last, if chosen)."""
+    first = tl.load(bt_row)
+    for i_t in range(0, tl.cdiv(K, BLOCK_W)):
+        o_t = i_t * BLOCK_W + o_w
+        tl.store(out_row + o_t, tl.zeros([BLOCK_W], dtype=tl.int32) + first, mask=(o_t >= kk) & (o_t < K))
+    last_len = seq_len - (n_pages - 1) * PAGE  # 1..PAGE tokens in the sequence's last page
+    new_len = kk * PAGE - tl.where(has_last, PAGE - last_len, 0)
+    tl.store(out_lens_ptr + i_b, tl.where(seq_len > 0, new_len, 0))
+
+
+@triton.jit
 def _select_pages_kernel(
     sc_ptr,  # [B, W] fp32 page scores (padding past a sequence's pages is not read; forced pages +inf)
     bt_ptr,  # [B, W] int32 block table
@@ -122,19 +151,8 @@ def _select_pages_kernel(
         _, _, has_last = _emit_tile(b_key, o_w, o_w < n_valid, t_lo, t_hi, need, n_above, n_bucket, bt_row,
                                     out_row, last_page)
     else:
-        has_last = n_valid < 0
-        for i_t in range(0, n_tiles):
-            o_t = i_t * BLOCK_W + o_w
-            n_above, n_bucket, h = _emit_tile(_page_keys(sc_row, o_t, n_valid), o_t, o_t < n_valid, t_lo, t_hi,
-                                              need, n_above, n_bucket, bt_row, out_row, last_page)
-            has_last = has_last | h
-    first = tl.load(bt_row)  # padding entries: a block of the sequence's row (never read past its length)
-    for i_t in range(0, tl.cdiv(K, BLOCK_W)):
-        o_t = i_t * BLOCK_W + o_w
-        tl.store(out_row + o_t, tl.zeros([BLOCK_W], dtype=tl.int32) + first, mask=(o_t >= kk) & (o_t < K))
-    last_len = seq_len - (n_pages - 1) * PAGE  # 1..PAGE tokens in the sequence's last page
-    new_len = kk * PAGE - tl.where(has_last, PAGE - last_len, 0)
-    tl.store(out_lens_ptr + i_b, tl.where(seq_len > 0, new_len, 0))
+        has_last = _emit_tiles(sc_row, bt_row, out_row, o_w, n_valid, t_lo, t_hi, need, last_page, BLOCK_W)
+    _finish_row(bt_row, out_row, out_lens_ptr, i_b, o_w, kk, K, seq_len, n_pages, has_last, PAGE, BLOCK_W)
 
 
 def _select_config(W: int, page_size: int, block_w: int | None, num_warps: int | None = None, radix: int = 4) -> dict:

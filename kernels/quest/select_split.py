@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .select import INT_MAX, _emit_tile, _page_keys
+from .select import INT_MAX, _emit_tile, _emit_tiles, _finish_row, _page_keys
 
 FINE_BINS = 65536  # the row histogram of the top 16 key bits (256 KiB of int32 a sequence)
 COARSE_BINS = 256  # the row histogram of the top 8 key bits
@@ -163,19 +163,8 @@ def _split_select_kernel(
             _, _, has_last = _emit_tile(b_key, o_w, o_w < n_valid, t_lo, t_hi, need, n_above, n_bucket, bt_row,
                                         out_row, last_page)
         else:
-            has_last = n_valid < 0
-            for i_t in range(0, tl.cdiv(n_valid, BLOCK_W)):
-                o_t = i_t * BLOCK_W + o_w
-                n_above, n_bucket, h = _emit_tile(_page_keys(sc_row, o_t, n_valid), o_t, o_t < n_valid, t_lo, t_hi,
-                                                  need, n_above, n_bucket, bt_row, out_row, last_page)
-                has_last = has_last | h
-        first = tl.load(bt_row)  # padding entries: a block of the sequence's row (never read past its length)
-        for i_t in range(0, tl.cdiv(K, BLOCK_W)):
-            o_t = i_t * BLOCK_W + o_w
-            tl.store(out_row + o_t, tl.zeros([BLOCK_W], dtype=tl.int32) + first, mask=(o_t >= kk) & (o_t < K))
-        last_len = seq_len - (n_pages - 1) * PAGE  # 1..PAGE tokens in the sequence's last page
-        new_len = kk * PAGE - tl.where(has_last, PAGE - last_len, 0)
-        tl.store(out_lens_ptr + i_b, tl.where(seq_len > 0, new_len, 0))
+            has_last = _emit_tiles(sc_row, bt_row, out_row, o_w, n_valid, t_lo, t_hi, need, last_page, BLOCK_W)
+        _finish_row(bt_row, out_row, out_lens_ptr, i_b, o_w, kk, K, seq_len, n_pages, has_last, PAGE, BLOCK_W)
 
 
 def split_select(batch: int, width: int, num_sms: int) -> bool:
