@@ -79,8 +79,7 @@ def _filled(kv_dtype="fp16", pages=24):
 
 
 @pytest.mark.kernels
-@pytest.mark.parametrize("host_format", ["int4/token", "fp8_e4m3/token", "int4/kivi"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("host_format, seed", [("int4/token", 0), ("fp8_e4m3/token", 1), ("int4/kivi", 2)])
 def test_a_move_in_chunks_equals_the_move_at_once_both_ways(host_format, seed):
     cache = _filled()
     tc = TieredCache(cache, host_bytes=1 << 22, host_format=host_format, fsync=False, path="dma")
