@@ -1,4 +1,4 @@
-"""workbench.compress.delta (lossless delta + zstd coding of K/V, and its lossy variant after quantization) and the
+"""workbench.coding.delta (lossless delta + zstd coding of K/V, and its lossy variant after quantization) and the
 break-even arithmetic of workbench.compress.delta_study. Small tensors, one torch thread: a few seconds."""
 
 import dataclasses
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from workbench import quant
 from workbench.bench import compression_delta
-from workbench.compress import delta as dz
-from workbench.compress import delta_options as opts
+from workbench.coding import delta as dz
+from workbench.coding import delta_options as opts
 from workbench.compress import delta_quant as dq
 from workbench.compress import delta_study as study
 

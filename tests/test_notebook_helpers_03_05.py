@@ -114,7 +114,9 @@ def test_pattern_traces_and_their_rows():
 
 
 def test_capture_summary():
-    tr = access.trace_from_capture("code", 18, block_size=8, k=4)
+    from workbench.model.capture import find
+
+    tr = access.trace_from_capture(find("code"), 18, block_size=8, k=4)
     s = access.capture_summary(tr)
     assert s["covered"] == pytest.approx(sum(tr.covered) / len(tr)) and 0 < s["block_share"] < s["covered"] <= 1
     assert s["recall"] == pytest.approx(float(access.recall(tr).mean()))

@@ -317,15 +317,21 @@ def test_quest_bound_on_real_attention_covers_what_attention_needs():
 
 @needs_captures
 def test_capture_trace_by_name_and_replayable():
-    tr = trace_from_capture("code", 18, 16, 2, path=ACTIVATIONS)
+    from workbench.model.capture import find
+
+    tr = trace_from_capture(find("code", ACTIVATIONS), 18, 16, 2)
     assert tr.name.startswith("code L18")
     r = replay(tr, "score", device_blocks=4, **CFG)
     assert r.hits + r.misses == tr.total_reads
 
 
 def test_capture_trace_without_files_says_so(tmp_path):
+    from workbench.model.capture import find
+
     with pytest.raises(FileNotFoundError, match="no SmolLM2 captures"):
-        trace_from_capture(0, 6, 16, 4, path=tmp_path)
+        find(0, tmp_path)
+    with pytest.raises(ValueError, match="capture must be a workbench.model.capture.Capture"):
+        trace_from_capture("code", 6, 16, 4)  # a name: the caller finds the capture (the tiers read no model files)
 
 
 # ---- registry, compare, bad arguments ----------------------------------------------------------------------------
@@ -416,3 +422,16 @@ class BadOrder(PrefetchState):
 def test_bad_arguments_name_the_argument(call, argument):
     with pytest.raises(ValueError, match=argument):
         call()
+
+
+@needs_captures
+def test_a_saved_capture_is_found_by_name_or_index_and_bad_ones_are_refused():
+    from workbench.model.capture import find, load
+
+    caps = load(ACTIVATIONS)
+    by_name = find(caps[1].name, ACTIVATIONS)
+    assert by_name.name == caps[1].name and find(-1, ACTIVATIONS).name == caps[-1].name
+    assert find(by_name) is by_name  # a Capture passes through
+    for bad in ("no-such-prompt", len(caps), True, 1.0):
+        with pytest.raises(ValueError, match="capture must be"):
+            find(bad, ACTIVATIONS)

@@ -19,8 +19,8 @@ import torch
 import zstandard
 
 from workbench.bench.command import BenchParser
+from workbench.coding.delta_options import check_level
 from workbench.compress import delta_study as study
-from workbench.compress.delta_options import check_level
 from workbench.core.argtypes import positive_int
 from workbench.model import capture
 from workbench.results import provenance, run_files

@@ -9,9 +9,8 @@ One concept per module, imported by name (nothing is imported here, so each stay
   the pool, partly dropped ones are kept or compacted; ``evicting_kv`` the model's cache evicting as it decodes.
 - ``page_selection``: Quest's per-page key bounds, page choice and recall (PyTorch); ``quest_decode`` Quest decode
   on the paged cache with the kernels.
-- ``delta``: lossless delta + entropy coding of K/V; ``delta_quant`` its lossy variant (quantized codes,
-  delta-coded); ``delta_options`` what both take; ``delta_study`` the ratios, speeds and break-even against the
-  tiers' links.
+- ``delta_quant``: the lossy variant of the lossless delta coding (``workbench.coding.delta``: quantized codes,
+  delta-coded); ``delta_study`` the ratios, speeds and break-even against the tiers' links.
 - ``sparsity_study``: scoring every policy (memory kept, attention-output error); ``recall_study`` Quest's recall
   on captured prompts; ``model_study`` next-token agreement and perplexity on the real model.
 """

@@ -1,4 +1,4 @@
-"""The lossy variant of :mod:`workbench.compress.delta`: quantize K/V with a ``workbench.quant`` scheme, then
+"""The lossy variant of :mod:`workbench.coding.delta`: quantize K/V with a ``workbench.quant`` scheme, then
 delta-code the codes losslessly (scales, zero points raw; a KIVI residual coded losslessly).
 
     qe = encode_quantized(k, "int4/kivi", kind="k")   # or a Scheme with its own group / residual / key_mode
@@ -16,9 +16,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from workbench import quant
-
-from .delta import Encoded, decode, encode
-from .delta_options import check_choice, check_tensor, dtype_name
+from workbench.coding.delta import Encoded, decode, encode
+from workbench.coding.delta_options import check_choice, check_tensor, dtype_name
 
 
 @dataclass(frozen=True)

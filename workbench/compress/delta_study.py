@@ -1,4 +1,4 @@
-"""What delta coding (``workbench.compress.delta``) buys on real K/V, how fast it runs here, and whether a compressed
+"""What delta coding (``workbench.coding.delta``) buys on real K/V, how fast it runs here, and whether a compressed
 swap beats a raw one on the measured links.
 
     caps = capture.load()                                  # SmolLM2-135M, 5 prompts, 6 saved layers, fp32
@@ -14,7 +14,7 @@ also reads the links the tiers benchmark measured) prints the tables and writes 
 
 The lossless study casts the fp32 captures to fp16 and bf16 (the stored K/V are fp16-exact: the capture files are
 fp16) and codes one ``[T, Hkv, D]`` tensor per (prompt, layer, kind): ``k_pre`` (keys before RoPE), ``k`` (after
-RoPE, what a cache stores), ``v``. The entropy bound is :func:`~workbench.compress.delta.entropy_ratio`: the order-0
+RoPE, what a cache stores), ``v``. The entropy bound is :func:`~workbench.coding.delta.entropy_ratio`: the order-0
 entropy of each byte plane after the same delta.
 
 Break-even (:func:`break_even`): raw ``t = B / link``; compressed ``t = B / enc + B / (ratio * link_c) + B / dec``
@@ -50,7 +50,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from workbench import quant
-from workbench.compress import delta as dz
+from workbench.coding import delta as dz
 from workbench.compress import delta_quant as dq
 from workbench.quant.names import DELTA_SCHEMES as SCHEMES
 

@@ -311,6 +311,27 @@ def load(path=None) -> list[Capture]:
     return out
 
 
+def find(capture, path=None) -> Capture:
+    """One saved capture: ``capture`` a name (``"code"``) or an index among :func:`load`'s of ``path`` (default
+    ``data/activations``), or a :class:`Capture` itself. A folder without captures is a ``FileNotFoundError`` that
+    says how to make them."""
+    if isinstance(capture, Capture):
+        return capture
+    folder = Path(path) if path is not None else DEFAULT_PATH
+    if not sorted(folder.glob("*.npz")):
+        raise FileNotFoundError(f"no SmolLM2 captures (*.npz) in {folder}: the committed copy is data/activations; "
+                                f"rebuild it with python -m workbench capture --out data/activations")
+    caps = load(folder)
+    names = [c.name for c in caps]
+    if isinstance(capture, str):
+        if capture not in names:
+            raise ValueError(f"capture must be one of {names}, an index or a Capture, got {capture!r}")
+        return caps[names.index(capture)]
+    if isinstance(capture, bool) or not isinstance(capture, int) or not -len(caps) <= capture < len(caps):
+        raise ValueError(f"capture must be a Capture, a name in {names} or an index < {len(caps)}, got {capture!r}")
+    return caps[capture]
+
+
 def _summary(avg: dict) -> list[str]:
     lines = [f"{'layer':>5} {'k_pre max/med':>13} {'top ch':>6} {'k max/med':>9} {'v max/med':>9} "
              f"{'sink0':>6} {'sink0-3':>7} {'entropy':>7}"]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from workbench.core import kv_spec as model_spec
+from workbench.model import capture as saved_captures
 from workbench.model.capture import PROMPTS, SAVED_LAYERS
 from workbench.quant.names import TIER_FORMAT_GRID, TIER_FORMATS
 from workbench.results import format_quality
@@ -53,8 +54,9 @@ def _trace(pattern: str, prompt_tokens: int, steps: int, block_size: int, window
 
 @functools.lru_cache(maxsize=8)
 def captured_trace(capture: str, layer: int, block_size: int, topk: int) -> access.AccessTrace:
-    """``access.trace_from_capture`` (``FileNotFoundError`` without the captures in ``data/activations``)."""
-    return access.trace_from_capture(capture, layer, block_size, topk)
+    """``access.trace_from_capture`` of the saved capture ``capture`` (a name: ``model.capture.find``;
+    ``FileNotFoundError`` without the captures in ``data/activations``)."""
+    return access.trace_from_capture(saved_captures.find(capture), layer, block_size, topk)
 
 
 def trace(pattern: str, *, prompt_tokens: int, steps: int, block_size: int, window: int, topk: int, drift: float,

@@ -28,11 +28,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
-from pathlib import Path
 
 import numpy as np
-
-from workbench.model import capture as cap_mod
 
 PATTERNS = ("custom", "full", "sliding_window", "topk", "capture")
 
@@ -208,13 +205,12 @@ def topk_trace(prompt_tokens: int, steps: int, block_size: int, k: int, *, sink:
                        tuple(scores), pattern="topk", prompt_tokens=prompt_tokens)
 
 
-def trace_from_capture(capture, layer: int, block_size: int, k: int, *, mass: float = 0.9,
-                       path: Path | str | None = None) -> AccessTrace:
+def trace_from_capture(capture, layer: int, block_size: int, k: int, *, mass: float = 0.9) -> AccessTrace:
     """Quest on real attention: SmolLM2-135M's last 16 prompt queries of one layer, each one decode step.
 
-    ``capture``: a ``workbench.model.capture.Capture``, or the index / name of one in ``path`` (default
-    ``data/activations``; a clear ``FileNotFoundError`` when the files are absent). Query ``i`` (position
-    ``p = T - 16 + i``) reads keys ``0 .. p``: the trace's ``prompt_tokens`` is ``T - 16``.
+    ``capture``: a ``workbench.model.capture.Capture`` (``capture.find(name or index)`` reads one of the saved
+    ones; the tiers do not read model files themselves). Query ``i`` (position ``p = T - 16 + i``) reads keys
+    ``0 .. p``: the trace's ``prompt_tokens`` is ``T - 16``.
 
     Selection: per query head, the top-``k`` blocks by the Quest bound of that head's kv head (``h // (Hq /
     Hkv)``), then the union over heads, since a block holds every head and is moved whole. ``scores``: per block
@@ -223,7 +219,10 @@ def trace_from_capture(capture, layer: int, block_size: int, k: int, *, mass: fl
     (largest first), union over heads; :func:`recall` compares the two. ``covered``: per step the mean over
     query heads of the true softmax mass inside the blocks read.
     """
-    cap = _resolve_capture(capture, path)
+    if not (hasattr(capture, "q_last") and hasattr(capture, "k") and hasattr(capture, "layers")):
+        raise ValueError(f"capture must be a workbench.model.capture.Capture (capture.find reads a saved one by name "
+                         f"or index), got {type(capture).__name__}")
+    cap = capture
     if layer not in cap.layers:
         raise ValueError(f"layer must be one of the capture's stored layers {cap.layers}, got {layer!r}")
     _positive("block_size", block_size)
@@ -278,12 +277,11 @@ def recall(trace: AccessTrace) -> np.ndarray:
 
 
 def pattern_traces(prompt_tokens: int, steps: int, block_size: int = 16, *, window_tokens: int = 256, topk: int = 16,
-                   drift: float = 0.2, capture: tuple[str, int] | None = ("code", 18), capture_block_size: int = 8,
+                   drift: float = 0.2, capture: tuple | None = None, capture_block_size: int = 8,
                    capture_topk: int = 4) -> dict[str, AccessTrace]:
     """The access patterns notebook 05 replays, by label: ``full`` (:func:`full_trace`), ``sliding window``
-    (``window_tokens`` + 4 sinks), ``top-k`` (``topk`` blocks, query ``drift``) and ``SmolLM2`` (the captured
-    prompt and layer ``capture``, top-``capture_topk`` blocks of ``capture_block_size``; left out when ``capture``
-    is None). A missing capture raises ``FileNotFoundError`` (:func:`trace_from_capture`)."""
+    (``window_tokens`` + 4 sinks), ``top-k`` (``topk`` blocks, query ``drift``) and ``SmolLM2`` (``capture``: a
+    ``(Capture, layer)`` pair, top-``capture_topk`` blocks of ``capture_block_size``; left out when None)."""
     for name, v in (("topk", topk), ("capture_block_size", capture_block_size), ("capture_topk", capture_topk)):
         _positive(name, v)  # named here: the traces call them k and block_size
     traces = {"full": full_trace(prompt_tokens, steps, block_size),
@@ -321,23 +319,6 @@ def _top(values: np.ndarray, k: int, exclude: set[int] | frozenset[int] = frozen
     order = np.lexsort((np.arange(len(values)), -values))
     return [int(b) for b in order if b not in exclude][:k]
 
-
-def _resolve_capture(capture, path):
-    if hasattr(capture, "q_last") and hasattr(capture, "k"):
-        return capture
-    folder = Path(path) if path is not None else cap_mod.DEFAULT_PATH
-    if not sorted(folder.glob("*.npz")):
-        raise FileNotFoundError(f"no SmolLM2 captures (*.npz) in {folder}: the committed copy is data/activations; "
-                                f"rebuild it with python -m workbench capture --out data/activations")
-    caps = cap_mod.load(folder)
-    names = [c.name for c in caps]
-    if isinstance(capture, str):
-        if capture not in names:
-            raise ValueError(f"capture must be one of {names}, an index or a Capture, got {capture!r}")
-        return caps[names.index(capture)]
-    if isinstance(capture, bool) or not isinstance(capture, int) or not -len(caps) <= capture < len(caps):
-        raise ValueError(f"capture must be a Capture, a name in {names} or an index < {len(caps)}, got {capture!r}")
-    return caps[capture]
 
 
 def _decode_blocks(prompt_tokens: int, steps: int, block_size: int) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""A lossless coding of the disk tier's blocks: byte-plane shuffle + zstd (``workbench.compress.delta``), applied
+"""A lossless coding of the disk tier's blocks: byte-plane shuffle + zstd (``workbench.coding.delta``), applied
 on the CPU as blocks are written to disk and undone, every checksum verified, as they are read.
 
     TieredCache(cache, host_bytes=..., disk_path="/nvme/kv", disk_bytes=..., disk_format="zstd")
@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from workbench.compress import delta as codec
+from workbench.coding import delta as codec
 from workbench.tiers.disk import DiskPool
 from workbench.tiers.errors import CorruptBlock, DiskFull
 

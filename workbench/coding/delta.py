@@ -7,7 +7,7 @@ delta-codes quantized codes.
     blob = enc.to_bytes(); Encoded.from_bytes(blob)                          # self-describing, checked on read
 
 The lossy variant (quantize, then delta-code the codes) is :mod:`workbench.compress.delta_quant`; what both take,
-and the checks that refuse the rest, are in :mod:`workbench.compress.delta_options`.
+and the checks that refuse the rest, are in :mod:`workbench.coding.delta_options`.
 
 Stages of the lossless path (each optional, recorded in :class:`Encoded`):
 

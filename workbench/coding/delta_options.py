@@ -1,4 +1,4 @@
-"""What the delta codec (:mod:`workbench.compress.delta`) and its lossy variant (:mod:`workbench.compress.delta_quant`)
+"""What the delta codec (:mod:`workbench.coding.delta`) and its lossy variant (:mod:`workbench.compress.delta_quant`)
 take, and the checks that refuse anything else by name (``ValueError``): the dtypes, each with its integer view, numpy
 unsigned type and wire code; the delta modes, byte orders and zstd levels.
 """
