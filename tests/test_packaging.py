@@ -42,6 +42,18 @@ def test_environment_yml_matches_pyproject():
     assert conda == declared, f"environment.yml {conda} != pyproject {declared}"
 
 
+def test_every_package_of_the_tree_is_listed_for_setuptools():
+    """A package missing from ``[tool.setuptools] packages`` still imports in an editable install (the folder is on
+    the path) and is absent from a wheel: every folder with an ``__init__.py`` is listed, and nothing else."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for top, name in (("workbench", "workbench"), ("kernels", "workbench.kernels")):
+        for init in (ROOT / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / top).parts
+            found.add(".".join((name, *rel)))
+    assert listed == found, f"missing: {sorted(found - listed)}; listed but absent: {sorted(listed - found)}"
+
+
 def test_info_prints_backend_and_versions(capsys):
     from workbench.__main__ import main
 
