@@ -17,21 +17,9 @@ import torch
 from triton.runtime.jit import JITFunction
 from workbench.kernels.launch import PlannedLaunch
 
-from workbench.bench.harness import time_us, time_us_graph
+from workbench.bench.harness import host_us, time_us, time_us_graph
 from workbench.bench.shared_prefix import Point
 from workbench.results.provenance import machine_meta
-
-
-def host_us(fn, n=200) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def per_launch(fn) -> dict:
@@ -80,8 +68,9 @@ def main() -> None:
         for impl, plan in (("plain", plain), ("cascade", casc)):
             def fn(plan=plan, p=p):
                 return plan.run(p.q, p.k, p.v)
-            rows.append({"point": label, "impl": impl, "host_us": host_us(fn), "time_us": time_us(fn, rep_ms=100),
-                         "time_us_graph": time_us_graph(fn, rep_ms=100), "launches": per_launch(fn)})
+            rows.append({"point": label, "impl": impl, "host_us": host_us(fn, calls=200, warmup=10),
+                         "time_us": time_us(fn, rep_ms=100), "time_us_graph": time_us_graph(fn, rep_ms=100),
+                         "launches": per_launch(fn)})
             print(json.dumps(rows[-1]))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,24 +6,12 @@ import argparse
 import cProfile
 import json
 import pstats
-import time
 
 import torch
 
+from workbench.bench.harness import host_us
 from workbench.bench.tier_formats import SHAPE, filled_cache, staged_blocks
 from workbench.tiers import formats
-
-
-def host_us(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    t = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return t
 
 
 def case(name: str, bs: int, n: int) -> dict:

@@ -35,6 +35,19 @@ def _page_keys(sc_row, o_w, n_valid):
 
 
 @triton.jit
+def _radix_step(b_cnt, kk, n_hi, t_lo, shift):
+    """One pass of the radix search: ``b_cnt`` keys >= each candidate ``t_lo + (i << shift)``
+    (falling with i; the first >= kk) narrows the bucket to the last candidate still counting kk. Returns ``(n_ge,
+    n_hi, t_lo, t_hi)``: keys >= the new ``t_lo``, keys above the new ``t_hi``, the bucket."""
+    m_ok = b_cnt >= kk
+    d = tl.sum(m_ok.to(tl.int32), 0) - 1
+    n_ge = tl.min(tl.where(m_ok, b_cnt, INT_MAX), 0)
+    n_hi = tl.maximum(n_hi, tl.max(tl.where(m_ok, 0, b_cnt), 0))
+    t_lo = t_lo + (d << shift)
+    return n_ge, n_hi, t_lo, t_lo + ((1 << shift) - 1)
+
+
+@triton.jit
 def _emit_tile(b_key, o_w, m_w, t_lo, t_hi, need, n_above, n_bucket, bt_row, out_row, last_page):
     """Write the chosen pages of one tile of keys to the compacted row, in page order. A page is chosen when its key
     is above the bucket ``[t_lo, t_hi]`` or it is one of the bucket's first ``need`` pages (lowest index first);
@@ -136,12 +149,7 @@ def _select_pages_kernel(
                 b_kt = _page_keys(sc_row, i_t * BLOCK_W + o_w, n_valid)
                 b_cnt += tl.sum((b_kt[None, :] >= b_cand[:, None]).to(tl.int32), 1)
         b_cnt -= tl.where((o_r == 0) & (t_lo == INT_MIN), n_pad, 0)  # padding lanes pass only the INT_MIN candidate
-        m_ok = b_cnt >= kk  # [2**RADIX] a prefix (counts fall as the candidate grows)
-        d = tl.sum(m_ok.to(tl.int32), 0) - 1
-        n_ge = tl.min(tl.where(m_ok, b_cnt, INT_MAX), 0)
-        n_hi = tl.maximum(n_hi, tl.max(tl.where(m_ok, 0, b_cnt), 0))
-        t_lo = t_lo + (d << shift)
-        t_hi = t_lo + ((1 << shift) - 1)
+        n_ge, n_hi, t_lo, t_hi = _radix_step(b_cnt, kk, n_hi, t_lo, shift)  # counts fall as the candidate grows
         shift -= RADIX
     need = kk - n_hi  # bucket pages to take (all of it when the search stopped early)
     last_page = n_pages - 1

@@ -25,23 +25,10 @@ import triton
 import triton.language as tl
 
 from .. import common
-from .select import INT_MAX, _emit_tile, _emit_tiles, _finish_row, _page_keys
+from .select import INT_MAX, _emit_tile, _emit_tiles, _finish_row, _page_keys, _radix_step
 
 FINE_BINS = 65536  # the row histogram of the top 16 key bits (256 KiB of int32 a sequence)
 COARSE_BINS = 256  # the row histogram of the top 8 key bits
-
-
-@triton.jit
-def _radix_step(b_cnt, kk, n_hi, t_lo, shift):
-    """One pass of the radix search (as :mod:`.select`'s): ``b_cnt`` keys >= each candidate ``t_lo + (i << shift)``
-    (falling with i; the first >= kk) narrows the bucket to the last candidate still counting kk. Returns ``(n_ge,
-    n_hi, t_lo, t_hi)``: keys >= the new ``t_lo``, keys above the new ``t_hi``, the bucket."""
-    m_ok = b_cnt >= kk
-    d = tl.sum(m_ok.to(tl.int32), 0) - 1
-    n_ge = tl.min(tl.where(m_ok, b_cnt, INT_MAX), 0)
-    n_hi = tl.maximum(n_hi, tl.max(tl.where(m_ok, 0, b_cnt), 0))
-    t_lo = t_lo + (d << shift)
-    return n_ge, n_hi, t_lo, t_lo + ((1 << shift) - 1)
 
 
 @triton.jit

@@ -10,6 +10,7 @@ measurement), stamped by :func:`workbench.results.provenance.machine_meta` and w
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -56,6 +57,20 @@ def time_us_events(fn: Callable[[], object], reps: int = 10, rounds: int = 3) ->
         end.synchronize()
         out.append(start.elapsed_time(end) * 1e3 / reps)
     return statistics.median(out)
+
+
+def host_us(fn: Callable[[], object], calls: int = 20, warmup: int = 3) -> float:
+    """Host microseconds a call of ``fn`` takes to issue its work, without waiting for it (the GPU synchronized
+    before and after, not between): what an eager step pays for its launches."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:

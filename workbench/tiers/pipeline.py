@@ -17,6 +17,8 @@ On a CPU the same chunks run one after another (no streams): the tests cover the
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 #: A chunk's wire bytes at least (its copy outlasts the host's issue of the next chunk's transcode, see above),
@@ -55,15 +57,7 @@ def run_pieces(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int,
 
 
 def _stream(s):
-    return torch.cuda.stream(s) if s is not None else _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
 
 
 def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]],

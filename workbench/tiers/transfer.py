@@ -22,6 +22,7 @@ issued early overlaps the decode running meanwhile. On a CPU every move is a pla
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -288,7 +289,7 @@ class BlockMover:
             return self._run_transcoded(False, None, dev_t, runs, bb, bs, main,
                                         lambda st, sq, ids: self._scatter(st, sq, ids, stage_space, pool_space,
                                                                           geometry))
-        with torch.cuda.stream(main) if (to_host and main is not None) else _nullcontext():
+        with torch.cuda.stream(main) if (to_host and main is not None) else contextlib.nullcontext():
             staging = torch.empty(n * dev_bb, dtype=torch.uint8, device=c.device)
             seq = torch.arange(n, dtype=torch.int64, device=c.device)
             if to_host:
@@ -428,14 +429,6 @@ class PinnedIds:
         """The last :meth:`put` range is read by the move that ``event`` follows."""
         if self._last[1] > self._last[0]:
             self.inflight.append((*self._last, event))
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def block_bytes(cache, block_size: int) -> int:
