@@ -1,16 +1,18 @@
 """A transcoding move in chunks: the transcode of one chunk runs beside the host link's copy of the one before.
 
-A format below the device (``workbench.tiers.formats``) puts a transcode between the gather and the copy of a swap-out
-(between the copy and the scatter of a swap-in). Done for the whole batch and then copied, the two add up: on an H100
-(``bench tiers``, 2026-12-05) int4 per token moved 2.0-2.3x fp16's tokens a second at 1024 blocks, where its bytes
-(0.31 of fp16's) allow 3.2x, because the transcode of the batch (0.27 of copy bandwidth) ran before its DMA began.
-Cut into chunks, the transcode of chunk ``i + 1`` (on the mover's ``xcode`` stream) runs while the copy engine moves
-chunk ``i`` (on its ``side`` stream): what is left of the transcode is its first chunk's share, and the link moves
-the format's bytes at its own speed. A chunk must stay large: issuing its transcode costs the host ~0.9 ms whatever
-its size (four Triton launches and their checks: ``scripts/probe_transcode_host.py``, H100, 2026-12-05: encode 910-950
-us, decode 850-880 us, at 32 and 128 blocks of 64 tokens), and a move whose chunks copy faster than the host issues
-them is host-bound (the same H100 with 8 MiB chunks: int4 at 16-token blocks 1.2x fp16's tokens a second against 2.2x
-in one piece). So a chunk's copy takes about twice that issue time: 96 MiB at the link's ~55 GB/s is 1.8 ms.
+A format below the device (``workbench.tiers.formats``) puts a transcode between the gather and the copy of a
+swap-out (between the copy and the scatter of a swap-in). Done for the whole batch and then copied, the two add up:
+on an H100 (``bench tiers``, 2026-12-05) int4 per token moved 2.0-2.3x fp16's tokens a second at 1024 blocks, where
+its bytes (0.31 of fp16's) allow 3.2x, because the transcode of the batch (0.27 of copy bandwidth) ran before its
+DMA began. Cut into chunks, the transcode of chunk ``i + 1`` (on the mover's ``xcode`` stream) runs while the copy
+engine moves chunk ``i`` (on its ``side`` stream), and on the way down each chunk is gathered just before its encode
+(the whole batch's gather, ~1 ms at 1024 blocks of 64, ran in front of everything when it was one launch): what is
+left is the first chunk's gather and transcode, and the link moves the format's bytes at its own speed. A chunk must
+stay large: issuing its transcode costs the host ~0.9 ms whatever its size (four Triton launches and their checks:
+``scripts/probe_transcode_host.py``, H100, 2026-12-05: encode 910-950 us, decode 850-880 us, at 32 and 128 blocks of
+64 tokens), and a move whose chunks copy faster than the host issues them is host-bound (the same H100 with 8 MiB
+chunks: int4 at 16-token blocks 1.2x fp16's tokens a second against 2.2x in one piece). So a chunk's copy takes
+about twice that issue time: 96 MiB at the link's ~55 GB/s is 1.8 ms.
 
 On a CPU the same chunks run one after another (no streams): the tests cover the splitting there.
 """
@@ -60,15 +62,25 @@ def _stream(s):
     return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
 
 
-def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]],
-                  xcode, side) -> list[torch.Tensor]:
-    """Swap-out: device blocks ``staging`` ``[n, device block bytes]`` (gathered) -> the host runs, a chunk at a time:
-    encode on ``xcode``, copy on ``side`` after it (``None`` streams: a CPU, one after another). Returns the buffers
-    to keep alive until the move completes."""
+def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]], gather,
+                  main, xcode, side) -> list[torch.Tensor]:
+    """Swap-out: device blocks -> the host runs, a chunk at a time: ``gather(lo, hi)`` the chunk's blocks into
+    ``staging`` ``[n, device block bytes]`` on ``main`` (the current stream: ordered before any reuse of the blocks),
+    encode on ``xcode`` once they are in, copy on ``side`` after that (``None`` streams: a CPU, one after another).
+    Only the first chunk's gather and encode wait in front of the copies. Returns the buffers to keep alive until
+    the move completes."""
     keep = []
     spans = [(first, count) for first, _, count in runs]
     for lo, hi in chunks:
+        with _stream(main):
+            gather(lo, hi)
+            gathered = None
+            if xcode is not None:
+                gathered = torch.cuda.Event()
+                main.record_event(gathered)
         with _stream(xcode):
+            if gathered is not None:
+                xcode.wait_event(gathered)
             wire = mover._encode(staging[lo:hi], bs, bb).reshape(-1)
             done = None
             if xcode is not None:

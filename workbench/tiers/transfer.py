@@ -291,12 +291,18 @@ class BlockMover:
                                                                           geometry))
         with torch.cuda.stream(main) if (to_host and main is not None) else contextlib.nullcontext():
             staging = torch.empty(n * dev_bb, dtype=torch.uint8, device=c.device)
+            if self.fmt.transcodes:  # gathered a chunk at a time, each chunk's encode right behind its gather
+                def gather(lo: int, hi: int) -> None:  # on the current stream (``pipeline.transcode_out``)
+                    seq_c = torch.arange(hi - lo, dtype=torch.int64, device=c.device)
+                    self._gather(staging[lo * dev_bb:hi * dev_bb], dev_t[lo:hi], seq_c, pool_space, stage_space,
+                                 geometry)
+
+                return [staging] + self._run_transcoded(True, staging.view(n, dev_bb), dev_t, runs, bb, bs, main,
+                                                        gather)
             seq = torch.arange(n, dtype=torch.int64, device=c.device)
             if to_host:
                 self._gather(staging, dev_t, seq, pool_space, stage_space, geometry)
         keep = [staging]
-        if self.fmt.transcodes:
-            return keep + self._run_transcoded(True, staging.view(n, dev_bb), dev_t, runs, bb, bs, main, None)
         if to_host:
             if main is not None:
                 self.side.wait_stream(main)  # the copies read what the gather wrote
@@ -317,21 +323,21 @@ class BlockMover:
             return pipeline.chunk_ranges(n, self.wire_bytes(block_size), None)
         return pipeline.chunk_ranges(n, self.wire_bytes(block_size), self.chunk_bytes)
 
-    def _run_transcoded(self, to_host, staging, dev_t, runs, bb, bs, main, scatter) -> list:
-        """A transcoding move in chunks (``pipeline``): encodes and decodes on the ``xcode`` stream, copies on
-        ``side``; on a CPU the same chunks in turn."""
+    def _run_transcoded(self, to_host, staging, dev_t, runs, bb, bs, main, move) -> list:
+        """A transcoding move in chunks (``pipeline``): gathers on the current stream (``move(lo, hi)`` a chunk's),
+        encodes and decodes on the ``xcode`` stream, copies on ``side``, scatters on ``xcode`` (``move(staging,
+        seq, ids)``); on a CPU the same chunks in turn."""
         n = len(dev_t)
         chunks = self.chunks(n, bs)
         xcode, side = (self._xcode(), self.side) if self.cuda else (None, None)
         if to_host:
             if xcode is not None:
-                xcode.wait_stream(main)  # the encodes read what the gather wrote
                 staging.record_stream(xcode)
-            return pipeline.transcode_out(self, staging, runs, bb, bs, chunks, xcode, side)
+            return pipeline.transcode_out(self, staging, runs, bb, bs, chunks, move, main, xcode, side)
         wire = torch.empty(n * bb, dtype=torch.uint8, device=self.cache.device)  # on side (a CUDA move)
         if xcode is not None:
             xcode.wait_stream(side)  # a swap-in's scatters come after what side waited for (ordered moves)
-        return [wire] + pipeline.transcode_in(self, wire, runs, bb, bs, chunks, dev_t, scatter, xcode, side)
+        return [wire] + pipeline.transcode_in(self, wire, runs, bb, bs, chunks, dev_t, move, xcode, side)
 
     def _xcode(self):
         if self._xcode_stream is None:
