@@ -274,6 +274,8 @@ def test_cascade_rejects_bad_arguments(device):
         CascadePlan(table, lens, segments, suffix, rows_per_tile=24, **kw)
     with pytest.raises(ValueError, match="num_q_heads"):
         CascadePlan(table, lens, segments, suffix, **{**kw, "num_q_heads": 0})
+    with pytest.raises(ValueError, match="overlap"):
+        CascadePlan(table, lens, segments, suffix, overlap="yes", **kw)
     plan = CascadePlan(table, lens, segments, suffix, rows_per_tile=16, **kw)
     out = poison_like(q)
     with pytest.raises(ValueError, match="q must be"):
@@ -354,6 +356,43 @@ def test_group_by_overlap_reads_less_than_arrival_order():
     assert g_bytes["cascade"] < 0.8 * a_bytes["cascade"]
     with pytest.raises(ValueError, match="max_batch"):
         group_by_overlap(tables, lens, 16, max_batch=0)
+
+
+def test_overlapped_passes_give_the_same_output(device):
+    """The shared pass on a side stream changes when it runs, never the result: eagerly and captured in a CUDA graph
+    (on a GPU), two layers back to back through one plan (the second's shared pass overwrites the scratch the first's
+    merge reads: the fork must wait for it)."""
+    q, k, v, table, lens = make_shared_case("nested", "nhd", 16, 2, 4, 64, torch.float16, device, seed=7)
+    runs = find_shared_runs(table, lens, 16)
+    segments, suffix = cut(runs, range(len(runs)), len(lens))
+    kw = dict(layout="nhd", k_cache=k, v_cache=v, num_q_heads=q.shape[1], q_dtype=q.dtype, rows_per_tile=16)
+    serial = CascadePlan(table, lens, segments, suffix, **kw)
+    overlapped = CascadePlan(table, lens, segments, suffix, overlap=True, **kw)
+    assert (overlapped._side is not None) == (device.type == "cuda")
+    q2 = torch.randn_like(q)
+    want = [serial.run(x, k, v).clone() for x in (q, q2)]
+
+    def step(outs):
+        for x, o in zip((q, q2), outs, strict=True):
+            overlapped.run(x, k, v, o)
+    outs = [poison_like(q), poison_like(q)]
+    step(outs)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+    if device.type == "cuda":
+        graph_outs = [poison_like(q), poison_like(q)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm up off the default stream, as torch's graph docs ask
+            step(graph_outs)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        for o in graph_outs:
+            o.fill_(float("nan"))
+        with torch.cuda.graph(graph):
+            step(graph_outs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w) for o, w in zip(graph_outs, want, strict=True))
 
 
 def test_batch_fast_grid_gives_the_same_output(device):

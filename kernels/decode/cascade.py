@@ -24,6 +24,8 @@ the cascade is worth it at all, is ``workbench.shared_prefix``'s business; the p
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -115,6 +117,9 @@ class CascadePlan:
         return_lse: ``run`` also returns the merged log-sum-exps ``[B, Hq]`` (base 2).
         shared_launch: :func:`~workbench.kernels.decode_config` overrides for the shared pass only (it runs
             ``batch_fast``: a segment's tiles of one chunk side by side, so all but the first read it from L2).
+        overlap: on a CUDA device, run the shared pass (query gather and decode) on a side stream beside the suffix
+            pass, joined before the merge: the shared pass is bound by the tensor cores, the suffixes by memory, so
+            the GPU can run both at once. Also under CUDA-graph capture (the fork and join are captured).
         **launch: overrides for both passes (``quant`` included, as for ``paged_decode``).
 
     ``run(q, k_cache, v_cache, out=None)`` is then as :meth:`DecodePlan.run`.
@@ -123,7 +128,8 @@ class CascadePlan:
     def __init__(self, block_table: torch.Tensor, seq_lens: torch.Tensor, segments: Sequence, suffix_start: Sequence[int],
                  *, layout: Layout | str, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
                  q_dtype: torch.dtype, rows_per_tile: int = 64, k_scale=None, v_scale=None, sm_scale: float | None = None,
-                 validate: bool = True, return_lse: bool = False, shared_launch: dict | None = None, **launch) -> None:
+                 validate: bool = True, return_lse: bool = False, shared_launch: dict | None = None,
+                 overlap: bool = False, **launch) -> None:
         layout = Layout.parse(layout)
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             raise ValueError(f"block_table must be a [B, max_blocks] int32 tensor, got {_describe(block_table)}")
@@ -137,6 +143,8 @@ class CascadePlan:
             raise ValueError(f"rows_per_tile must be a power of two >= 16, got {rows_per_tile!r}")
         if shared_launch is not None and not isinstance(shared_launch, dict):
             raise ValueError(f"shared_launch must be a dict of launch options, got {type(shared_launch).__name__}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be a bool, got {overlap!r}")
         lens = seq_lens.tolist()  # the one device sync of planning (the segments are checked against the lengths)
         segs = _check_segments(segments, suffix_start, lens, B, M, block_size)
         if validate and segs:
@@ -173,6 +181,7 @@ class CascadePlan:
                                       **kw, **{**launch, "batch_fast": True, **(shared_launch or {})})
         self.__dict__.update(  # past __setattr__: the one place a plan is written
             _shared=shared_plan, _suffix=suffix_plan,
+            _side=_side_stream(device) if overlap and shared_plan is not None and device.type == "cuda" else None,
             _q_idx=q_idx.to(device), _q_v=torch.empty((n_shared, D), dtype=q_dtype, device=device),
             _state_idx=state_idx.to(device=device, dtype=torch.int32).contiguous(),
             _merges=tuple(PlannedLaunch(_merge_passes_kernel, dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
@@ -212,13 +221,21 @@ class CascadePlan:
             return (out, lse) if self.return_lse else out
         # three launches and the query gather: each pass's decode kernel leaves its split partials in its plan's
         # scratch, and one merge reads them all (the passes' own merges would be two more launches)
-        sx_o, sx_s = self._suffix.run_partials(q, k_cache, v_cache, **sc)
         sh, sx = self._shared or self._suffix, self._suffix
         if self._shared is not None:
-            torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
-            V = self.num_tiles
-            sh_o, sh_s = self._shared.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
+            side, main = self._side, None
+            if side is not None:  # fork: the side stream starts after everything queued so far (q written)
+                main = torch.cuda.current_stream(self.device)
+                side.wait_stream(main)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
+                V = self.num_tiles
+                sh_o, sh_s = self._shared.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
+            sx_o, sx_s = self._suffix.run_partials(q, k_cache, v_cache, **sc)
+            if main is not None:  # join: the merge (and whatever the caller queues next) waits for the shared pass
+                main.wait_stream(side)
         else:
+            sx_o, sx_s = self._suffix.run_partials(q, k_cache, v_cache, **sc)
             sh_o, sh_s = sx_o, sx_s  # not read: no row has a segment
         self._merges[lse is not None](
             (B, Hq), sh_o, sh_s, sh.seq_lens, sx_o, sx_s, sx.seq_lens, self._state_idx, out,
@@ -232,6 +249,12 @@ class CascadePlan:
 
     def __setattr__(self, name, value):
         raise AttributeError(f"CascadePlan is fixed once planned (setting {name!r}): build a new plan")
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device for every plan's shared pass (plans of one step run one after another)."""
+    return torch.cuda.Stream(device)
 
 
 def _check_segments(segments, suffix_start, lens, B, M, block_size) -> list[tuple[int, int, tuple[int, ...]]]:
