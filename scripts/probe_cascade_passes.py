@@ -41,6 +41,56 @@ def shared_alone(p: Point, plan) -> float:
     return time_us_graph(fn, rep_ms=60)
 
 
+def probe_point(name, emit, best) -> None:
+    """Every row of one point (module docstring)."""
+    hq, hkv, suffix = POINTS[name]
+    p = Point(32768, 64, suffix, hq, hkv)
+    plain = p.plain()
+    ref = plain.run(p.q, p.k, p.v)
+    fn_p = lambda: plain.run(p.q, p.k, p.v)  # noqa: E731
+    tg_plain = time_us_graph(fn_p, rep_ms=100)
+    emit({"point": name, "impl": "plain", "time_us": time_us(fn_p, rep_ms=100), "time_us_graph": tg_plain})
+    configs = [("default", 64, {})]
+    if name.endswith("s128"):
+        for tile, bn, w, st in itertools.product(TILES, BLOCK_NS, WARPS, STAGES):
+            launch = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            try:
+                plan = p.cascade(tile, **launch)
+                t = shared_alone(p, plan)
+                err = rel_err(plan.run(p.q, p.k, p.v), ref)
+            except Exception as e:  # noqa: BLE001  (out of shared memory and the like: recorded)
+                emit({"point": name, "impl": "shared alone", "tile": tile, "launch": launch,
+                      "error": repr(e)[:200]})
+                continue
+            emit({"point": name, "impl": "shared alone", "tile": tile, "launch": launch, "time_us_graph": t,
+                  "rel_err": err})
+            key = name.split()[0]
+            if err < 1e-2 and (key not in best or t < best[key][0]):
+                best[key] = (t, tile, launch)
+    key = name.split()[0]
+    if key in best:
+        configs.append(("best shared", best[key][1], best[key][2]))
+    for label, tile, launch in configs:
+        for overlap in (False, True):
+            plan = p.cascade(tile, **launch) if not overlap else None
+            if overlap:
+                from workbench.kernels.decode.cascade import CascadePlan
+                plan = CascadePlan(p.table, p.seq_lens, p.segments, p.suffix_start, layout="nhd", k_cache=p.k,
+                                   v_cache=p.v, num_q_heads=hq, q_dtype=p.q.dtype, rows_per_tile=tile,
+                                   shared_launch=launch or None, overlap=True)
+            fn = lambda plan=plan: plan.run(p.q, p.k, p.v)  # noqa: E731
+            err = rel_err(fn(), ref)
+            tg, t = time_us_graph(fn, rep_ms=100), time_us(fn, rep_ms=100)
+            row = {"point": name, "impl": "cascade", "config": label, "tile": tile, "launch": launch,
+                   "overlap": overlap, "time_us": t, "time_us_graph": tg, "speedup_graph": tg_plain / tg,
+                   "rel_err": err}
+            if not overlap:
+                sfx = plan.plans[1]
+                row["shared_us_graph"] = shared_alone(p, plan)
+                row["suffix_us_graph"] = time_us_graph(lambda sfx=sfx: sfx.run_partials(p.q, p.k, p.v), rep_ms=60)
+            emit(row)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results")
@@ -56,52 +106,7 @@ def main() -> None:
         (out / "cascade-passes.json").write_text(json.dumps({"meta": machine_meta(), "rows": rows}, indent=1))
 
     for name in args.points.split(","):
-        hq, hkv, suffix = POINTS[name]
-        p = Point(32768, 64, suffix, hq, hkv)
-        plain = p.plain()
-        ref = plain.run(p.q, p.k, p.v)
-        fn_p = lambda: plain.run(p.q, p.k, p.v)  # noqa: E731
-        tg_plain = time_us_graph(fn_p, rep_ms=100)
-        emit({"point": name, "impl": "plain", "time_us": time_us(fn_p, rep_ms=100), "time_us_graph": tg_plain})
-        configs = [("default", 64, {})]
-        if name.endswith("s128"):
-            for tile, bn, w, st in itertools.product(TILES, BLOCK_NS, WARPS, STAGES):
-                launch = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
-                try:
-                    plan = p.cascade(tile, **launch)
-                    t = shared_alone(p, plan)
-                    err = rel_err(plan.run(p.q, p.k, p.v), ref)
-                except Exception as e:  # noqa: BLE001  (out of shared memory and the like: recorded)
-                    emit({"point": name, "impl": "shared alone", "tile": tile, "launch": launch, "error": repr(e)[:200]})
-                    continue
-                emit({"point": name, "impl": "shared alone", "tile": tile, "launch": launch, "time_us_graph": t,
-                      "rel_err": err})
-                key = name.split()[0]
-                if err < 1e-2 and (key not in best or t < best[key][0]):
-                    best[key] = (t, tile, launch)
-        key = name.split()[0]
-        if key in best:
-            configs.append(("best shared", best[key][1], best[key][2]))
-        for label, tile, launch in configs:
-            for overlap in (False, True):
-                plan = p.cascade(tile, **launch) if not overlap else None
-                if overlap:
-                    from workbench.kernels.decode.cascade import CascadePlan
-                    plan = CascadePlan(p.table, p.seq_lens, p.segments, p.suffix_start, layout="nhd", k_cache=p.k,
-                                       v_cache=p.v, num_q_heads=hq, q_dtype=p.q.dtype, rows_per_tile=tile,
-                                       shared_launch=launch or None, overlap=True)
-                fn = lambda plan=plan: plan.run(p.q, p.k, p.v)  # noqa: E731
-                err = rel_err(fn(), ref)
-                tg, t = time_us_graph(fn, rep_ms=100), time_us(fn, rep_ms=100)
-                row = {"point": name, "impl": "cascade", "config": label, "tile": tile, "launch": launch,
-                       "overlap": overlap, "time_us": t, "time_us_graph": tg, "speedup_graph": tg_plain / tg,
-                       "rel_err": err}
-                if not overlap:
-                    sfx = plan.plans[1]
-                    row["shared_us_graph"] = shared_alone(p, plan)
-                    row["suffix_us_graph"] = time_us_graph(lambda sfx=sfx: sfx.run_partials(p.q, p.k, p.v), rep_ms=60)
-                emit(row)
-        del p, plain
+        probe_point(name, emit, best)
         torch.cuda.empty_cache()
 
 
