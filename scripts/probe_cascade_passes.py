@@ -28,6 +28,8 @@ TILES = [64, 128]
 BLOCK_NS = [32, 64, 128]
 WARPS = [4, 8]
 STAGES = [2, 3]
+SPLITS: list[int] = []
+SWEEP_OFF: list[bool] = []  # non-empty: --best given
 
 
 def shared_alone(p: Point, plan) -> float:
@@ -51,7 +53,7 @@ def probe_point(name, emit, best) -> None:
     tg_plain = time_us_graph(fn_p, rep_ms=100)
     emit({"point": name, "impl": "plain", "time_us": time_us(fn_p, rep_ms=100), "time_us_graph": tg_plain})
     configs = [("default", 64, {})]
-    if name.endswith("s128"):
+    if name.endswith("s128") and not SWEEP_OFF:
         for tile, bn, w, st in itertools.product(TILES, BLOCK_NS, WARPS, STAGES):
             launch = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
             try:
@@ -70,6 +72,8 @@ def probe_point(name, emit, best) -> None:
     key = name.split()[0]
     if key in best:
         configs.append(("best shared", best[key][1], best[key][2]))
+        if SPLITS:  # fewer shared programs, so the suffix pass's fit beside them on the SMs (with overlap)
+            configs += [(f"best shared, {n} splits", best[key][1], {**best[key][2], "num_splits": n}) for n in SPLITS]
     for label, tile, launch in configs:
         for overlap in (False, True):
             plan = p.cascade(tile, **launch) if not overlap else None
@@ -83,7 +87,7 @@ def probe_point(name, emit, best) -> None:
             tg, t = time_us_graph(fn, rep_ms=100), time_us(fn, rep_ms=100)
             row = {"point": name, "impl": "cascade", "config": label, "tile": tile, "launch": launch,
                    "overlap": overlap, "time_us": t, "time_us_graph": tg, "speedup_graph": tg_plain / tg,
-                   "rel_err": err}
+                   "rel_err": err, "shared_splits": plan.plans[0].num_splits}
             if not overlap:
                 sfx = plan.plans[1]
                 row["shared_us_graph"] = shared_alone(p, plan)
@@ -95,8 +99,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="results")
     ap.add_argument("--points", default=",".join(POINTS))
+    ap.add_argument("--splits", default="", help="shared-pass split counts to try beside the best launch")
+    ap.add_argument("--best", default="", help="skip the sweep: TILE,BLOCK_N,WARPS,STAGES for every point")
     args = ap.parse_args()
+    SPLITS[:] = [int(x) for x in args.splits.split(",") if x]
     rows, best = [], {}
+    if args.best:
+        SWEEP_OFF.append(True)
+        t, bn, w, st = (int(x) for x in args.best.split(","))
+        best.update({k: (0.0, t, {"BLOCK_N": bn, "num_warps": w, "num_stages": st}) for k in ("gqa", "mha")})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

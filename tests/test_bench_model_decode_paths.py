@@ -108,6 +108,9 @@ def test_bad_arguments_are_refused_before_any_work(model, tmp_path, capsys, monk
                       (dict(budgets=(64, 1)), "page_budget"), (dict(budgets=(True,)), "page_budget")):
         with pytest.raises(ValueError, match=match):
             paths.run(model, "fp32", **kw)
+    with pytest.raises(ValueError, match="max_position_embeddings"):  # the 32k prompt past the 8192 RoPE table
+        paths.run(model, "fp32", sections=("quest",), long_prompt=CFG.max_position_embeddings)
+    assert paths.positions_needed(("cascade", "quest"), 4096, 32768, 256) == 33024
     with pytest.raises(ValueError, match="samples"):
         paths.cascade_rows(model, None, 1, 3, 1, "fp32")
     for argv, match in ((["--sections", "decode,graph"], "--sections"),

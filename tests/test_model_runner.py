@@ -216,6 +216,29 @@ def test_random_bad_steps_change_nothing(bad, seed):
     assert after[0] == before[0] and torch.equal(after[1], before[1])
 
 
+def test_positions_past_the_rope_table_are_refused_before_anything_is_stored(model):
+    """Past ``max_position_embeddings`` the RoPE table's gather would fail on the device (on a GPU, a device-side
+    assert that ends the process's CUDA context): the runner refuses on the host first, and stores nothing."""
+    import dataclasses
+
+    short = Llama(dataclasses.replace(CFG, max_position_embeddings=24), random_weights(CFG, seed=1))
+    cache = paged("fp16")
+    runner = Runner(short, PagedKV(cache))
+    before = state(cache)
+    with pytest.raises(ValueError, match="tokens: 25 positions pass the model's max_position_embeddings 24"):
+        runner.prefill("a", list(range(100, 125)))
+    with pytest.raises(ValueError, match="prompts and max_new_tokens"):
+        runner.generate([list(range(100, 120))], 6)
+    after = state(cache)
+    assert after[0] == before[0] and torch.equal(after[1], before[1])
+    runner.prefill("a", list(range(100, 124)))  # the table's last position
+    before = state(cache)
+    with pytest.raises(ValueError, match="seq_ids: 25 positions"):
+        runner.step(["a"], [7])
+    after = state(cache)
+    assert after[0] == before[0] and torch.equal(after[1], before[1])
+
+
 def test_step_api_refuses_what_it_cannot_do():
     cache = paged("fp16")
     k = torch.randn(CFG.num_hidden_layers, 5, 3, 64)

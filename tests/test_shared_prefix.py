@@ -395,6 +395,21 @@ def test_overlapped_passes_give_the_same_output(device):
         assert all(torch.equal(o, w) for o, w in zip(graph_outs, want, strict=True))
 
 
+def test_shared_pass_takes_the_measured_tile_on_a_gpu(monkeypatch):
+    """fp16 / bf16 at 64 rows a tile: 16 KB of K a tile and 3 stages (tuning/shared_prefix.json); a caller's own
+    choice, other caches and tiles, and the interpreter keep the decode's."""
+    from workbench.kernels.decode import cascade
+
+    k = torch.empty((4, 16, 8, 128), dtype=torch.float16)
+    assert cascade._shared_defaults(k, 128, 64, {}) == {}  # the interpreter: no SMs
+    monkeypatch.setattr(cascade, "_num_sms", lambda device: 132)
+    assert cascade._shared_defaults(k, 128, 64, {}) == {"BLOCK_N": 64, "num_stages": 3}
+    assert cascade._shared_defaults(k, 64, 64, {}) == {"BLOCK_N": 128, "num_stages": 3}
+    assert cascade._shared_defaults(k, 128, 128, {}) == {}
+    assert cascade._shared_defaults(k, 128, 64, {"BLOCK_N": 32}) == {}
+    assert cascade._shared_defaults(k.to(torch.float8_e4m3fn), 128, 64, {}) == {}
+
+
 def test_batch_fast_grid_gives_the_same_output(device):
     """The sequence-fastest program order (the cascade's shared pass) changes the order, never the result."""
     from test_decode import make_case

@@ -37,6 +37,7 @@ from workbench.core.layout import Layout
 from .. import common
 from ..launch import PlannedLaunch
 from . import checks as _checks
+from .config import _num_sms
 from .plan import DecodePlan, _values_head_dim
 
 _describe = common.describe
@@ -177,8 +178,9 @@ class CascadePlan:
             sh_table = torch.where(torch.arange(w, device=device)[None, :] < n_blk[:, None],
                                    block_table[rows[:, None], c], 0).to(torch.int32).contiguous()
             sh_lens = (n_blk * block_size).to(torch.int32)
-            shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size,
-                                      **kw, **{**launch, "batch_fast": True, **(shared_launch or {})})
+            shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size, **kw,
+                                      **{**launch, "batch_fast": True, **_shared_defaults(k_cache, D, T, launch),
+                                         **(shared_launch or {})})
         self.__dict__.update(  # past __setattr__: the one place a plan is written
             _shared=shared_plan, _suffix=suffix_plan,
             _side=_side_stream(device) if overlap and shared_plan is not None and device.type == "cuda" else None,
@@ -249,6 +251,21 @@ class CascadePlan:
 
     def __setattr__(self, name, value):
         raise AttributeError(f"CascadePlan is fixed once planned (setting {name!r}): build a new plan")
+
+
+def _shared_defaults(k_cache: torch.Tensor, head_dim: int, rows: int, launch: dict) -> dict:
+    """The shared pass's tile on a GPU, for fp16 / bf16 caches at 64 stacked rows (``tuning/shared_prefix.json``
+    ``shared_pass``): its tiles are matmuls of ``rows`` query rows, bound by the tensor cores, so twice the plain
+    decode's keys a tile and three stages (the H100 sweep: 102 against 116 us at 32k x 64, GQA 32/8). Other caches,
+    tiles, the interpreter, or a caller's own ``BLOCK_N`` / ``num_stages``: the decode's own choice."""
+    if k_cache.dtype not in (torch.float16, torch.bfloat16) or rows != 64 or launch.keys() & {"BLOCK_N", "num_stages"} \
+            or _num_sms(k_cache.device) <= 0:
+        return {}
+    t = common.tuning_table("shared_prefix")[1].get("shared_pass")
+    if not t:
+        return {}
+    tokens = t["tile_bytes"] // (k_cache.element_size() * common.next_pow2(head_dim))
+    return {"BLOCK_N": max(16, min(128, 1 << (max(tokens, 1).bit_length() - 1))), "num_stages": t["num_stages"]}
 
 
 @functools.cache

@@ -16,6 +16,7 @@ attended, greedy agreement). ``--smoke``: those two sections on tiny shapes on a
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0
     cfg = SMOLLM2_135M
+    need = model_decode_paths.positions_needed(paths, args.shared_prompt, args.long_prompt, args.new_tokens)
+    if need > cfg.max_position_embeddings:  # the 32k prompt: RoPE past the trained 8192 (random weights: timing only)
+        cfg = dataclasses.replace(cfg, max_position_embeddings=need)
+        extra["rope_positions"] = need
     weights = {k: v.half() for k, v in random_weights(cfg, seed=0).items()}
     model = _model(cfg, weights)
     if args.check or args.gguf:

@@ -239,6 +239,12 @@ def check_options(sections: Sequence[str] = SECTIONS, samples: int = 8, shared_p
         check_page_budget(b, 1, 1)  # QuestKV's first and last pages are always read
 
 
+def positions_needed(sections: Sequence[str], shared_prompt: int, long_prompt: int, new_tokens: int) -> int:
+    """The longest sequence the sections grow: its prompt and its new tokens (the model's RoPE table must hold it)."""
+    prompts = [shared_prompt] * ("cascade" in sections) + [long_prompt] * ("quest" in sections)
+    return max(prompts, default=0) + new_tokens
+
+
 def run(model, kv_dtype: str, *, sections: Sequence[str] = SECTIONS, samples: int = 8, shared_prompt: int = 4096,
         long_prompt: int = 32768, batches: Sequence[int] = (1, 4), budgets: Sequence[int] = (64, 128),
         new_tokens: int = 256, warmup: int = 2, chunk: int = 4096, seed: int = 0) -> Iterator[dict]:
@@ -246,6 +252,11 @@ def run(model, kv_dtype: str, *, sections: Sequence[str] = SECTIONS, samples: in
     ``seed``, ``new_tokens`` per sequence (the first is the prefill's: ``new_tokens - 1`` decode steps); on a GPU
     each row also times ``kv.attend``. The options are checked (:func:`check_options`) before any work."""
     check_options(sections, samples, shared_prompt, long_prompt, batches, budgets, new_tokens, warmup, chunk)
+    need = positions_needed(sections, shared_prompt, long_prompt, new_tokens)
+    if need > model.config.max_position_embeddings:
+        raise ValueError(f"the sections need {need} positions, past the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings}: build it with a longer RoPE table "
+                         f"(LlamaConfig.max_position_embeddings; bench model_decode does)")
     return _rows(model, kv_dtype, sections, samples, shared_prompt, long_prompt, batches, budgets, new_tokens,
                  warmup, chunk, seed)
 

@@ -39,6 +39,9 @@ class GraphDecoder:
             raise ValueError(f"kv_dtype {cache.scheme.name} keeps an fp16 residual outside the blocks: not graphable")
         if use_graph and model.device.type != "cuda":
             raise ValueError("use_graph needs the model and cache on a CUDA device")
+        if max_seq_len > model.config.max_position_embeddings:
+            raise ValueError(f"max_seq_len {max_seq_len} passes the model's max_position_embeddings "
+                             f"{model.config.max_position_embeddings} (its RoPE table)")
         if compile:
             model.compile()
         self.model, self.cache, self.B = model, cache, batch_size

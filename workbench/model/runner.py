@@ -66,6 +66,7 @@ class Runner:
             raise ValueError("tokens must hold at least one token id")
         if max(tokens) >= m.config.vocab_size or min(tokens) < 0:
             raise ValueError(f"tokens must be ids in [0, {m.config.vocab_size}), got {min(tokens)}..{max(tokens)}")
+        _check_positions(m, "tokens", len(tokens))
         pk, pv = self.kv.read_prefix(tokens)
         hit = 0 if pk is None else pk.shape[1]
         ids = torch.tensor(tokens[hit:], device=m.device)
@@ -102,7 +103,9 @@ class Runner:
         m = self.model
         seq_ids = list(seq_ids)
         ids = torch.tensor([int(t) for t in tokens], device=m.device)
-        pos = torch.tensor([self.kv.num_tokens(s) for s in seq_ids], device=m.device)
+        lens = [self.kv.num_tokens(s) for s in seq_ids]
+        _check_positions(m, "seq_ids", max(lens, default=0) + 1)
+        pos = torch.tensor(lens, device=m.device)
         x = m.embed_tokens(ids)
         step = self.kv.begin(seq_ids, ids.tolist())
         try:
@@ -141,6 +144,7 @@ class Runner:
         if prefilled is not None and (len(prefilled) != len(prompts) or any(
                 pre is not None and list(pre.tokens) != p for pre, p in zip(prefilled, prompts, strict=False))):
             raise ValueError("prefilled must hold, for each prompt, None or a prefill of exactly its tokens")
+        _check_positions(self.model, "prompts and max_new_tokens", max(map(len, prompts)) + max_new_tokens - 1)
         g = torch.Generator(device="cpu").manual_seed(seed)
         out = Generation(prompts)
         nxt, live = {}, []
@@ -188,3 +192,11 @@ class Runner:
         if keep:
             out.logits[s].append(logits)
         return t
+
+
+def _check_positions(model, name: str, n: int) -> None:
+    """``n`` positions fit the model's RoPE table (``max_position_embeddings``): checked on the host before anything
+    is stored (past it, the table's gather fails on the device, and on a GPU that ends the process's CUDA context)."""
+    if n > model.config.max_position_embeddings:
+        raise ValueError(f"{name}: {n} positions pass the model's max_position_embeddings "
+                         f"{model.config.max_position_embeddings} (its RoPE table)")

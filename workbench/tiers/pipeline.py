@@ -11,8 +11,10 @@ left is the first chunk's gather and transcode, and the link moves the format's 
 stay large: issuing its transcode costs the host ~0.9 ms whatever its size (four Triton launches and their checks:
 ``scripts/probe_transcode_host.py``, H100, 2026-12-05: encode 910-950 us, decode 850-880 us, at 32 and 128 blocks of
 64 tokens), and a move whose chunks copy faster than the host issues them is host-bound (the same H100 with 8 MiB
-chunks: int4 at 16-token blocks 1.2x fp16's tokens a second against 2.2x in one piece). So a chunk's copy takes
-about twice that issue time: 96 MiB at the link's ~55 GB/s is 1.8 ms.
+chunks: int4 at 16-token blocks 1.2x fp16's tokens a second against 2.2x in one piece). So a chunk's copy outlasts
+that issue time: 48 MiB at the link's ~55 GB/s is 0.9 ms. With the gather per chunk, 48 MiB chunks moved the most
+(``scripts/probe_tier_chunks.py``, H100, 2026-12-05, 1024 blocks of 64: int4 2.86 / 2.92x fp16's tokens down / up,
+96 MiB 2.77 / 2.83x, 24 MiB 2.70 / 2.89x; int2 3.99 / 4.40x at 48 MiB).
 
 On a CPU the same chunks run one after another (no streams): the tests cover the splitting there.
 """
@@ -25,7 +27,7 @@ import torch
 
 #: A chunk's wire bytes at least (its copy outlasts the host's issue of the next chunk's transcode, see above),
 #: and at most this many chunks a batch.
-CHUNK_BYTES = 96 << 20
+CHUNK_BYTES = 48 << 20
 MAX_CHUNKS = 8
 
 
