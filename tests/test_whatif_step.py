@@ -8,7 +8,7 @@ import pytest
 
 from workbench.whatif import models
 from workbench.whatif.profile import RESULTS, GpuProfile
-from workbench.whatif.step_time import StepModel, fit_layer_overhead, step_seconds
+from workbench.whatif.step_time import StepModel, decode_run, fit_layer_overhead, step_seconds
 
 SMOL = models.PRESETS["smollm2-135m"]
 
@@ -73,3 +73,12 @@ def test_the_real_models_graph_step_is_predicted_within_15_percent(profile):
         r = rows[batch]
         pred = step_seconds(sm.decode(batch, batch * r["context_end"])) * 1e3
         assert pred == pytest.approx(r["compiled_replay_ms"], rel=0.15), batch
+
+
+def test_the_fit_takes_the_newest_run_with_decode_rows(tmp_path):
+    """A ``bench model_decode --sections quest`` run has no decode rows: the fit skips it for the run before."""
+    rows = {"20261201T000000": [{"section": "decode", "batch": 1}], "20261202T000000": [{"section": "quest"}]}
+    for stamp, r in rows.items():
+        (tmp_path / f"model-decode-h100-80gb-hbm3-{stamp}.json").write_text(json.dumps({"rows": r}))
+    assert decode_run(tmp_path, "h100-80gb-hbm3").name == "model-decode-h100-80gb-hbm3-20261201T000000.json"
+    assert decode_run(tmp_path, "h200") is None

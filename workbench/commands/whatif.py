@@ -26,7 +26,7 @@ from workbench.whatif import models
 from workbench.whatif.profile import GpuProfile
 from workbench.whatif.report import OUTPUTS, default_profile, load_trace, sensitivity, whatif
 from workbench.whatif.serve import PREEMPTION, RESERVE, Knobs
-from workbench.whatif.step_time import fit_layer_overhead
+from workbench.whatif.step_time import decode_run, fit_layer_overhead
 
 GIB = 1 << 30
 
@@ -123,8 +123,8 @@ def load_profile(folder: str | None, gpu: str) -> GpuProfile:
         prof = GpuProfile.from_results(d, name=gpu)
     except (ValueError, KeyError) as e:
         raise ValueError(f"argument --profile: {e}") from None
-    runs = sorted(d.glob(f"model-decode-{gpu}-*.json"))
-    return fit_layer_overhead(prof, models.PRESETS["smollm2-135m"], run=runs[-1]) if runs else prof
+    run = decode_run(d, gpu)
+    return fit_layer_overhead(prof, models.PRESETS["smollm2-135m"], run=run) if run else prof
 
 
 def knobs_of(args: argparse.Namespace) -> Knobs:

@@ -144,16 +144,25 @@ class StepModel:
         return cached
 
 
+def decode_run(folder: Path | str, gpu: str) -> Path | None:
+    """The newest ``bench model_decode`` run of ``gpu`` in ``folder`` that has decode rows (a run of the sections
+    ``cascade`` or ``quest`` alone has none), or None."""
+    for path in sorted(Path(folder).glob(f"model-decode-{gpu}-*.json"), reverse=True):
+        if any(r.get("section") == "decode" for r in json.loads(path.read_text()).get("rows", [])):
+            return path
+    return None
+
+
 def fit_layer_overhead(profile: GpuProfile, cfg: LlamaConfig, run: Path | str | None = None,
                        batch: int = 1, column: str = "compiled_replay_ms") -> GpuProfile:
     """``profile`` with ``launch_us`` (a layer's kernels' floors) fitted to the real model's measured CUDA-graph
     decode step at ``batch`` (``bench model_decode``, its ``column``): what the step's weights, attention and
     write do not explain, spread over the layers. Only that batch is used; the others validate."""
     if run is None:
-        runs = sorted(RESULTS.glob(f"model-decode-{profile.name}-*.json"))
-        if not runs:
-            raise ValueError(f"no model-decode-{profile.name}-*.json under {RESULTS} to fit the overhead to")
-        run = runs[-1]
+        run = decode_run(RESULTS, profile.name)
+        if run is None:
+            raise ValueError(f"no model-decode-{profile.name}-*.json with decode rows under {RESULTS} to fit the "
+                             f"overhead to")
     path = Path(run)
     doc = json.loads(Path(path).read_text())
     row = next((r for r in doc["rows"] if r.get("section") == "decode" and r.get("batch") == batch), None)

@@ -24,7 +24,7 @@ from workbench.whatif import models
 from workbench.whatif.profile import RESULTS
 from workbench.whatif.report import default_profile, whatif
 from workbench.whatif.serve import Knobs
-from workbench.whatif.step_time import StepModel, step_seconds
+from workbench.whatif.step_time import StepModel, decode_run, step_seconds
 
 # vLLM paper (Kwon et al., SOSP'23), section 6.2, ShareGPT on OPT-13B: the request rate vLLM sustains over Orca's
 PAPER_RATE_RATIOS = {"oracle": (1.7, 2.7), "max": (2.7, 8.0)}
@@ -33,7 +33,7 @@ PAPER_RATE_RATIOS = {"oracle": (1.7, 2.7), "max": (2.7, 8.0)}
 def step_vs_measured(column: str = "compiled_replay_ms") -> list[dict]:
     """Rows ``{batch, predicted_ms, measured_ms, error, fitted}`` for every decode batch of the newest run."""
     prof = default_profile()
-    run = sorted(RESULTS.glob(f"model-decode-{prof.name}-*.json"))[-1]
+    run = decode_run(RESULTS, prof.name)
     cfg = models.PRESETS["smollm2-135m"]
     sm = StepModel(prof, cfg)
     rows = []
