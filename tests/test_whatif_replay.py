@@ -52,7 +52,7 @@ def test_replay_batches_requests_as_they_arrive(monkeypatch):
     tr = Trace("t", (Request(0, 0.0, 5, 3), Request(1, 0.0, 5, 1), Request(2, 0.5, 5, 2)))
     run = replay(tr, _FakeRunner(clock), clock=clock, max_batch=2)
     assert run["steps"] == 3  # request 0 needs two steps after its prefill's token, request 2 one
-    assert np.allclose(run["first_token"], [0.010, 0.020, 0.510])
+    assert np.allclose(run["first_token"], [0.020, 0.020, 0.510])  # the end of the iteration of their prefills
     assert run["finish"][1] == run["first_token"][1]  # one token: done at its prefill
     assert (run["finish"] >= run["first_token"]).all() and metrics(run)["completed"] == 3
 
@@ -79,8 +79,9 @@ def test_calibrate_times_the_runners_own_step_and_prefill():
     runner = _FakeRunner(clock)
     cal = calibrate(runner, context=20, prompt=12, reps=3, clock=clock)
     assert cal["step_ms"] == pytest.approx(1.1) and cal["prefill_ms"] == pytest.approx(10.0)
+    assert cal["step_wide_ms"] == pytest.approx(1.0 + 0.1 * 32) and cal["wide"] == 32
     assert (cal["context"], cal["prompt"]) == (21, 12) and runner.live == set()  # every sequence freed
-    for bad in (dict(context=0), dict(prompt=-1), dict(reps=True)):
+    for bad in (dict(context=0), dict(prompt=-1), dict(reps=True), dict(wide=1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             calibrate(runner, clock=clock, **bad)
 
@@ -101,3 +102,33 @@ def test_the_fit_explains_the_measured_step_and_a_slower_host_predicts_a_slower_
         predict_replay(tr, calibration={"step_ms": 12.0})
     with pytest.raises(ValueError, match="step_ms"):
         fit_layer_overhead_to(base, cfg, 0.0, 1, 130, "x")
+
+
+def test_the_host_fit_explains_the_calibration_and_predicts_a_replay_of_that_runner(monkeypatch):
+    """The fake runner's step grows 0.1 ms a sequence and its prefill is 10 ms: fitted to its calibration, the model
+    gives back each calibrated time, and predicts a replay it was not fitted to (other batches, queueing) within 5%;
+    the floor alone (the way before) misses it."""
+    from workbench.whatif.step_time import fit_host_to
+
+    cfg, base = PRESETS["smollm2-135m"], GpuProfile.from_results()
+    clock = _Clock()
+    monkeypatch.setattr("workbench.whatif.replay.time.sleep", lambda s: setattr(clock, "t", clock.t + s))
+    runner = _FakeRunner(clock)
+    cal = calibrate(runner, context=20, prompt=12, reps=3, clock=clock)
+    prof = fit_host_to(base, cfg, cal, "the fake runner")
+    model = StepModel(prof, cfg, "fp16")
+    assert step_seconds(model.decode(1, cal["context"])) * 1e3 == pytest.approx(cal["step_ms"], rel=1e-9)
+    assert step_seconds(model.decode(32, 32 * cal["context"])) * 1e3 == pytest.approx(cal["step_wide_ms"], rel=1e-9)
+    assert model.decode_seconds(32, 32 * cal["context"]) == pytest.approx(step_seconds(model.decode(32, 640)),
+                                                                          rel=1e-3)
+    assert step_seconds(model.prefill(12)) * 1e3 == pytest.approx(cal["prefill_ms"], rel=1e-9)
+    assert prof.seq_us.value == pytest.approx(100.0, rel=0.02) and "fake runner" in prof.seq_us.source
+    tr = Trace("t", tuple(Request(i, i * 0.004, 12, 30) for i in range(120)))  # arrivals faster than it serves
+    measured = replay(tr, runner, clock=clock, max_batch=16)
+    got = compare(measured, predict_replay(tr, calibration=cal, max_batch=16))["error"]
+    assert abs(got["throughput_tok_s"]) < 0.05 and abs(got["ttft_p50_s"]) < 0.05, got
+    floor_only = {k: cal[k] for k in ("step_ms", "context", "prompt")}
+    old = compare(measured, predict_replay(tr, calibration=floor_only, max_batch=16))["error"]
+    assert abs(old["ttft_p50_s"]) > 0.2, old
+    with pytest.raises(ValueError, match="calibration must hold"):
+        fit_host_to(base, cfg, floor_only, "x")

@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if not args.smoke:  # warm up the kernels (compilation is not serving time)
         replay(Trace("warmup", trace.requests[:4]), runner, sync=sync, max_batch=args.max_batch)
-    # this machine's eager step at batch 1 (the prediction's one fitted number) and a prefill (a check)
+    # this machine's eager runner: a step of 1 and of 32 sequences and a prefill (the prediction's fitted numbers)
     cal = calibrate(runner, context=8 if args.smoke else 128, prompt=8 if args.smoke else 64,
-                    reps=2 if args.smoke else 8, sync=sync)
+                    reps=2 if args.smoke else 8, wide=2 if args.smoke else 32, sync=sync)
     t0 = time.perf_counter()
     measured = replay(trace, runner, max_batch=args.max_batch, sync=sync)
     wall = time.perf_counter() - t0
@@ -75,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     row = {"section": "replay", "requests": n, "rate": args.rate, "max_batch": args.max_batch,
            "steps_measured": measured["steps"], "steps_predicted": predicted["steps"], "wall_s": wall,
            "launch_fit": predicted["launch_us"], "calibration_step_ms": cal["step_ms"],
+           "calibration_step_wide_ms": cal["step_wide_ms"], "calibration_wide": cal["wide"],
            "calibration_prefill_ms": cal["prefill_ms"], "calibration_prompt": cal["prompt"],
-           "predicted_prefill_ms": predicted["prefill_ms"],
+           "predicted_prefill_ms": predicted["prefill_ms"], "fitted_seq_us": predicted["seq_us"],
+           "fitted_prefill_us": predicted["prefill_us"],
            "committed_fit": committed["launch_us"],
            **{f"committed_fit_{k}": v for k, v in compare(measured, committed)["predicted"].items()},
            **{f"measured_{k}": v for k, v in result["measured"].items()},

@@ -20,6 +20,10 @@ What a profile holds and where each comes from:
   is fitted to the real model's decode step at batch 1 (``bench model_decode``) and says so; batch 16 and 64 of
   that run then validate the model. ``python -m workbench profile`` (GPU) makes that run on another GPU, where the
   floor is fitted the same way.
+- ``seq_us``, ``prefill_us``: host time an eager runner spends per sequence of a decode step (its tables, slots and
+  tokens built in Python) and per prefill beyond the launches: none for a graph-replayed step; fitted to the
+  runner's own eager steps at two batch sizes and its prefill where a replay predicts that runner
+  (``workbench.whatif.replay.calibrate``).
 - ``gemv_frac``: the fraction of copy bandwidth a decode step's weight reads reach; ``peak_tflops`` and
   ``prefill_mfu`` for compute-bound prefill; ``hbm_gib``. Not measured here: assumed, named as such.
 """
@@ -64,6 +68,8 @@ class GpuProfile:
     peak_tflops: Measured = Measured(989.0, "assumed: H200 dense fp16/bf16 tensor-core peak (datasheet)")
     prefill_mfu: Measured = Measured(0.5, "assumed: prefill at half the tensor-core peak")
     hbm_gib: Measured = Measured(141.0, "assumed: H200 HBM3e capacity (datasheet)")
+    seq_us: Measured = Measured(0.0, "assumed: none (a graph-replayed step's host time does not grow with the batch)")
+    prefill_us: Measured = Measured(0.0, "assumed: none beyond a step's launches")
     files: tuple[str, ...] = field(default=())
 
     @classmethod

@@ -96,7 +96,12 @@ class StepModel:
         wf, wsrc = p.write_frac(self.scheme)
         new = batch * self.kv_bytes_per_token
         write = Part("write", new / (wf * copy), f"{new / 1e3:.0f} KB written at {wf:.2f} ({wsrc})")
-        return [weights, attention, write, self._overhead()]
+        parts = [weights, attention, write, self._overhead()]
+        su = self.profile.seq_us
+        if su.value and batch > 1:  # an eager runner's per-sequence host work (none under a graph)
+            parts.append(Part("host per sequence", (batch - 1) * su.value * 1e-6,
+                              f"{batch - 1} sequences past the first x {su.value:.0f} us ({su.source})"))
+        return parts
 
     def prefill(self, tokens: int, context: int = 0) -> list[Part]:
         """A prefill of ``tokens`` new tokens after ``context`` cached ones (one sequence, or a chunk)."""
@@ -110,14 +115,18 @@ class StepModel:
         t = max(flops / rate, floor)
         src = (f"{flops / 1e12:.2f} TFLOP at {p.peak_tflops.value:.0f} x {p.prefill_mfu.value:.2f} "
                f"({p.peak_tflops.source}; {p.prefill_mfu.source})")
-        return [Part("prefill", t, src), self._overhead()]
+        parts = [Part("prefill", t, src), self._overhead()]
+        pu = self.profile.prefill_us
+        if pu.value:
+            parts.append(Part("host per prefill", pu.value * 1e-6, f"{pu.value / 1e3:.1f} ms ({pu.source})"))
+        return parts
 
 
     # ---- the same sums without their sources: what the simulator calls every step ----------------------------
     def decode_seconds(self, batch: int, context_tokens: int) -> float:
         """``step_seconds(self.decode(batch, context_tokens))``, fast (no checks, no sources)."""
         k = self._coefficients
-        return max(k[0], k[1] * batch) + k[2] * context_tokens + k[3] * batch + k[4]
+        return max(k[0], k[1] * batch) + k[2] * context_tokens + k[3] * batch + k[4] + k[7] * (batch - 1)
 
     def prefill_seconds(self, tokens: int, context: int = 0) -> float:
         """``step_seconds(self.prefill(tokens, context))``, fast."""
@@ -125,7 +134,7 @@ class StepModel:
         c = self.cfg
         mean_ctx = int(context + (tokens - 1) / 2)
         flops = (2.0 * k[5] + 4 * c.num_attention_heads * c.head_dim * mean_ctx * c.num_hidden_layers) * tokens
-        return max(flops * k[6], k[0]) + k[4]
+        return max(flops * k[6], k[0]) + k[4] + k[8]
 
     @property
     def _coefficients(self) -> tuple[float, ...]:
@@ -139,7 +148,8 @@ class StepModel:
             cached = (self.weights_bytes / (p.gemv_frac.value * copy), 2.0 * lin / (p.peak_tflops.value * 1e12),
                       self.kv_bytes_per_token / (f * copy), self.kv_bytes_per_token / (wf * copy),
                       self.cfg.num_hidden_layers * p.launch_us.value * 1e-6, lin,
-                      1.0 / (p.peak_tflops.value * p.prefill_mfu.value * 1e12))
+                      1.0 / (p.peak_tflops.value * p.prefill_mfu.value * 1e12), p.seq_us.value * 1e-6,
+                      p.prefill_us.value * 1e-6)
             object.__setattr__(self, "_k", cached)
         return cached
 
@@ -187,6 +197,27 @@ def fit_layer_overhead_to(profile: GpuProfile, cfg: LlamaConfig, step_ms: float,
     rest = step_seconds(base.decode(batch, context_tokens))
     per_layer = max(0.0, (step_ms * 1e-3 - rest) / cfg.num_hidden_layers) * 1e6
     return replace(profile, launch_us=Measured(per_layer, f"fitted: {source} {step_ms:.3f} ms"))
+
+
+def fit_host_to(profile: GpuProfile, cfg: LlamaConfig, calibration: dict, source: str) -> GpuProfile:
+    """``profile`` fitted to an eager runner's own times (``workbench.whatif.replay.calibrate``): ``launch_us`` to its
+    step at batch 1 (:func:`fit_layer_overhead_to`), ``seq_us`` to what its step at ``wide`` sequences takes beyond
+    the model's (spread over the sequences past the first), ``prefill_us`` to what its prefill of ``prompt`` tokens
+    takes beyond the model's. ``source`` says where the times were measured."""
+    missing = {"step_ms", "context", "prompt", "prefill_ms", "step_wide_ms", "wide"} - set(calibration)
+    if missing:
+        raise ValueError(f"calibration must hold calibrate's times, missing {sorted(missing)}")
+    ctx, wide = int(calibration["context"]), int(calibration["wide"])
+    _check_count("wide", wide, 2)
+    prof = fit_layer_overhead_to(profile, cfg, calibration["step_ms"], 1, ctx, f"{source}: step at batch 1")
+    model = StepModel(prof, cfg, "fp16")
+    extra = calibration["step_wide_ms"] * 1e-3 - model.decode_seconds(wide, wide * ctx)
+    seq = max(0.0, extra / (wide - 1)) * 1e6
+    prefill = max(0.0, calibration["prefill_ms"] * 1e-3 - model.prefill_seconds(int(calibration["prompt"]))) * 1e6
+    return replace(prof, seq_us=Measured(seq, f"fitted: {source}: step of {wide} sequences "
+                                              f"{calibration['step_wide_ms']:.2f} ms"),
+                   prefill_us=Measured(prefill, f"fitted: {source}: prefill of {calibration['prompt']} tokens "
+                                                f"{calibration['prefill_ms']:.2f} ms"))
 
 
 def _check_count(name: str, v, lo: int) -> None:
