@@ -211,7 +211,8 @@ def test_transcoding_applies_static_scales_per_cache_head_or_layer(kv_dtype, k_s
 @pytest.mark.parametrize("device_scheme, layout, host", [
     ("fp16", "nhd", "int4/token"), ("bf16", "vllm", "int4/kivi"), ("fp8_e4m3", "hnd", "int8/token"),
     ("int8/token", "vllm", "int4/token"), ("int4/kivi", "nhd", "fp8_e4m3/token"), ("fp16", "hnd", "int8_asym/token"),
-    ("int8/token", "hnd", "int4/kivi")])  # the last: the case a GPU's torch reference once failed (common.div)
+    ("int8/token", "hnd", "int4/kivi"),  # the case a GPU's torch reference once failed (common.div)
+    ("bf16", "nhd", "int8/token"), ("fp16", "hnd", "int4/kivi")])  # in place: fp16 in NHD / HND
 def test_the_kernels_transcode_as_the_references(device_scheme, layout, host):
     """ops="kernels": each direction reads its blocks with ``dequantize_blocks`` (NaN/Inf of unwritten slots as 0,
     counted, in the same pass) and writes with ``write_kv``: the references' codes and scales, byte for byte, for
@@ -223,6 +224,31 @@ def test_the_kernels_transcode_as_the_references(device_scheme, layout, host):
     cache.add("s", _tokens(n), k, v)
     values, _ = _check_transcode(cache, formats.tier_format(cache, host), "s")
     assert not torch.isfinite(values).all()  # the unwritten slots' NaN went through, counted
+
+
+@pytest.mark.parametrize("device_scheme, layout, in_place", [
+    ("fp16", "nhd", True), ("fp16", "hnd", True), ("bf16", "nhd", False), ("fp16", "vllm", False),
+    ("fp8_e4m3", "nhd", False)])
+def test_a_cast_device_is_promoted_in_place(device_scheme, layout, in_place, monkeypatch):
+    """A cast device in NHD / HND takes the format's values straight into its blocks (one launch a kind, no fp32
+    values in between): the same bytes as the general path, which the other devices keep."""
+    cache = _cache(device_scheme, layout, ops="kernels")
+    k, v = _kv(2 * BS + 5, 11)
+    cache.add("s", _tokens(2 * BS + 5), k, v)
+    fmt = formats.tier_format(cache, "int4/token")
+    packed = formats.encode(cache, fmt, BS, _staged(cache, "s"))
+    want = formats.decode(cache, fmt, BS, packed) if in_place else None
+    if in_place:  # the general path, forced, for the bytes to compare with
+        monkeypatch.setattr(formats, "_decodes_in_place", lambda *a: False)
+        general = formats.decode(cache, fmt, BS, packed)
+        monkeypatch.undo()
+        assert torch.equal(want, general)
+    monkeypatch.setattr(formats, "read_values", lambda *a, **kw: pytest.fail("read_values on the in-place path"))
+    if in_place:
+        assert torch.equal(formats.decode(cache, fmt, BS, packed), want)
+    else:
+        with pytest.raises(pytest.fail.Exception):
+            formats.decode(cache, fmt, BS, packed)
 
 
 @pytest.mark.parametrize("ops", ["torch", "kernels"])

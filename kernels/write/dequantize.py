@@ -38,12 +38,13 @@ def _dequantize_blocks_kernel(
     sc_ptr,  # the scale view's first element (HAS_SCALE), else any pointer
     z_ptr,  # the zero point view's first element (HAS_ZERO), else any pointer
     st_ptr,  # [static_layers * static_heads] fp32 static scales (STATIC), else any pointer
-    out_ptr,  # [nb, bs, H, HEAD_DIM] values
+    out_ptr,  # [nb, bs, H, HEAD_DIM] values, unit stride in HEAD_DIM
     bad_ptr,  # [1] int32: non-finite values seen (ZERO_NONFINITE)
     bs, num_slots,  # tokens a block, blocks * bs
     s_blk, s_tok, s_head, s_dgrp,  # code (blk, tok, h, c): blk*s_blk + tok*s_tok + h*s_head + (c // X)*s_dgrp + ...
     sc_blk, sc_tg, sc_h, sc_cg,  # scale (and zero point) view strides: [blocks, token groups, heads, channel groups]
     static_layers, static_heads,  # the static table's rows (block b is layer b % static_layers) and heads (1 or H)
+    so_blk, so_tok, so_head,  # out (blk, tok, h): the values of a dense buffer, or a device block view in place
     S_D: tl.constexpr, X: tl.constexpr,  # ... + (c % X)*S_D
     HEAD_DIM: tl.constexpr,
     DC: tl.constexpr,  # stored elements a row (HEAD_DIM, or HEAD_DIM * BITS / 8 packed bytes)
@@ -57,7 +58,6 @@ def _dequantize_blocks_kernel(
 ):
     i_u = tl.program_id(0)
     i_h = tl.program_id(1)
-    num_heads = tl.num_programs(1)
     o_u = i_u * BLOCK_U + tl.arange(0, BLOCK_U)  # [BLOCK_U] slots (block * bs + token): small blocks, many a program
     o_b = (o_u // bs).to(tl.int64)
     o_t = o_u % bs
@@ -68,7 +68,7 @@ def _dequantize_blocks_kernel(
     b_raw = tl.load(p_c, mask=m)  # masked lanes are never stored (no `other`: fp8 takes no constant)
     if STATIC:
         b_st = tl.load(st_ptr + ((o_b % static_layers) * static_heads + i_h % static_heads)[:, None], mask=m)
-    p_out = out_ptr + (o_u.to(tl.int64)[:, None] * num_heads + i_h) * HEAD_DIM
+    p_out = out_ptr + (o_b * so_blk + o_t.to(tl.int64) * so_tok + i_h * so_head)[:, None]
     for k in tl.static_range(8 // BITS if BITS else 1):
         if BITS:
             b_x = ((b_raw.to(tl.int32) >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
@@ -102,8 +102,10 @@ def dequantize_blocks(scheme, cache: torch.Tensor, layout: Layout | str, kind: s
 
     ``static_scale``: ``[layers or 1, heads or 1]`` fp32 on the cache's device, block ``b``'s row ``b % layers``
     (a tier's staging holds block ``i``'s layers ``l`` as ``i * layers + l``). ``nonfinite``: an int32 ``[1]``
-    tensor: NaN/Inf values become 0 and are counted into it (no sync). ``out``: a contiguous buffer of that shape and
-    dtype to write into (else a new one). Arguments are the caller's to check."""
+    tensor: NaN/Inf values become 0 and are counted into it (no sync). ``out``: a tensor of that shape and dtype to
+    write into (else a new one), any strides but a unit one in ``head_dim``: a view of device blocks (NHD, or HND
+    permuted to ``[nb, bs, H, D]``) takes the values in place, cast once, which is a cast device's whole write (a
+    tier's promotion, ``workbench.tiers.formats.decode``). Arguments are the caller's to check."""
     layout = Layout.parse(layout)
     nb = cache.shape[0]
     a = addressing(cache, layout, kind)
@@ -128,7 +130,7 @@ def dequantize_blocks(scheme, cache: torch.Tensor, layout: Layout | str, kind: s
     if nb and bs and H:
         _dequantize_blocks_kernel[(triton.cdiv(nb * bs, block_u), H)](
             cache, scale, zero, static, out, bad, bs, nb * bs, a.s_blk, a.s_tok, a.s_head, a.s_dgrp, *sc_strides,
-            st_layers, st_heads, S_D=a.s_d, X=a.x, HEAD_DIM=head_dim, DC=dc, BLOCK_DC=block_dc,
+            st_layers, st_heads, out.stride(0), out.stride(1), out.stride(2), S_D=a.s_d, X=a.x, HEAD_DIM=head_dim, DC=dc, BLOCK_DC=block_dc,
             BITS=scheme.bits if dc != head_dim else 0, E4M3=cache.dtype == torch.float8_e4m3fn, TG=tg, CG=cg, HAS_SCALE=sc is not None,
             HAS_ZERO=sc is not None and sc.has_zero, STATIC=static_scale is not None,
             ZERO_NONFINITE=nonfinite is not None, BLOCK_U=block_u, num_warps=4, enable_fp_fusion=False,

@@ -1,6 +1,7 @@
 """Plotly figures of notebook 06 (the real model through the paged cache), built from the plain data of
 ``workbench.model.inspect`` (block-table grids, run timelines), a quantized run's agreement with fp16, and
-the K/V statistics of ``workbench.model.capture``."""
+the K/V statistics of ``workbench.model.capture``; and the model runner's decode paths (the cascade, Quest) of the
+committed ``bench model_decode`` runs that notebooks 08 and 07 show (``workbench.results.model_paths``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import math
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from workbench.figures.titles import SUB_CHARS, TITLE_CHARS, wrap
+from workbench.results import model_paths
 
 # cells coloured by physical block id: twenty light colours, cycled (the id, written in the cell, is what decides)
 BLOCK_COLORS = ("#8ecae6", "#ffb703", "#b7e4c7", "#f4a261", "#cdb4db", "#e9c46a", "#a8dadc", "#ffafcc",
@@ -284,4 +288,58 @@ def kv_stats(layers: list[dict], layer: int, head: int, source: str) -> go.Figur
         legend2=dict(x=fig.layout.xaxis2.domain[0], xanchor="left", **below),
         legend3=dict(x=fig.layout.xaxis3.domain[0], xanchor="left", y=-0.09, yanchor="top", orientation="h",
                      font_size=11))
+    return fig
+
+
+# the runner's decode paths: the reference grey, the cascade's modes and Quest's budgets in warm colours
+PATH_COLORS = {"off": "#8d99ae", "auto": "#2a9d8f", "shared": "#e76f51", "full": "#8d99ae"}
+BUDGET_COLORS = ("#e76f51", "#f4a261", "#e9c46a", "#bc6c25")
+
+
+def _path_hover(r: dict) -> str:
+    ms, tps = r["step_ms"], r["tokens_per_s"]
+    return (f"{model_paths.label(r)}: {tps:.3g} tokens/s, {ms:.1f} ms a step, {model_paths.speedup(r):.2f}x<br>"
+            f"attends: {model_paths.paths_text(r['paths'])}<br>one layer's kv.attend alone: {r['attend_us']:.0f} µs "
+            f"({r['attend_share']:.0%} of the step over all layers)")
+
+
+def decode_paths(run: dict, section: str) -> go.Figure:
+    """The runner's tokens/s through each configuration of a ``bench model_decode`` run's ``section``
+    (``workbench.results.model_paths``), one bar a configuration, its speedup against the section's reference
+    written on it: ``cascade``: the three ``shared_prefix`` modes; ``quest``: grouped by batch, a bar for the full
+    cache and one per page budget."""
+    rows = model_paths.section_rows(run, section)
+    if not rows:
+        raise ValueError(f"section {section!r}: run {model_paths.run_name(run)} has no such rows")
+    fig = go.Figure()
+    first = rows[0]
+    if section == "cascade":
+        for r in rows:
+            mode = r["shared_prefix"]
+            fig.add_bar(x=[f"{mode}: {model_paths.MODES.get(mode, mode)}"], y=[r["tokens_per_s"]], name=mode,
+                        marker_color=PATH_COLORS.get(mode, "#888"), text=[f"{r['speedup_vs_plain']:.2f}x"],
+                        textposition="outside", hovertext=[_path_hover(r)], hoverinfo="text", showlegend=False)
+        fig.update_xaxes(title_text="PagedKV(shared_prefix=...)")
+        head = f"The model runner through the cascade: {first['samples']} samples of one {first['prompt']}-token prompt"
+        what = "on each bar: tokens/s against plain paged decode (off)"
+    else:
+        budgets = list(dict.fromkeys(r["page_budget"] for r in rows if r["kv"] != "full"))
+        for key in ["full", *budgets]:
+            mine = [r for r in rows if (r["kv"] == "full" if key == "full" else r["page_budget"] == key)]
+            name = "full cache" if key == "full" else f"Quest, {key} pages ({mine[0]['budget_tokens']} tokens)"
+            color = PATH_COLORS["full"] if key == "full" else BUDGET_COLORS[budgets.index(key) % len(BUDGET_COLORS)]
+            fig.add_bar(x=[f"batch {r['batch']}" for r in mine], y=[r["tokens_per_s"] for r in mine], name=name,
+                        marker_color=color, text=[f"{r['speedup_vs_full']:.2f}x" for r in mine],
+                        textposition="outside", hovertext=[_path_hover(r) for r in mine], hoverinfo="text")
+        fig.update_xaxes(title_text="batch (copies of the prompt, each in its own blocks)")
+        head = f"The model runner through Quest: a {first['prompt']}-token prompt, full cache vs page budgets"
+        what = "on each bar: tokens/s against the full cache at the same batch"
+    top = max(r["tokens_per_s"] for r in rows)
+    fig.update_yaxes(title_text="tokens/s (eager runner)", range=[0, top * 1.18])
+    gpu = run["info"].get("gpu", "GPU unknown")
+    sub = "<br>".join(wrap(line, SUB_CHARS) for line in (
+        f"{gpu} \u00b7 {model_paths.run_name(run)} \u00b7 random fp16 weights", what))
+    fig.update_layout(title=dict(text=f"{wrap(head, TITLE_CHARS)}<br><sup>{sub}</sup>", font_size=14),
+                      barmode="group", height=440, margin=dict(t=110, r=10, l=70, b=100),
+                      legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"))
     return fig

@@ -270,10 +270,37 @@ def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> tor
         return packed
     dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
     n = _check_batch(cache, "packed", packed, row)
+    if _decodes_in_place(cache, block_size, dev_row):
+        return _decode_in_place(cache, fmt, block_size, packed, n, row, dev_row)
     out = torch.zeros((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
     dst = _staged(cache, cache.scheme, cache.layout, out, n, dev_row)
     k, v = read_values(cache, fmt, block_size, packed)
     _write(cache, dst, block_size, k, v, per_layer=cache.scheme.needs_static_scales and cache.per_layer_scales)
+    return out
+
+
+def _decodes_in_place(cache, block_size: int, dev_row: int) -> bool:
+    """A promotion is one launch a kind: the device stores values as they are (fp16 or fp32: bf16's rounding is the
+    write kernel's own under the interpreter) with a channel's tokens and heads on two strides (NHD, HND), its rows
+    hold nothing else, and it writes with the kernels."""
+    return (cache.ops == "kernels" and cache.scheme.family == "cast" and cache.layout in (Layout.NHD, Layout.HND)
+            and cache.scheme.format.storage in (torch.float16, torch.float32)
+            and dev_row == block_size * cache.num_kv_heads * cache.head_dim * cache.scheme.format.storage.itemsize)
+
+
+def _decode_in_place(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor, n: int, row: int,
+                     dev_row: int) -> torch.Tensor:
+    """:func:`decode` for a cast device (:func:`_decodes_in_place`): the format's codes dequantized straight into the
+    device blocks' values, cast once, where the general path writes fp32 values out and casts them in a second
+    kernel (the same rounding, so the same bytes; a fifth of the bytes moved)."""
+    out = torch.empty((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
+    src = _staged(cache, fmt.scheme, Layout.NHD, packed, n, row)
+    dst = _staged(cache, cache.scheme, cache.layout, out, n, dev_row)
+    for kind in (0, 1):
+        planes = dst.plane_view(None, kind, block_size)  # [n * L, bs, H, D] (NHD) or [n * L, H, bs, D] (HND)
+        view = planes if cache.layout is Layout.NHD else planes.transpose(1, 2)
+        dequantize_blocks(fmt.scheme, src.plane_view(None, kind, block_size), Layout.NHD, "kv"[kind],
+                          cache.head_dim, out_dtype=view.dtype, out=view)
     return out
 
 
