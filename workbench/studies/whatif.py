@@ -129,7 +129,8 @@ def frontier(schemes, rates, **params) -> list[dict]:
 # ---- where the numbers come from --------------------------------------------------------------------------------
 INPUT_WORDS = {"copy_gbps": "copy bandwidth (GB/s)", "launch_us": "kernel floor a layer (µs)",
                "gemv_frac": "weight reads (of copy)", "peak_tflops": "tensor peak (TFLOP/s)",
-               "prefill_mfu": "prefill (of the peak)", "hbm_gib": "HBM (GiB)"}
+               "prefill_mfu": "prefill (of the peak)", "hbm_gib": "HBM (GiB)",
+               "seq_us": "host a sequence a step (µs)", "prefill_us": "host a prefill (µs)"}
 
 
 def inputs(profile: str = "h200", schemes=("fp16",)) -> list[dict]:

@@ -68,8 +68,8 @@ class GpuProfile:
     peak_tflops: Measured = Measured(989.0, "assumed: H200 dense fp16/bf16 tensor-core peak (datasheet)")
     prefill_mfu: Measured = Measured(0.5, "assumed: prefill at half the tensor-core peak")
     hbm_gib: Measured = Measured(141.0, "assumed: H200 HBM3e capacity (datasheet)")
-    seq_us: Measured = Measured(0.0, "assumed: none (a graph-replayed step's host time does not grow with the batch)")
-    prefill_us: Measured = Measured(0.0, "assumed: none beyond a step's launches")
+    seq_us: Measured = Measured(0.0, "assumed: none (a graph step's host time is flat in the batch)")
+    prefill_us: Measured = Measured(0.0, "assumed: none (a prefill's host time is its launches)")
     files: tuple[str, ...] = field(default=())
 
     @classmethod
