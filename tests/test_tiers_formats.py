@@ -233,13 +233,14 @@ def test_a_cast_device_is_promoted_in_place(device_scheme, layout, in_place, mon
     """A cast device in NHD / HND takes the format's values straight into its blocks (one launch a kind, no fp32
     values in between): the same bytes as the general path, which the other devices keep."""
     cache = _cache(device_scheme, layout, ops="kernels")
+    assert formats.decodes_in_place(cache, BS) == in_place
     k, v = _kv(2 * BS + 5, 11)
     cache.add("s", _tokens(2 * BS + 5), k, v)
     fmt = formats.tier_format(cache, "int4/token")
     packed = formats.encode(cache, fmt, BS, _staged(cache, "s"))
     want = formats.decode(cache, fmt, BS, packed) if in_place else None
     if in_place:  # the general path, forced, for the bytes to compare with
-        monkeypatch.setattr(formats, "_decodes_in_place", lambda *a: False)
+        monkeypatch.setattr(formats, "decodes_in_place", lambda *a: False)
         general = formats.decode(cache, fmt, BS, packed)
         monkeypatch.undo()
         assert torch.equal(want, general)

@@ -26,7 +26,8 @@ scales, zero points) and ``bytes_fraction`` (their ratio). ``kind``:
   format's bytes: on a slower link, batches pipelined, it hides behind the DMA), ``pays_serial_gbps`` (below it,
   transcode then DMA beats fp16's DMA alone) and ``pays_pipelined_gbps``; ``hidden_at_pinned``: the run's pinned
   bandwidth is below ``hide_gbps``; ``read_us``: the read half alone (``formats.read_values``: the blocks
-  dequantized), so ``time_us - read_us`` is the write half's.
+  dequantized), so ``time_us - read_us`` is the write half's (None for a promotion in place, which has no read
+  half: ``formats.decodes_in_place``).
 - ``beside``: a decode (``bench tiers``' W1 step) timed alone and with transcoding swaps of a batch running on a
   side stream all the while (the decode steps queued first, the swaps issued while they run): ``slowdown``,
   ``overlap`` (share of the decode span with swaps in flight; a slowdown is only as full as it) and the swaps'
@@ -215,10 +216,11 @@ def _transcode_rows(cache, fmt, bs, ids, base, timer, pinned, copy_gbps) -> list
             ("encode", lambda: formats.encode(cache, fmt, bs, staged),
              lambda: formats.read_values(cache, formats.DEVICE, bs, staged, nonfinite), "d2h"),
             ("decode", lambda: formats.decode(cache, fmt, bs, packed),
-             lambda: formats.read_values(cache, fmt, bs, packed), "h2d")):
+             None if formats.decodes_in_place(cache, bs) else lambda: formats.read_values(cache, fmt, bs, packed),
+             "h2d")):
         reps = max(2, min(10, (1 << 30) // (dev_bytes + fmt_bytes)))
         t = timer(fn, reps=reps)
-        t_read = timer(read, reps=reps)  # the read half alone: the rest of t is the write
+        t_read = timer(read, reps=reps) if read else None  # the read half alone: the rest of t is the write
         gbps = (dev_bytes + fmt_bytes) / t / 1e3 if t else None
         be = break_even(dev_bytes, fmt_bytes, t * 1e-6 if t else None)
         link = pinned[f"pinned_{direction}"] if pinned else None

@@ -270,7 +270,7 @@ def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> tor
         return packed
     dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
     n = _check_batch(cache, "packed", packed, row)
-    if _decodes_in_place(cache, block_size, dev_row):
+    if decodes_in_place(cache, block_size):
         return _decode_in_place(cache, fmt, block_size, packed, n, row, dev_row)
     out = torch.zeros((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
     dst = _staged(cache, cache.scheme, cache.layout, out, n, dev_row)
@@ -279,10 +279,11 @@ def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> tor
     return out
 
 
-def _decodes_in_place(cache, block_size: int, dev_row: int) -> bool:
-    """A promotion is one launch a kind: the device stores values as they are (fp16 or fp32: bf16's rounding is the
-    write kernel's own under the interpreter) with a channel's tokens and heads on two strides (NHD, HND), its rows
-    hold nothing else, and it writes with the kernels."""
+def decodes_in_place(cache, block_size: int) -> bool:
+    """Whether :func:`decode` is one launch a kind, with no read half of its own: the device stores values as they
+    are (fp16 or fp32: bf16's rounding is the write kernel's own under the interpreter) with a channel's tokens and
+    heads on two strides (NHD, HND), its rows hold nothing else, and it writes with the kernels."""
+    dev_row = row_bytes(cache, DEVICE, block_size)
     return (cache.ops == "kernels" and cache.scheme.family == "cast" and cache.layout in (Layout.NHD, Layout.HND)
             and cache.scheme.format.storage in (torch.float16, torch.float32)
             and dev_row == block_size * cache.num_kv_heads * cache.head_dim * cache.scheme.format.storage.itemsize)
@@ -290,7 +291,7 @@ def _decodes_in_place(cache, block_size: int, dev_row: int) -> bool:
 
 def _decode_in_place(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor, n: int, row: int,
                      dev_row: int) -> torch.Tensor:
-    """:func:`decode` for a cast device (:func:`_decodes_in_place`): the format's codes dequantized straight into the
+    """:func:`decode` for a cast device (:func:`decodes_in_place`): the format's codes dequantized straight into the
     device blocks' values, cast once, where the general path writes fp32 values out and casts them in a second
     kernel (the same rounding, so the same bytes; a fifth of the bytes moved)."""
     out = torch.empty((n, cache.num_layers * 2 * dev_row), dtype=torch.uint8, device=packed.device)
