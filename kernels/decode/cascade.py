@@ -119,8 +119,10 @@ class CascadePlan:
         shared_launch: :func:`~workbench.kernels.decode_config` overrides for the shared pass only (it runs
             ``batch_fast``: a segment's tiles of one chunk side by side, so all but the first read it from L2).
         overlap: on a CUDA device, run the shared pass (query gather and decode) on a side stream beside the suffix
-            pass, joined before the merge: the shared pass is bound by the tensor cores, the suffixes by memory, so
-            the GPU can run both at once. Also under CUDA-graph capture (the fork and join are captured).
+            pass, joined before the merge (also under CUDA-graph capture: the fork and join are captured). The shared
+            pass is bound by the tensor cores and the suffixes by memory, but its one wave fills every SM: on an H100
+            at 32k x 64 it gained 1-3% under a graph and lost up to 25% eager (the fork and join are host work;
+            docs/shared_prefix.md), so it is off by default.
         **launch: overrides for both passes (``quant`` included, as for ``paged_decode``).
 
     ``run(q, k_cache, v_cache, out=None)`` is then as :meth:`DecodePlan.run`.
