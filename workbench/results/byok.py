@@ -40,9 +40,7 @@ def runs(results_dir: Path | str | None = None, where: Mapping | None = None) ->
     return run_files.load_runs(PATTERN, results_dir, FULL if where is None else where)
 
 
-def run_name(run: Mapping) -> str:
-    """The run's file name (``byok-decode-h200-20261203T101500.json``): what the notebook quotes."""
-    return Path(run["path"]).name
+run_name = run_files.run_name  # the run's file name: what the notebook quotes
 
 
 def describe(found: Sequence[Mapping]) -> str:

@@ -57,9 +57,7 @@ def latest(kind: str, results_dir: Path | str | None = None, where: Mapping | No
     return found[-1] if found else None
 
 
-def run_name(run: Mapping) -> str:
-    """The run's file name (what the notebook quotes)."""
-    return Path(run["path"]).name
+run_name = run_files.run_name  # the run's file name: what the notebook quotes
 
 
 def section(run: Mapping, name: str) -> list[dict]:

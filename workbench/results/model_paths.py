@@ -57,9 +57,7 @@ def latest(section: str, results_dir: Path | str | None = None, where: Mapping |
     return found[-1]
 
 
-def run_name(run: Mapping) -> str:
-    """The run's file name (what the notebooks quote)."""
-    return Path(run["path"]).name
+run_name = run_files.run_name  # the run's file name: what the notebook quotes
 
 
 def section_rows(run: Mapping, section: str) -> list[dict]:

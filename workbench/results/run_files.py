@@ -61,6 +61,11 @@ def write_results(
 _WRITTEN: dict[tuple, Path] = {}  # (bench, folder, run id) -> the file this process wrote for that run
 
 
+def run_name(run: Mapping) -> str:
+    """A loaded run's file name (``tiers-h200-20261201T205651.json``): what the notebooks quote."""
+    return Path(run["path"]).name
+
+
 def run_info(doc: Mapping) -> dict:
     """A result file's metadata: its ``meta`` plus the other top-level fields (``mode``, ``smoke``, ...)."""
     return {**doc.get("meta", {}), **{k: v for k, v in doc.items() if k not in ("meta", "rows")}}

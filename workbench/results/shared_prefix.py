@@ -24,8 +24,7 @@ def runs(results_dir: Path | str | None = None, where: Mapping | None = None) ->
     return run_files.load_runs(PATTERN, results_dir, H200 if where is None else where)
 
 
-def run_name(run: Mapping) -> str:
-    return Path(run["path"]).name
+run_name = run_files.run_name  # the run's file name: what the notebook quotes
 
 
 def _timing(timing: str) -> tuple[str, str, str, str]:

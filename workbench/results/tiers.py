@@ -44,9 +44,7 @@ def latest(results_dir: Path | str | None = None, where: Mapping | None = None) 
     return found[-1] if found else None
 
 
-def run_name(run: Mapping) -> str:
-    """The run's file name (``tiers-h200-20261201T205651.json``): what the notebook quotes."""
-    return Path(run["path"]).name
+run_name = run_files.run_name  # the run's file name: what the notebook quotes
 
 
 def pinned(run: Mapping) -> dict[str, float]:

@@ -64,6 +64,21 @@ def _stream(s):
     return torch.cuda.stream(s) if s is not None else contextlib.nullcontext()
 
 
+def _record(s) -> torch.cuda.Event | None:
+    """An event marking what ``s`` has queued so far (None without streams: a CPU runs everything in turn)."""
+    if s is None:
+        return None
+    event = torch.cuda.Event()
+    s.record_event(event)
+    return event
+
+
+def _after(s, event) -> None:
+    """``s`` waits for ``event`` (:func:`_record`'s) before what it queues next."""
+    if s is not None and event is not None:
+        s.wait_event(event)
+
+
 def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: list[tuple[int, int]], gather,
                   main, xcode, side) -> list[torch.Tensor]:
     """Swap-out: device blocks -> the host runs, a chunk at a time: ``gather(lo, hi)`` the chunk's blocks into
@@ -76,23 +91,16 @@ def transcode_out(mover, staging: torch.Tensor, runs, bb: int, bs: int, chunks: 
     for lo, hi in chunks:
         with _stream(main):
             gather(lo, hi)
-            gathered = None
-            if xcode is not None:
-                gathered = torch.cuda.Event()
-                main.record_event(gathered)
+            gathered = _record(main)
         with _stream(xcode):
-            if gathered is not None:
-                xcode.wait_event(gathered)
+            _after(xcode, gathered)
             wire = mover._encode(staging[lo:hi], bs, bb).reshape(-1)
-            done = None
+            done = _record(xcode)
             if xcode is not None:
-                done = torch.cuda.Event()
-                xcode.record_event(done)
                 wire.record_stream(side)
         keep.append(wire)
         with _stream(side):
-            if done is not None:
-                side.wait_event(done)
+            _after(side, done)
             for i, a, b in run_pieces(spans, lo, hi):
                 first, host_run, _ = runs[i]
                 host_run[(a - first) * bb:(b - first) * bb].copy_(wire[(a - lo) * bb:(b - lo) * bb],
@@ -114,12 +122,9 @@ def transcode_in(mover, wire: torch.Tensor, runs, bb: int, bs: int, chunks: list
             for i, a, b in run_pieces(spans, lo, hi):
                 first, host_run, _ = runs[i]
                 wire[a * bb:b * bb].copy_(host_run[(a - first) * bb:(b - first) * bb], non_blocking=side is not None)
-            if side is not None:
-                arrived = torch.cuda.Event()
-                side.record_event(arrived)
+            arrived = _record(side)
         with _stream(xcode):
-            if xcode is not None:
-                xcode.wait_event(arrived)
+            _after(xcode, arrived)
             staging = mover._decode(wire.view(-1, bb)[lo:hi], bs).reshape(-1)
             seq = torch.arange(hi - lo, dtype=torch.int64, device=wire.device)
             scatter(staging, seq, dev_t[lo:hi])
