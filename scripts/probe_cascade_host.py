@@ -64,8 +64,8 @@ def main() -> None:
     rows = []
     for label, (prefix, sharers, suffix) in {"32k x 64": (32768, 64, 128), "tiny": (256, 4, 16)}.items():
         p = Point(prefix, sharers, suffix, 32, 8)
-        plain, casc = p.plain(), p.cascade(64)
-        for impl, plan in (("plain", plain), ("cascade", casc)):
+        plain, casc, separate = p.plain(), p.cascade(64), p.cascade(64, {"fuse_gather": False})
+        for impl, plan in (("plain", plain), ("cascade", casc), ("cascade, separate gather", separate)):
             def fn(plan=plan, p=p):
                 return plan.run(p.q, p.k, p.v)
             rows.append({"point": label, "impl": impl, "host_us": host_us(fn, calls=200, warmup=10),

@@ -1,8 +1,9 @@
 """Where a shared-prefix cascade step's GPU time goes, and what the shared pass's tile and the two passes' overlap
 change (issue 33): at the bench's 32k x 64 points (GQA 32/8 and MHA 32/32, suffix 128 and 1024), CUDA-graph times of
 
-- plain decode, the cascade as planned by default, and the cascade with ``overlap=True`` (shared pass on a side
-  stream beside the suffix pass);
+- plain decode and the cascade three ways: its shared pass reading the query rows itself (the default: three
+  launches), with a separate query gather (``fuse_gather=False``: four), and with ``overlap=True`` (the shared pass
+  on a side stream beside the suffix pass);
 - each piece alone: the query gather with the shared pass, the suffix pass, the merge (the rest);
 - the shared pass alone per ``rows_per_tile`` x ``BLOCK_N`` x ``num_warps`` x ``num_stages`` (the shared pass does
   not depend on the suffix: suffix 128 points only), then the cascade with the fastest, with and without overlap,
@@ -18,6 +19,8 @@ import json
 from pathlib import Path
 
 import torch
+from workbench.kernels.decode import kernel as _kernel
+from workbench.kernels.decode.cascade_kernels import _shared_pass_kernel
 
 from workbench.bench.harness import rel_err, time_us, time_us_graph
 from workbench.bench.shared_prefix import Point
@@ -33,6 +36,7 @@ SWEEP_OFF: list[bool] = []  # non-empty: --best given
 
 
 def shared_alone(p: Point, plan) -> float:
+    """The query gather and the shared pass of ``plan`` (built with ``fuse_gather=False``), under a graph."""
     sh = plan.plans[0]
     B, Hq, D = p.q.shape
     V = plan.num_tiles
@@ -50,14 +54,14 @@ def probe_point(name, emit, best) -> None:
     plain = p.plain()
     ref = plain.run(p.q, p.k, p.v)
     fn_p = lambda: plain.run(p.q, p.k, p.v)  # noqa: E731
-    tg_plain = time_us_graph(fn_p, rep_ms=100)
-    emit({"point": name, "impl": "plain", "time_us": time_us(fn_p, rep_ms=100), "time_us_graph": tg_plain})
+    tg_plain, t_plain = time_us_graph(fn_p, rep_ms=100), time_us(fn_p, rep_ms=100)
+    emit({"point": name, "impl": "plain", "time_us": t_plain, "time_us_graph": tg_plain})
     configs = [("default", 64, {})]
     if name.endswith("s128") and not SWEEP_OFF:
         for tile, bn, w, st in itertools.product(TILES, BLOCK_NS, WARPS, STAGES):
             launch = {"BLOCK_N": bn, "num_warps": w, "num_stages": st}
             try:
-                plan = p.cascade(tile, **launch)
+                plan = p.cascade(tile, {"fuse_gather": False}, **launch)
                 t = shared_alone(p, plan)
                 err = rel_err(plan.run(p.q, p.k, p.v), ref)
             except Exception as e:  # noqa: BLE001  (out of shared memory and the like: recorded)
@@ -75,20 +79,17 @@ def probe_point(name, emit, best) -> None:
         if SPLITS:  # fewer shared programs, so the suffix pass's fit beside them on the SMs (with overlap)
             configs += [(f"best shared, {n} splits", best[key][1], {**best[key][2], "num_splits": n}) for n in SPLITS]
     for label, tile, launch in configs:
-        for overlap in (False, True):
-            plan = p.cascade(tile, **launch) if not overlap else None
-            if overlap:
-                from workbench.kernels.decode.cascade import CascadePlan
-                plan = CascadePlan(p.table, p.seq_lens, p.segments, p.suffix_start, layout="nhd", k_cache=p.k,
-                                   v_cache=p.v, num_q_heads=hq, q_dtype=p.q.dtype, rows_per_tile=tile,
-                                   shared_launch=launch or None, overlap=True)
+        for variant, kw in (("own gather", {}), ("separate gather", {"fuse_gather": False}),
+                            ("overlap", {"overlap": True})):
+            plan = p.cascade(tile, kw, **launch)
             fn = lambda plan=plan: plan.run(p.q, p.k, p.v)  # noqa: E731
             err = rel_err(fn(), ref)
             tg, t = time_us_graph(fn, rep_ms=100), time_us(fn, rep_ms=100)
             row = {"point": name, "impl": "cascade", "config": label, "tile": tile, "launch": launch,
-                   "overlap": overlap, "time_us": t, "time_us_graph": tg, "speedup_graph": tg_plain / tg,
-                   "rel_err": err, "shared_splits": plan.plans[0].num_splits}
-            if not overlap:
+                   "variant": variant, "overlap": variant == "overlap", "time_us": t,
+                   "time_us_graph": tg, "speedup_graph": tg_plain / tg, "speedup_eager": t_plain / t, "rel_err": err,
+                   "shared_splits": plan.plans[0].num_splits}
+            if variant == "separate gather":
                 sfx = plan.plans[1]
                 row["shared_us_graph"] = shared_alone(p, plan)
                 row["suffix_us_graph"] = time_us_graph(lambda sfx=sfx: sfx.run_partials(p.q, p.k, p.v), rep_ms=60)
@@ -119,6 +120,13 @@ def main() -> None:
     for name in args.points.split(","):
         probe_point(name, emit, best)
         torch.cuda.empty_cache()
+    for fn in (_kernel._paged_decode_kernel, _shared_pass_kernel):  # what each compiled variant holds
+        for cache in getattr(fn, "device_caches", {}).values():
+            for compiled in (cache[0] if isinstance(cache, tuple) else cache).values():
+                md = compiled.metadata
+                emit({"impl": "compiled", "kernel": fn.__name__, "n_regs": compiled.n_regs,
+                      "n_spills": compiled.n_spills, "shared_bytes": md.shared, "num_warps": md.num_warps,
+                      "num_stages": md.num_stages})
 
 
 if __name__ == "__main__":

@@ -138,6 +138,54 @@ def test_cascade_merges_every_split_of_both_passes(tree, splits, shared_splits, 
     assert torch.allclose(lse.cpu().double()[finite], ref_lse[finite], atol=5e-3)
 
 
+@pytest.mark.parametrize("tree,layout,block_size,hkv,group,head_dim,dtype,kv_dtype", CASES[:5] + [
+    pytest.param("nested", "nhd", 16, 3, 3, 64, torch.float16, None, id="nested-nhd-gqa3")])  # rows straddle tiles
+def test_the_shared_pass_reads_its_queries_as_the_gather_does(tree, layout, block_size, hkv, group, head_dim, dtype,
+                                                               kv_dtype, device):
+    """The shared pass reading its stacked query rows from q through the row map (three launches) against the
+    separate gather (four): the same output and LSE, bit for bit, for layers run back to back through one plan and,
+    on a GPU, replayed from a CUDA graph."""
+    q, k, v, table, lens = make_shared_case(tree, layout, block_size, hkv, group, head_dim, dtype, device,
+                                            seed=block_size + 2 * group, kv_dtype=kv_dtype)
+    segments, suffix = cut(*(lambda r: (r, range(len(r))))(find_shared_runs(table, lens, block_size)), len(lens))
+    kw = dict(layout=layout, k_cache=k, v_cache=v, num_q_heads=q.shape[1], q_dtype=q.dtype, rows_per_tile=16,
+              return_lse=True, **(dict(k_scale=0.75, v_scale=1.25) if kv_dtype else {}))
+    own, gathered = (CascadePlan(table, lens, segments, suffix, fuse_gather=f, **kw) for f in (True, False))
+    assert own.gathers_in_pass and not gathered.gathers_in_pass
+    qs = [q, torch.randn_like(q)]
+    want = [gathered.run(x, k, v) for x in qs]
+
+    def step(outs):
+        for x, (o, s) in zip(qs, outs, strict=True):
+            s.copy_(own.run(x, k, v, o)[1])
+
+    def check(outs):
+        for (o, s), (w, w_lse) in zip(outs, want, strict=True):
+            assert torch.equal(o, w) and torch.equal(s, w_lse)
+
+    outs = [(poison_like(q), poison_like(w[1])) for w in want]
+    step(outs)
+    check(outs)
+    if device.type == "cuda":
+        graph_outs = [(poison_like(q), poison_like(w[1])) for w in want]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(graph_outs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step(graph_outs)
+        for o, s in graph_outs:
+            o.fill_(float("nan"))
+            s.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(graph_outs)
+    with pytest.raises(ValueError, match="fuse_gather must be a bool"):
+        CascadePlan(table, lens, segments, suffix, fuse_gather=1, **kw)
+
+
 def test_run_partials_is_the_plans_decode_without_its_merge(device):
     from workbench.kernels import DecodePlan
     from workbench.kernels.decode.merge import merge_states

@@ -12,13 +12,15 @@ belongs to, in order from block 0, and a private *suffix* (the rest of its table
    ``ceil(S * G / rows_per_tile)`` tiles, and that is how often its blocks are read (not ``S`` times).
 2. **Suffix pass.** The ordinary paged decode of every sequence over its own blocks.
 3. **Merge.** Each query head has the split partials of every segment it is in and of its suffix, as the two
-   passes' decode kernels leave them (fp32, in their plans' scratch); one kernel merges them all by log-sum-exp
-   (base 2, as the decode kernel writes them), reading the shared ones through an index: no copies, and not the
-   passes' own merges (two launches fewer: in eager timing the host's launches are most of a step).
+   passes' decode kernels leave them (fp32, in their plans' scratch); they are merged by log-sum-exp (base 2, as
+   the decode kernel writes them), reading the shared ones through an index: no copies, and not the passes' own
+   merges (in eager timing the host's launches are most of a step).
 
-Everything that depends only on the batch (tables, lengths, segments) is done once in :class:`CascadePlan`;
-``run`` launches four kernels (a query gather, the two decode passes, the merge) with no host sync and no
-allocation, so a step's layers can share the plan (and a CUDA graph). Which runs to treat as segments, and whether
+The shared pass reads its stacked query rows straight from ``q`` through a row map (``cascade_kernels``), so a
+step is three launches; where its tiles run the packed-code kernels (or ``fuse_gather=False``) a query gather
+copies them first: four. Everything that depends only on the batch (tables, lengths, segments) is done
+once in :class:`CascadePlan`; ``run`` launches with no host sync and no allocation, so a step's layers can share
+the plan (and a CUDA graph). Which runs to treat as segments, and whether
 the cascade is worth it at all, is ``workbench.shared_prefix``'s business; the plan takes any valid cut.
 """
 
@@ -30,73 +32,18 @@ from collections.abc import Sequence
 
 import torch
 import triton
-import triton.language as tl
 
 from workbench.core.layout import Layout
 
 from .. import common
 from ..launch import PlannedLaunch
 from . import checks as _checks
+from . import kernel as _kernel
+from .cascade_kernels import _merge_passes_kernel, _shared_pass_kernel
 from .config import _num_sms
 from .plan import DecodePlan, _values_head_dim
 
 _describe = common.describe
-
-
-@triton.jit
-def _absorb(b_m, b_l, b_acc, b_s, p_v, m_d):
-    """One partial state (base-2 LSE ``b_s``, normalized output at ``p_v``) folded into the running merge."""
-    b_v = tl.load(p_v, mask=m_d, other=0.0)
-    b_m_new = tl.maximum(b_m, b_s)
-    b_alpha = tl.exp2(b_m - b_m_new)
-    b_w = tl.exp2(b_s - b_m_new)
-    return b_m_new, b_l * b_alpha + b_w, b_acc * b_alpha + b_w * b_v
-
-
-@triton.jit
-def _merge_passes_kernel(
-    sh_o_ptr, sh_s_ptr,  # the shared pass's split partials [V, Hkv * T, S_sh, D] fp32 / [V, Hkv * T, S_sh]
-    sh_len_ptr,  # [V] int32 tokens of each shared tile's segment
-    sx_o_ptr, sx_s_ptr,  # the suffix pass's [B, Hq, S_sx, D] / [B, Hq, S_sx]
-    sx_len_ptr,  # [B] int32 suffix tokens
-    idx_ptr,  # [B, L, Hq] int32 shared state of each (row, segment, query head): tile * Hkv * T + tile row, or -1
-    out_ptr,  # [B, Hq, D]
-    lse_ptr,  # [B, Hq] fp32 (HAS_LSE)
-    s_ob, s_oh,
-    num_segments, num_heads, tile_heads,  # L, Hq, Hkv * T
-    sh_splits, sh_chunk, sx_splits, sx_chunk,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    HAS_LSE: tl.constexpr,
-):
-    """Every state of one (row, query head): each split partial of each of its segments, then of its suffix (a
-    split past a sequence's ``ceil(len / chunk)`` was never written, an empty one has LSE ``-inf``)."""
-    i_b = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    b_m = tl.zeros((), tl.float32) + float("-inf")
-    b_l = tl.zeros((), tl.float32)
-    b_acc = tl.zeros([BLOCK_D], tl.float32)
-    for i_s in range(num_segments):
-        st = tl.load(idx_ptr + (i_b * num_segments + i_s) * num_heads + i_h).to(tl.int64)
-        if st >= 0:
-            n = tl.minimum(tl.cdiv(tl.load(sh_len_ptr + st // tile_heads), sh_chunk), sh_splits)
-            for j in range(n):
-                b_s = tl.load(sh_s_ptr + st * sh_splits + j)
-                if b_s > float("-inf"):
-                    b_m, b_l, b_acc = _absorb(b_m, b_l, b_acc, b_s, sh_o_ptr + (st * sh_splits + j) * HEAD_DIM + o_d,
-                                              m_d)
-    row = i_b * num_heads + i_h
-    n = tl.minimum(tl.cdiv(tl.load(sx_len_ptr + i_b), sx_chunk), sx_splits)
-    for j in range(n):
-        b_s = tl.load(sx_s_ptr + row * sx_splits + j)
-        if b_s > float("-inf"):
-            b_m, b_l, b_acc = _absorb(b_m, b_l, b_acc, b_s, sx_o_ptr + (row * sx_splits + j) * HEAD_DIM + o_d, m_d)
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)
-    tl.store(out_ptr + i_b * s_ob + i_h * s_oh + o_d, (b_acc / b_l_safe).to(out_ptr.dtype.element_ty), mask=m_d)
-    if HAS_LSE:
-        tl.store(lse_ptr + i_b * num_heads + i_h, tl.where(b_l > 0, b_m + tl.log2(b_l_safe), float("-inf")))
 
 
 class CascadePlan:
@@ -123,6 +70,8 @@ class CascadePlan:
             pass is bound by the tensor cores and the suffixes by memory, but its one wave fills every SM: on an H100
             at 32k x 64 it gained 1-3% under a graph and lost up to 25% eager (the fork and join are host work;
             docs/shared_prefix.md), so it is off by default.
+        fuse_gather: the shared pass reads its query rows from ``q`` itself (default), where its tiles run the
+            decode kernel of float and 8-bit codes; False: a separate gather copies them first (to measure it).
         **launch: overrides for both passes (``quant`` included, as for ``paged_decode``).
 
     ``run(q, k_cache, v_cache, out=None)`` is then as :meth:`DecodePlan.run`.
@@ -132,7 +81,7 @@ class CascadePlan:
                  *, layout: Layout | str, k_cache: torch.Tensor, v_cache: torch.Tensor, num_q_heads: int,
                  q_dtype: torch.dtype, rows_per_tile: int = 64, k_scale=None, v_scale=None, sm_scale: float | None = None,
                  validate: bool = True, return_lse: bool = False, shared_launch: dict | None = None,
-                 overlap: bool = False, **launch) -> None:
+                 overlap: bool = False, fuse_gather: bool = True, **launch) -> None:
         layout = Layout.parse(layout)
         if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
             raise ValueError(f"block_table must be a [B, max_blocks] int32 tensor, got {_describe(block_table)}")
@@ -148,6 +97,8 @@ class CascadePlan:
             raise ValueError(f"shared_launch must be a dict of launch options, got {type(shared_launch).__name__}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be a bool, got {overlap!r}")
+        if not isinstance(fuse_gather, bool):
+            raise ValueError(f"fuse_gather must be a bool, got {fuse_gather!r}")
         lens = seq_lens.tolist()  # the one device sync of planning (the segments are checked against the lengths)
         segs = _check_segments(segments, suffix_start, lens, B, M, block_size)
         if validate and segs:
@@ -155,7 +106,7 @@ class CascadePlan:
         device = block_table.device
         D = _values_head_dim(k_cache, v_cache, layout, q_dtype, device, launch.get("quant"))
         G, T = num_q_heads // hkv, rows_per_tile
-        q_idx, state_idx, tables, n_states = _index_maps(segs, list(suffix_start), B, num_q_heads, hkv, G, T)
+        q_rows, state_idx, tables, n_states = _index_maps(segs, list(suffix_start), B, num_q_heads, hkv, G, T)
         V = len(tables)
         n_shared = V * hkv * T
         kw = dict(layout=layout, k_cache=k_cache, v_cache=v_cache, q_dtype=q_dtype, k_scale=k_scale, v_scale=v_scale,
@@ -183,10 +134,15 @@ class CascadePlan:
             shared_plan = DecodePlan(sh_table, sh_lens, num_q_heads=hkv * T, max_seq_len=w * block_size, **kw,
                                       **{**launch, "batch_fast": True, **_shared_defaults(k_cache, D, T, launch),
                                          **(shared_launch or {})})
+        gather_in_pass = (fuse_gather and shared_plan is not None
+                          and shared_plan._decode_kernel is _kernel._paged_decode_kernel)
         self.__dict__.update(  # past __setattr__: the one place a plan is written
             _shared=shared_plan, _suffix=suffix_plan,
             _side=_side_stream(device) if overlap and shared_plan is not None and device.type == "cuda" else None,
-            _q_idx=q_idx.to(device), _q_v=torch.empty((n_shared, D), dtype=q_dtype, device=device),
+            _shared_launch=PlannedLaunch(_shared_pass_kernel, shared_plan._constexprs) if gather_in_pass else None,
+            _q_rows=q_rows.to(device=device, dtype=torch.int32) if gather_in_pass else None,
+            _q_idx=None if gather_in_pass else q_rows.clamp(min=0).to(device),
+            _q_v=None if gather_in_pass or not V else torch.empty((n_shared, D), dtype=q_dtype, device=device),
             _state_idx=state_idx.to(device=device, dtype=torch.int32).contiguous(),
             _merges=tuple(PlannedLaunch(_merge_passes_kernel, dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
                                                                    HAS_LSE=has, num_warps=1)) for has in (False, True)),
@@ -194,6 +150,11 @@ class CascadePlan:
             q_dtype=q_dtype, device=device, rows_per_tile=T, return_lse=bool(return_lse), num_tiles=V,
             num_states=n_states, segments=tuple(segs), suffix_start=tuple(int(s) for s in suffix_start),
             _n_shared=n_shared, _q_shape=(B, num_q_heads, D))
+
+    @property
+    def gathers_in_pass(self) -> bool:
+        """Whether the shared pass reads its query rows from ``q`` itself (three launches a step, not four)."""
+        return self._shared_launch is not None
 
     @property
     def plans(self) -> tuple[DecodePlan | None, DecodePlan]:
@@ -223,8 +184,8 @@ class CascadePlan:
         lse = torch.empty((B, Hq), dtype=torch.float32, device=self.device) if self.return_lse else None
         if B == 0:
             return (out, lse) if self.return_lse else out
-        # three launches and the query gather: each pass's decode kernel leaves its split partials in its plan's
-        # scratch, and one merge reads them all (the passes' own merges would be two more launches)
+        # three launches (four with a separate query gather): each pass's decode kernel leaves its split partials in
+        # its plan's scratch, and one merge reads them all (the passes' own merges would be two more launches)
         sh, sx = self._shared or self._suffix, self._suffix
         if self._shared is not None:
             side, main = self._side, None
@@ -232,9 +193,15 @@ class CascadePlan:
                 main = torch.cuda.current_stream(self.device)
                 side.wait_stream(main)
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
-                V = self.num_tiles
-                sh_o, sh_s = self._shared.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
+                if self._shared_launch is not None:  # the pass reads its query rows from q through the row map
+                    sx._check_inputs(q, k_cache, v_cache)  # the plans' caches: one geometry, checked before a launch
+                    _, args, _ = sh._decode_call(q, k_cache, v_cache, q, sh._o_part, sh._lse, sh.layer_scales(**sc))
+                    self._shared_launch(sh._grid, *args, self._q_rows)
+                    sh_o, sh_s = sh._o_part, sh._lse
+                else:
+                    torch.index_select(q.view(B * Hq, D), 0, self._q_idx, out=self._q_v)
+                    V = self.num_tiles
+                    sh_o, sh_s = sh.run_partials(self._q_v.view(V, n_sh // V, D), k_cache, v_cache, **sc)
             sx_o, sx_s = self._suffix.run_partials(q, k_cache, v_cache, **sc)
             if main is not None:  # join: the merge (and whatever the caller queues next) waits for the shared pass
                 main.wait_stream(side)
@@ -329,22 +296,31 @@ def _check_sharers(block_table, segs) -> None:
                          f"they share")
 
 
+def _stacked_rows(rows, Hq, hkv, G, T) -> list[torch.Tensor]:
+    """The query heads of ``rows`` that read one kv head stacked into tiles of ``T`` rows: per tile, ``[hkv * T]``
+    q rows (batch row * Hq + head), -1 past the last."""
+    n = len(rows) * G  # stacked query rows of one kv head
+    out = []
+    for t in range(-(-n // T)):
+        r = t * T + torch.arange(T)  # tile rows
+        member = torch.tensor(rows)[(r // G).clamp(max=len(rows) - 1)]
+        src = member[None, :] * Hq + torch.arange(hkv)[:, None] * G + (r % G)[None, :]  # [hkv, T]
+        out.append(torch.where((r < n)[None, :], src, -1).flatten())
+    return out
+
+
 def _index_maps(segs, suffix_start, B, Hq, hkv, G, T):
-    """The query gather of the shared pass, each (row, segment, query head)'s row of the shared pass (tile * Hkv * T +
-    its row in the tile; -1 past the row's segments), the shared tiles' (start, end, source row), the number of
-    states a row merges at most (its segments and its suffix)."""
+    """The q rows the shared tiles read (batch row * Hq + head; -1 for a tile's padding), each (row, segment, query
+    head)'s row of the shared pass (tile * Hkv * T + its row in the tile; -1 past the row's segments), the shared
+    tiles' (start, end, source row), the number of states a row merges at most (its segments and its suffix)."""
     q_rows, tables = [], []
     state = [[] for _ in range(B)]  # per row: state-row offsets of its segments, per query head
     heads = torch.arange(Hq)
     for start, end, rows in segs:
         n = len(rows) * G  # stacked query rows of one kv head
-        for t in range(-(-n // T)):
-            v = len(tables)
-            tables.append((start, end, rows[0]))
-            r = t * T + torch.arange(T)  # tile rows
-            member = torch.tensor(rows)[(r // G).clamp(max=len(rows) - 1)]
-            src = member[None, :] * Hq + torch.arange(hkv)[:, None] * G + (r % G)[None, :]  # [hkv, T]
-            q_rows.append(torch.where((r < n)[None, :], src, 0).flatten())
+        tiles = _stacked_rows(rows, Hq, hkv, G, T)
+        q_rows += tiles
+        tables += [(start, end, rows[0])] * len(tiles)
         for p, row in enumerate(rows):
             r = p * G + heads % G  # this row's stacked position, per query head
             v = len(tables) - (-(-n // T)) + r // T

@@ -235,6 +235,72 @@ def _attend_tile(b_q, b_m, b_l, b_acc, start, hi, bt_row, k_base, v_base, o_d, m
 
 
 @triton.jit
+def _attend_context(
+    b_q, i_b, i_hk, lo, hi, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, k_scale, v_scale, qk_scale, s_bt,
+    k_s_blk, k_s_tok, k_s_head, k_s_dgrp, v_s_blk, v_s_tok, v_s_head, v_s_d, s_sc_h,
+    ks_blk, ks_off, ks_tg, ks_h, kz_off, vs_blk, vs_off, vs_tg, vs_h, vz_off,
+    G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    KX: tl.constexpr, V_TRANS: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr, SCALE_PTR: tl.constexpr,
+    K_BM: tl.constexpr, K_TM: tl.constexpr, K_HM: tl.constexpr, K_GM: tl.constexpr, V_BM: tl.constexpr,
+    V_TM: tl.constexpr, V_HM: tl.constexpr, V_DM: tl.constexpr, V_ALIGN: tl.constexpr, ASM: tl.constexpr,
+    K3D: tl.constexpr, QMODE: tl.constexpr, QMAX: tl.constexpr, SC_DTYPE: tl.constexpr, DC: tl.constexpr,
+    BLOCK_DC: tl.constexpr, BITS: tl.constexpr, K_TG: tl.constexpr, K_DG: tl.constexpr, V_TG: tl.constexpr,
+    V_DG: tl.constexpr, CODES: tl.constexpr, FAST_INT: tl.constexpr,
+):
+    """The query rows ``b_q`` ``[G_PAD, BLOCK_D]`` (of kv head ``i_hk``) against tokens ``[lo, hi)`` of the
+    sequence whose table row is ``i_b``: ``(out, lse)``, the normalized output ``[G_PAD, BLOCK_D]`` fp32 (values'
+    scale applied) and its base-2 log-sum-exp ``[G_PAD]`` (``-inf`` for no tokens). The decode kernels' common body
+    (this module's and the cascade's shared pass, which gathers its query rows)."""
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    if SCALE_PTR:
+        k_scale = tl.load(k_scale_ptr + i_hk * s_sc_h)
+        v_scale = tl.load(v_scale_ptr + i_hk * s_sc_h)
+    s_scale = qk_scale * k_scale
+    if IEEE or not USE_DOT:
+        b_q = b_q.to(tl.float32)
+    # the blocks' scale arrays, read through the caches' own pointers (the scales live in the blocks)
+    ks_base = k_ptr.to(tl.pointer_type(SC_DTYPE)) + (ks_off + i_hk.to(tl.int64) * ks_h)
+    vs_base = v_ptr.to(tl.pointer_type(SC_DTYPE)) + (vs_off + i_hk.to(tl.int64) * vs_h)
+    b_qsum = tl.sum(b_q.to(tl.float32), 1)  # [G_PAD] for zero points: q . (code * s + z) = s (q . code) + z sum(q)
+    if QMODE == 2 or QMODE == 3:
+        v_scale = v_scale / QMAX  # the probabilities carried scale * QMAX
+
+    k_base = k_ptr + i_hk.to(tl.int64) * (k_s_head * K_HM)
+    v_base = v_ptr + i_hk.to(tl.int64) * (v_s_head * V_HM)
+    bt_row = bt_ptr + i_b.to(tl.int64) * s_bt
+
+    b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([G_PAD], dtype=tl.float32)
+    b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+    # PEEL: the loop takes whole tiles only, the partial last tile follows it, masked. V_TRANS needs it (no token
+    # mask, so the V copies feed the dot straight from shared memory); 1-byte codes gain by it (Triton 3.6, W1 loop
+    # instructions: fp8 per tensor 1134 -> 918, int8 per token 1423 -> 1211, registers at their 255 either way),
+    # while fp16 and packed codes keep one masked loop: peeled, fp16 went from 80 to 122 registers, packed int4
+    # from 107 to 194 (fewer programs an SM)
+    PEEL: tl.constexpr = V_TRANS or (k_ptr.dtype.element_ty.primitive_bitwidth == 8 and QMODE != 4)
+    i_end = hi // BLOCK_N if PEEL else tl.cdiv(hi, BLOCK_N)
+    for i_t in range(lo // BLOCK_N, i_end):
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
+            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not PEEL, V_ALIGN, G_PAD, ASM,
+            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
+    if PEEL and hi % BLOCK_N != 0:
+        b_m, b_l, b_acc = _attend_tile(
+            b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
+            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
+            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
+            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM,
+            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
+
+    b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
+    b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]
+    return b_o, b_m + tl.log2(b_l_safe)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr,  # [B, Hq, D] query, unit stride in D
     k_ptr,  # K cache, any layout, addressed as blk*s_blk + tok*s_tok + head*s_head + (d // KX)*s_dgrp + d % KX
@@ -314,55 +380,18 @@ def _paged_decode_kernel(
     i_hq = i_hk * G + o_g  # [G_PAD] query heads of this kv head
     p_q = q_ptr + i_b.to(tl.int64) * s_qb + i_hq[:, None] * s_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_g[:, None] & m_d[None, :], other=0.0)  # [G_PAD, BLOCK_D]
-    if SCALE_PTR:
-        k_scale = tl.load(k_scale_ptr + i_hk * s_sc_h)
-        v_scale = tl.load(v_scale_ptr + i_hk * s_sc_h)
-    s_scale = qk_scale * k_scale
-    if IEEE or not USE_DOT:
-        b_q = b_q.to(tl.float32)
-    # the blocks' scale arrays, read through the caches' own pointers (the scales live in the blocks)
-    ks_base = k_ptr.to(tl.pointer_type(SC_DTYPE)) + (ks_off + i_hk.to(tl.int64) * ks_h)
-    vs_base = v_ptr.to(tl.pointer_type(SC_DTYPE)) + (vs_off + i_hk.to(tl.int64) * vs_h)
-    b_qsum = tl.sum(b_q.to(tl.float32), 1)  # [G_PAD] for zero points: q . (code * s + z) = s (q . code) + z sum(q)
-    if QMODE == 2 or QMODE == 3:
-        v_scale = v_scale / QMAX  # the probabilities carried scale * QMAX
-
-    k_base = k_ptr + i_hk.to(tl.int64) * (k_s_head * K_HM)
-    v_base = v_ptr + i_hk.to(tl.int64) * (v_s_head * V_HM)
-    bt_row = bt_ptr + i_b.to(tl.int64) * s_bt
-
-    b_m = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-    b_l = tl.zeros([G_PAD], dtype=tl.float32)
-    b_acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
-    # PEEL: the loop takes whole tiles only, the partial last tile follows it, masked. V_TRANS needs it (no token
-    # mask, so the V copies feed the dot straight from shared memory); 1-byte codes gain by it (Triton 3.6, W1 loop
-    # instructions: fp8 per tensor 1134 -> 918, int8 per token 1423 -> 1211, registers at their 255 either way),
-    # while fp16 and packed codes keep one masked loop: peeled, fp16 went from 80 to 122 registers, packed int4
-    # from 107 to 194 (fewer programs an SM)
-    PEEL: tl.constexpr = V_TRANS or (k_ptr.dtype.element_ty.primitive_bitwidth == 8 and QMODE != 4)
-    i_end = hi // BLOCK_N if PEEL else tl.cdiv(hi, BLOCK_N)
-    for i_t in range(lo // BLOCK_N, i_end):
-        b_m, b_l, b_acc = _attend_tile(
-            b_q, b_m, b_l, b_acc, i_t * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
-            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
-            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, not PEEL, V_ALIGN, G_PAD, ASM,
-            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
-    if PEEL and hi % BLOCK_N != 0:
-        b_m, b_l, b_acc = _attend_tile(
-            b_q, b_m, b_l, b_acc, i_end * BLOCK_N, hi, bt_row, k_base, v_base, o_d, m_d, s_scale,
-            k_s_blk * K_BM, k_s_tok * K_TM, k_s_dgrp * K_GM, v_s_blk * V_BM, v_s_tok * V_TM, v_s_d * V_DM,
-            ks_base, vs_base, b_qsum, ks_blk, ks_tg, kz_off, vs_blk, vs_tg, vz_off,
-            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, K3D, True, V_ALIGN, G_PAD, ASM,
-            QMODE, QMAX, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG, CODES, FAST_INT)
-
-    b_l_safe = tl.where(b_l > 0, b_l, 1.0)  # an empty sequence keeps acc == 0
-    b_o = b_acc * (v_scale / b_l_safe)[:, None]  # [G_PAD, BLOCK_D]
+    b_o, b_lse = _attend_context(
+        b_q, i_b, i_hk, lo, hi, k_ptr, v_ptr, bt_ptr, k_scale_ptr, v_scale_ptr, k_scale, v_scale, qk_scale, s_bt,
+        k_s_blk, k_s_tok, k_s_head, k_s_dgrp, v_s_blk, v_s_tok, v_s_head, v_s_d, s_sc_h,
+        ks_blk, ks_off, ks_tg, ks_h, kz_off, vs_blk, vs_off, vs_tg, vs_h, vz_off,
+        G_PAD, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE, KX, V_TRANS, USE_DOT, IEEE, SCALE_PTR, K_BM, K_TM, K_HM, K_GM,
+        V_BM, V_TM, V_HM, V_DM, V_ALIGN, ASM, K3D, QMODE, QMAX, SC_DTYPE, DC, BLOCK_DC, BITS, K_TG, K_DG, V_TG, V_DG,
+        CODES, FAST_INT)
     m_o = m_g[:, None] & m_d[None, :]
     if SPLIT:
         row = (i_b.to(tl.int64) * (G * tl.num_programs(1)) + i_hq) * num_splits + i_s  # [G_PAD]
         tl.store(o_part_ptr + row[:, None] * HEAD_DIM + o_d[None, :], b_o, mask=m_o)
-        tl.store(lse_ptr + row, b_m + tl.log2(b_l_safe), mask=m_g)
+        tl.store(lse_ptr + row, b_lse, mask=m_g)
     else:
         p_o = out_ptr + i_b.to(tl.int64) * s_ob + i_hq[:, None] * s_oh + o_d[None, :]
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_o)

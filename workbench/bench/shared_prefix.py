@@ -106,10 +106,13 @@ class Point:
         return DecodePlan(self.table, self.seq_lens, layout="nhd", k_cache=self.k, v_cache=self.v,
                           num_q_heads=self.q.shape[1], q_dtype=self.q.dtype, max_seq_len=max(self.lens), **self.scales)
 
-    def cascade(self, rows_per_tile, **shared_launch):
+    def cascade(self, rows_per_tile, plan_kw: dict | None = None, **shared_launch):
+        """The cascade plan at ``rows_per_tile`` with ``shared_launch`` for its shared pass; ``plan_kw``: other
+        :class:`CascadePlan` options (``overlap``, ``fuse_gather``)."""
         return CascadePlan(self.table, self.seq_lens, self.segments, self.suffix_start, layout="nhd", k_cache=self.k,
                            v_cache=self.v, num_q_heads=self.q.shape[1], q_dtype=self.q.dtype,
-                           rows_per_tile=rows_per_tile, shared_launch=shared_launch or None, **self.scales)
+                           rows_per_tile=rows_per_tile, shared_launch=shared_launch or None, **self.scales,
+                           **(plan_kw or {}))
 
     def bytes(self, rows_per_tile) -> dict:
         geo = dataclasses.replace(self.geo, rows_per_tile=rows_per_tile)
