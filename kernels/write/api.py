@@ -1,4 +1,5 @@
-"""``write_kv`` and its pre-flight ``check_write_kv``: argument checks, per-geometry launch plans, the launch."""
+"""``write_kv`` and its pre-flight ``check_write_kv``: argument checks, per-geometry launch plans, the launch;
+``write_kv_blocks``: every slot of blocks of values into the same slots of quantized blocks (a tier's demotion)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ import triton
 
 from workbench.core import kv_formats
 from workbench.core.backend import kernel_device_problem
-from workbench.core.layout import Layout, addressing
+from workbench.core.layout import Layout, addressing, split_x
 from workbench.quant import blocks as qblocks
 
 from .. import common
 from .config import Launch, launch_config, quant_mode
-from .dynamic import check_dynamic, check_group_slots, dynamic_launches, write_dynamic
+from .dynamic import blocks_source, check_dynamic, check_group_slots, dynamic_launches, write_dynamic
 from .kernel import FP8_GRID, QUANT_MATHS, QUANT_NONE, SOFT_ROUND, SOURCE_DTYPES, _write_kv_kernel, _write_rows_kernel
 
 
@@ -52,11 +53,13 @@ def _cache_geometry(cache: torch.Tensor, layout: Layout, kind: str) -> tuple[int
     return s[0], s[3], s[1], s[2]  # [blocks, H, D, block_size]
 
 
-def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim=None, launch=True):
+def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim=None, launch=True,
+                    names=("key", "value")):
     """Validate shapes, dtypes and devices; return ``(block_size, num_blocks)``. ``code_dim``: elements a cache row
     holds when it is not ``head_dim`` (packed codes). ``launch``: also whether this backend can launch a kernel on
-    that device (False: the PyTorch ops will write, which run on any device)."""
-    for name, t in (("key", key), ("value", value)):
+    that device (False: the PyTorch ops will write, which run on any device). ``names``: what the messages call
+    ``key`` and ``value`` (``write_kv_blocks``: its sources)."""
+    for name, t in zip(names, (key, value), strict=True):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a [T, H, D] tensor, got {getattr(t, 'shape', type(t))}")
         if t.dtype not in SOURCE_DTYPES:
@@ -84,7 +87,8 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim
         if (h, d) != (num_heads, want):
             packed = f" (packed: {want} bytes a row)" if want != head_dim else ""
             raise ValueError(
-                f"key has {num_heads} heads x {head_dim} dims{packed} but {name} holds {h} x {d} ({layout.value} layout)"
+                f"{names[0]} has {num_heads} heads x {head_dim} dims{packed} but {name} holds {h} x {d} "
+                f"({layout.value} layout)"
             )
         shapes[name] = (nb, bs)
     if shapes["k_cache"] != shapes["v_cache"]:
@@ -96,7 +100,7 @@ def _checked_shapes(key, value, k_cache, v_cache, layout, slot_mapping, code_dim
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping must have {num_tokens} entries (one per token), got {slot_mapping.shape[0]}")
     device = k_cache.device
-    for name, t in (("key", key), ("value", value), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+    for name, t in (*zip(names, (key, value), strict=True), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != device:
             raise ValueError(f"{name} must be on the cache's device {device}, got {t.device}")
     why = kernel_device_problem({"k_cache": device}) if launch else None  # a CPU cache under compiled Triton
@@ -302,6 +306,82 @@ def write_launches(key, value, k_cache, v_cache, layout, slot_mapping, k_scale=N
                             num_blocks, counter, kw["tokens_per_program"], kw["num_warps"])
 
 
+def write_kv_blocks(k_src: torch.Tensor, v_src: torch.Tensor, src_layout: Layout | str, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, layout: Layout | str, *, quant, nonfinite: torch.Tensor | None = None) -> None:
+    """Every slot of ``nb`` blocks of values into the same slot of ``nb`` blocks of ``quant``'s codes and scales, in
+    one pass: the write kernels read the source blocks where they lie (two strides a token: block and slot) and
+    store their NaN/Inf as 0, counted into ``nonfinite``. The codes are :func:`write_kv`'s of the blocks' values
+    with NaN/Inf as 0, byte for byte. A tier's demotion of a cast device's blocks is this
+    (``workbench.tiers.formats.encode``): the device bytes read once, no values tensor in between.
+
+    Args:
+        k_src: ``nb`` blocks of K values ``[nb, *block_shape]`` in ``src_layout``, fp32/fp16/bf16, any strides (a
+            block view: ``workbench.core.layout.block_view``).
+        v_src: V's, like ``k_src``.
+        src_layout: ``"nhd"``, ``"hnd"`` or ``"vllm"``.
+        k_cache: ``nb`` blocks of the sources' block size in ``layout``, with room for ``quant``'s scales.
+        v_cache: V's, like ``k_cache``.
+        layout: the caches' layout.
+        quant: a scheme whose scales are computed on write (token or groups family), of ``k_cache``'s dtype.
+        nonfinite: int32 ``[1]`` on the caches' device, added to on the device (no sync).
+
+    Raises ValueError naming the argument for a bad one, before anything is written.
+    """
+    try:
+        src_layout = Layout.parse(src_layout)
+    except ValueError:
+        raise ValueError(f"src_layout must be one of {', '.join(m.value for m in Layout)}, got {src_layout!r}") from None
+    rows, nb, bs = _source_rows(k_src, v_src, src_layout)
+    if not isinstance(k_cache, torch.Tensor):
+        raise ValueError(f"k_cache must be a tensor, got {type(k_cache).__name__}")
+    qs = _dynamic_scheme(k_cache, quant)
+    if qs is None:
+        raise ValueError(f"quant must be a scheme whose scales are computed on write (token or groups family), got "
+                         f"{quant!r}")
+    layout = Layout.parse(layout)
+    slots = torch.arange(rows.shape[0], dtype=torch.int64, device=k_cache.device)  # slot i of the source: slot i
+    block_size, num_blocks = _checked_shapes(rows, rows, k_cache, v_cache, layout, slots, qs.code_dim(rows.shape[2]),
+                                             names=("k_src", "v_src"))
+    if (num_blocks, block_size) != (nb, bs):
+        raise ValueError(f"k_cache must hold the sources' {nb} blocks of {bs} tokens, got {num_blocks} of {block_size}")
+    if bs % qs.write_group:
+        raise ValueError(f"{qs.name} quantizes keys over groups of {qs.write_group} tokens, which blocks of {bs} do not "
+                         f"tile")
+    check_dynamic(qs, rows, k_cache, v_cache, layout, block_size)
+    _check_counter(nonfinite, k_cache)
+    counter = nonfinite if nonfinite is not None else torch.zeros(1, dtype=torch.int32, device=k_cache.device)
+    sources = (blocks_source(k_src, src_layout, "k", rows.shape[2]), blocks_source(v_src, src_layout, "v", rows.shape[2]))
+    for launch in dynamic_launches(rows, rows, k_cache, v_cache, layout, slots, qs, block_size, num_blocks, counter,
+                                   sources=sources):
+        launch()
+
+
+def _source_rows(k_src, v_src, layout: Layout) -> tuple[torch.Tensor, int, int]:
+    """Check :func:`write_kv_blocks`'s sources; ``(rows, nb, block_size)``, ``rows`` a ``[nb * block_size, H, D]``
+    tensor of their dtype and device, one row of memory expanded: the shape that ``write_kv``'s checks and the
+    launches read (never its values)."""
+    geometry = []
+    for name, t, kind in (("k_src", k_src, "k"), ("v_src", v_src, "v")):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of blocks in src_layout, got {type(t).__name__}")
+        if t.dtype not in SOURCE_DTYPES:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+        want = 5 if (layout is Layout.VLLM and kind == "k") else 4
+        if t.dim() != want:
+            raise ValueError(f"{name} must be a {want}-D {layout.value} block view, got shape {tuple(t.shape)}")
+        geometry.append(_cache_geometry(t, layout, kind))
+    if v_src.dtype != k_src.dtype:
+        raise ValueError(f"v_src must have k_src's dtype {k_src.dtype}, got {v_src.dtype}")
+    if geometry[1] != geometry[0]:
+        raise ValueError(f"v_src must have k_src's (blocks, block size, heads, head_dim) {geometry[0]}, got "
+                         f"{geometry[1]}")
+    if layout is Layout.VLLM and k_src.shape[4] != split_x(k_src.element_size()):  # a kernel's plane: whole groups
+        raise ValueError(f"k_src must hold groups of {split_x(k_src.element_size())} channels (16 bytes, the vllm key "
+                         f"layout), got {k_src.shape[4]}")
+    nb, bs, h, d = geometry[0]
+    return k_src.new_empty(d).expand(nb * bs, h, d), nb, bs
+
+
 def _dynamic_scheme(k_cache, quant):
     """The scheme whose scales ``write_kv`` computes on write for this cache (``quant`` named, or a uint8 cache),
     else None (plain and static writes: the dtype says)."""
@@ -339,11 +419,15 @@ def _dynamic_checks(key, value, k_cache, v_cache, layout, slot_mapping, k_scale,
     for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
         if sc is not None:
             raise ValueError(f"{name} must be None for {scheme.name}: its scales are computed on write")
+    _check_counter(nonfinite, k_cache)
+    return check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, launch=launch)
+
+
+def _check_counter(nonfinite, k_cache) -> None:
     if nonfinite is not None and (not isinstance(nonfinite, torch.Tensor) or nonfinite.dtype != torch.int32
                                   or nonfinite.numel() != 1 or nonfinite.device != k_cache.device):
         raise ValueError(f"nonfinite must be an int32 tensor of one element on {k_cache.device}, got "
                          f"{getattr(nonfinite, 'dtype', type(nonfinite).__name__)}")
-    return check_dynamic_write(key, value, k_cache, v_cache, layout, slot_mapping, scheme, launch=launch)
 
 
 def _write_dynamic(key, value, k_cache, v_cache, layout, slot_mapping, k_scale, v_scale, scheme, nonfinite, validate,

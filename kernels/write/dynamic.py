@@ -18,11 +18,16 @@ The codes go where the layout says (``workbench.core.layout``'s address formula,
 the scales go into the same block, after its codes (``workbench.quant.blocks``), so they travel with it.
 Non-finite inputs are counted into ``bad_ptr`` (one int32 per call), never silently spread: their rows
 get NaN scales, and the count says how many values were bad.
+
+Every kernel here reads its source through :class:`Source`: ``[T, H, D]`` rows (``write_kv``), or blocks of a cache
+where they lie (``write_kv_blocks``: a tier's demotion reads the staged device blocks, no values tensor in between),
+whose NaN/Inf it stores as 0 and counts (``ZERO_NONFINITE``).
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,7 +41,7 @@ from .. import common
 from .config import Launch
 from .groups import groups_kernel
 from .kernel import FP8_GRID, QUANT_FP8, QUANT_INT8, SOFT_ROUND, _quantize
-from .qmath import _fp16_params, _int_codes, block_shift
+from .qmath import _fp16_params, _int_codes, _src_cols, _src_rows, _zero_nonfinite, block_shift
 from .token import token_kernel
 
 
@@ -51,12 +56,13 @@ def _pack(b_c, BLOCK_T: tl.constexpr, DC: tl.constexpr, BITS: tl.constexpr):
 
 @triton.jit
 def _write_dynamic_kernel(
-    src_ptr,  # [T, H, D] K or V of the new tokens, unit stride in D
+    src_ptr,  # K or V of the new tokens: [T, H, D] rows, unit stride in D, or blocks (SRC_BS)
     cache_ptr,  # one layer's K or V codes, any layout (1-byte elements)
     slot_ptr,  # [T] int32/int64 slots, -1 = padding
     bad_ptr,  # [1] int32: non-finite inputs seen
     num_tokens, block_size, num_slots,
     s_st, s_sh,  # source strides (token, head)
+    s_sblk, s_sdgrp,  # a source in blocks: block stride, vLLM key group stride (qmath._src_rows, _src_cols)
     s_blk, s_tok, s_head, s_dgrp,  # code element (blk, tok, h, c) at blk*s_blk + tok*s_tok + h*s_head + (c // X)*s_dgrp
     sc_blk, sc_off, sc_tg, sc_h, z_off,  # scale arrays in blocks, in scale elements (workbench.quant.blocks)
     S_D: tl.constexpr, X: tl.constexpr,  # stride of c inside a 16-byte group, and the group (X == DC: unsplit)
@@ -69,6 +75,8 @@ def _write_dynamic_kernel(
     DG: tl.constexpr,  # MODE 3: channels per group
     SC_DTYPE: tl.constexpr,
     BLOCK_T: tl.constexpr,  # tokens per program (MODE 4: the key group)
+    SRC_BS: tl.constexpr, SS_D: tl.constexpr, SX: tl.constexpr,  # the source's tokens a block (0: rows), channels
+    ZERO_NONFINITE: tl.constexpr,  # NaN/Inf inputs stored as 0 (and counted, as always)
 ):
     i_tb = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -82,11 +90,13 @@ def _write_dynamic_kernel(
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     m = m_t[:, None] & m_d[None, :]
-    p_x = src_ptr + (o_t * s_st + i_h.to(tl.int64) * s_sh)[:, None] + o_d[None, :]
+    p_x = src_ptr + _src_rows(o_t, i_h, s_st, s_sh, s_sblk, SRC_BS)[:, None] + _src_cols(o_d, s_sdgrp, SS_D, SX)[None, :]
     b_x = tl.load(p_x, mask=m, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_D]
     n_bad = tl.sum(tl.sum((m & ((b_x != b_x) | (tl.abs(b_x) == float("inf")))).to(tl.int32), 1), 0)
     if n_bad > 0:
         tl.atomic_add(bad_ptr, n_bad)
+    if ZERO_NONFINITE:  # counted above; as 0 they cannot reach a scale
+        b_x, _ = _zero_nonfinite(b_x, m)
     p_sc = cache_ptr.to(tl.pointer_type(SC_DTYPE)) + sc_off + i_h.to(tl.int64) * sc_h  # this head's scales
     o_srow = i_blk * sc_blk + i_off * sc_tg  # [BLOCK_T] scale row of each token (token-group size 1)
     if MODE == 1:
@@ -180,28 +190,57 @@ def check_group_slots(scheme: Scheme, slot_mapping: torch.Tensor, block_size: in
                          f"from a multiple of {g} for {scheme.name}'s per-channel keys, got {s[i].tolist()}")
 
 
+class Source(NamedTuple):
+    """Where a write kernel reads K or V: the tensor, its runtime strides ``(token, head, block, vLLM key group)``
+    and the constexprs of ``qmath._src_rows`` / ``_src_cols`` (and whether NaN/Inf are stored as 0)."""
+
+    tensor: torch.Tensor
+    strides: tuple[int, int, int, int]
+    consts: dict
+
+
+def rows_source(x: torch.Tensor) -> Source:
+    """``[T, H, D]`` rows with unit stride in ``D``: ``write_kv``'s key or value, as the kernels always read it."""
+    return Source(x, (x.stride(0), x.stride(1), 0, 0), dict(SRC_BS=0, SS_D=1, SX=0, ZERO_NONFINITE=False))
+
+
+def blocks_source(blocks: torch.Tensor, layout: Layout, kind: str, head_dim: int) -> Source:
+    """Blocks of one kind ``[nb, *block_shape]`` in ``layout`` (a block view), read where they lie: token ``t`` is
+    slot ``t % block_size`` of block ``t // block_size``; NaN/Inf stored as 0 and counted (``write_kv_blocks``)."""
+    a = addressing(blocks, layout, kind)
+    bs = blocks.shape[1] if layout is Layout.NHD else blocks.shape[2] if layout is Layout.HND else blocks.shape[3]
+    split = a.x < head_dim  # vLLM's key: 16-byte groups of channels (a kernel's plane is a whole number of them)
+    return Source(blocks, (a.s_tok, a.s_head, a.s_blk, a.s_dgrp),
+                  dict(SRC_BS=bs, SS_D=a.s_d, SX=a.x if split else 0, ZERO_NONFINITE=True))
+
+
 def dynamic_launches(key, value, k_cache, v_cache, layout: Layout, slot_mapping, scheme: Scheme, block_size: int,
                      num_blocks: int, counter: torch.Tensor, tokens_per_program: int | None = None,
-                     num_warps: int | None = None, generic: bool = False) -> list[Launch]:
+                     num_warps: int | None = None, generic: bool = False,
+                     sources: tuple[Source, Source] | None = None) -> list[Launch]:
     """The launches that quantize ``key``/``value`` ``[T, H, D]`` with scales computed now and write codes and
     scales (checked already by ``write_kv``), counting non-finite inputs into ``counter`` (int32 ``[1]``): the
-    family's kernel (:data:`FAMILY_KERNELS`) where it takes the shape, else (or ``generic``) the generic one."""
+    family's kernel (:data:`FAMILY_KERNELS`) where it takes the shape, else (or ``generic``) the generic one.
+    ``sources``: K's and V's :class:`Source` when they are not ``key``'s and ``value``'s rows (``write_kv_blocks``);
+    ``key`` then gives only the shape ``[T, H, D]``."""
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0 or num_heads == 0:
         return []
+    if sources is None:
+        sources = (rows_source(key), rows_source(value))
     out = []
-    for kind, src, cache in (("k", key, k_cache), ("v", value, v_cache)):
+    for kind, src, cache in (("k", sources[0], k_cache), ("v", sources[1], v_cache)):
         a = addressing(cache, layout, kind)
         sc = qblocks.block_scales(scheme, kind, block_size, num_heads, head_dim)
         item = sc.dtype.itemsize
         s_tg, s_h, _ = sc.strides
-        args = (src, cache, slot_mapping, counter, num_tokens, block_size, num_blocks * block_size,
-                src.stride(0), src.stride(1), a.s_blk, a.s_tok, a.s_head, a.s_dgrp,
+        args = (src.tensor, cache, slot_mapping, counter, num_tokens, block_size, num_blocks * block_size,
+                *src.strides, a.s_blk, a.s_tok, a.s_head, a.s_dgrp,
                 cache.stride(0) * cache.element_size() // item, sc.offset // item, s_tg, s_h, sc.count)
         family = None if generic else FAMILY_KERNELS.get(scheme.family)
         made = family(scheme, kind, head_dim, sc, tokens_per_program, num_warps) if family else None
         kernel, bt, consts = made or _generic_kernel(scheme, kind, head_dim, sc, tokens_per_program, num_warps)
-        consts.update(S_D=a.s_d, X=a.x)
+        consts.update(S_D=a.s_d, X=a.x, **src.consts)
         if made:
             consts["SHIFT"] = block_shift(block_size)
         out.append(Launch(kernel, (triton.cdiv(num_tokens, bt), num_heads), args, consts))

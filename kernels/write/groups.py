@@ -19,6 +19,9 @@ one add, pack, store. No clamp for an fp16 source whose scales are normal fp16 (
 The rare path (a NaN/Inf in the program, an overflow, a subnormal fp16 scale) recomputes the codes with IEEE
 division and clamps, the generic kernel's arithmetic (``kernels/write/dynamic.py``), and counts the NaN/Inf into
 ``bad_ptr``.
+
+The source is ``[T, H, D]`` rows or blocks read where they lie (``SRC_BS``, ``qmath._src_rows``: a tier's demotion);
+with ``ZERO_NONFINITE`` its NaN/Inf are stored as 0 and counted as they are loaded, so the rare path never sees one.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from .qmath import (
     _rmax,
     _rmin,
     _slot_rows,
+    _src_cols,
+    _src_rows,
+    _zero_nonfinite,
     rcp32,
 )
 
@@ -86,14 +92,17 @@ def _fold(b_xs, k: tl.constexpr, b_q, b_ss, b_zs, b_bad, o_k, AXIS: tl.constexpr
 
 
 @triton.jit
-def _rare_words(p_x, m_x, m_w, bad_ptr, b_q, AXIS: tl.constexpr, P: tl.constexpr, DC: tl.constexpr,
-                BITS: tl.constexpr, QMAX: tl.constexpr, RQ: tl.constexpr):
-    """The rare path: every plane again with IEEE division and clamps, its NaN/Inf inputs (where ``m_w``) counted
-    into ``bad_ptr``; the packed words."""
+def _rare_words(p_x, d_p, m_x, m_w, bad_ptr, b_q, AXIS: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
+                QMAX: tl.constexpr, RQ: tl.constexpr, ZERO: tl.constexpr):
+    """The rare path: every plane again (plane ``k`` at ``p_x + k * d_p``) with IEEE division and clamps, its NaN/Inf
+    inputs (where ``m_w``) counted into ``bad_ptr`` (``ZERO``: zeroed again, counted already); the packed words."""
     b_q = tl.zeros_like(b_q)
     b_cnt = tl.zeros_like(b_q)
     for k in tl.static_range(P):
-        b_w, b_s, b_z, b_g, b_nf = _plane(tl.load(p_x + k * DC, mask=m_x, other=0.0), AXIS, False, QMAX, RQ)
+        b_x = tl.load(p_x + k * d_p, mask=m_x, other=0.0)
+        if ZERO:  # zeroed and counted when first loaded: zeroed again, so nothing is counted twice
+            b_x, _ = _zero_nonfinite(b_x, m_w)
+        b_w, b_s, b_z, b_g, b_nf = _plane(b_x, AXIS, False, QMAX, RQ)
         b_q += b_w << (k * BITS)
         b_cnt += b_nf
     n_bad = tl.sum(tl.where(m_w, b_cnt, 0))
@@ -104,12 +113,13 @@ def _rare_words(p_x, m_x, m_w, bad_ptr, b_q, AXIS: tl.constexpr, P: tl.constexpr
 
 @triton.jit
 def _write_groups_kernel(
-    src_ptr,  # [T, H, D] K or V of the new tokens, unit stride in D
+    src_ptr,  # K or V of the new tokens: [T, H, D] rows, unit stride in D, or blocks (SRC_BS)
     cache_ptr,  # one layer's K or V packed codes, any layout (bytes)
     slot_ptr,  # [T] int32/int64 slots, -1 = padding
     bad_ptr,  # [1] int32: non-finite inputs seen
     num_tokens, block_size, num_slots,
     s_st, s_sh,  # source strides (token, head)
+    s_sblk, s_sdgrp,  # a source in blocks: block stride, vLLM key group stride (qmath._src_rows, _src_cols)
     s_blk, s_tok, s_head, s_dgrp,  # byte (blk, tok, h, j) at blk*s_blk + tok*s_tok + h*s_head + (j // X)*s_dgrp + ...
     sc_blk, sc_off, sc_tg, sc_h, z_off,  # fp16 scales, then zero points, in blocks, in scale elements
     S_D: tl.constexpr, X: tl.constexpr,  # ... + (j % X)*S_D
@@ -118,20 +128,35 @@ def _write_groups_kernel(
     NGI: tl.constexpr, DG: tl.constexpr,  # a plane's groups and their channels (NGI * DG == DC)
     SHIFT: tl.constexpr,  # log2(block_size), or -1
     BLOCK_T: tl.constexpr,  # tokens per program
+    SRC_BS: tl.constexpr, SS_D: tl.constexpr, SX: tl.constexpr,  # the source's tokens a block (0: rows), channels
+    ZERO_NONFINITE: tl.constexpr,  # NaN/Inf inputs stored as 0 and counted here (a tier's device blocks)
 ):
     P: tl.constexpr = 8 // BITS
     i_tb = tl.program_id(0)
     i_h = tl.program_id(1)
     o_t = i_tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     o_j = tl.arange(0, NGI)[None, :, None] * DG + tl.arange(0, DG)[None, None, :]  # [1, NGI, DG] byte
-    p_x = src_ptr + (o_t * s_st + i_h.to(tl.int64) * s_sh)[:, None, None] + o_j  # plane 0
+    p_x = src_ptr + _src_rows(o_t, i_h, s_st, s_sh, s_sblk, SRC_BS)[:, None, None] + _src_cols(o_j, s_sdgrp, SS_D, SX)
+    d_p = _src_cols(DC, s_sdgrp, SS_D, SX)  # plane k is k * d_p on: DC channels (rows: DC itself)
     m_x = (o_t < num_tokens)[:, None, None]
     m_w, i_blk, i_off = _slot_rows(slot_ptr, o_t, num_tokens, block_size, num_slots, SHIFT)
     b_x0 = tl.load(p_x, mask=m_x, other=0.0)  # every plane's load first: they go out together
-    b_x1 = tl.load(p_x + DC, mask=m_x, other=0.0)
+    b_x1 = tl.load(p_x + d_p, mask=m_x, other=0.0)
     if P == 4:
-        b_x2 = tl.load(p_x + 2 * DC, mask=m_x, other=0.0)
-        b_x3 = tl.load(p_x + 3 * DC, mask=m_x, other=0.0)
+        b_x2 = tl.load(p_x + 2 * d_p, mask=m_x, other=0.0)
+        b_x3 = tl.load(p_x + 3 * d_p, mask=m_x, other=0.0)
+    if ZERO_NONFINITE:  # before the statistics, so no NaN/Inf reaches a scale; counted over the written tokens
+        m_z = m_w[:, None, None]
+        b_x0, n_bad = _zero_nonfinite(b_x0, m_z)
+        b_x1, n_k = _zero_nonfinite(b_x1, m_z)
+        n_bad += n_k
+        if P == 4:
+            b_x2, n_k = _zero_nonfinite(b_x2, m_z)
+            n_bad += n_k
+            b_x3, n_k = _zero_nonfinite(b_x3, m_z)
+            n_bad += n_k
+        if n_bad > 0:
+            tl.atomic_add(bad_ptr, n_bad)
     o_k = tl.arange(0, P)[None, None, :]  # [1, 1, P] the planes' scales: group k * NGI + g
     b_q = tl.zeros([BLOCK_T, NGI, DG], tl.int32)
     b_bad = tl.zeros([BLOCK_T, NGI, 1], tl.int32)
@@ -147,7 +172,7 @@ def _write_groups_kernel(
     tl.store(p_sc, b_ss, mask=m_w[:, None, None])
     tl.store(p_sc + z_off, b_zs, mask=m_w[:, None, None])
     if tl.sum(b_bad) > 0:  # a NaN/Inf (or an overflow, a subnormal scale) in the program: the rare path
-        b_q = _rare_words(p_x, m_x, m_w[:, None, None], bad_ptr, b_q, 2, P, DC, BITS, QMAX, RQ)
+        b_q = _rare_words(p_x, d_p, m_x, m_w[:, None, None], bad_ptr, b_q, 2, P, BITS, QMAX, RQ, ZERO_NONFINITE)
     o_col = _columns(o_j, s_dgrp, S_D, X, DC)
     p_c = cache_ptr + (i_blk * s_blk + i_off * s_tok + i_h.to(tl.int64) * s_head)[:, None, None] + o_col
     tl.store(p_c, b_q.to(tl.uint8), mask=m_w[:, None, None])
@@ -167,7 +192,7 @@ def _key_plane(b_xs, k: tl.constexpr, b_q, b_bad, p_sc, m_sc, z_off, TOK: tl.con
 @triton.jit
 def _write_key_groups_kernel(
     src_ptr, cache_ptr, slot_ptr, bad_ptr,  # as _write_groups_kernel
-    num_tokens, block_size, num_slots, s_st, s_sh, s_blk, s_tok, s_head, s_dgrp,
+    num_tokens, block_size, num_slots, s_st, s_sh, s_sblk, s_sdgrp, s_blk, s_tok, s_head, s_dgrp,
     sc_blk, sc_off, sc_tg, sc_h, z_off,  # scales per (token group, head, channel) (workbench.quant.blocks)
     S_D: tl.constexpr, X: tl.constexpr, QMAX: tl.constexpr, RQ: tl.constexpr, BITS: tl.constexpr,
     DC: tl.constexpr,  # bytes a row
@@ -176,6 +201,7 @@ def _write_key_groups_kernel(
     VEC: tl.constexpr,  # channels a thread loads at once (fewer: more tokens a thread, one scale for more codes)
     TOK: tl.constexpr,  # the tile's token axis, 0 ([G, NKG, DC]) or 1 ([NKG, G, DC]): the one Triton keeps in a thread
     SHIFT: tl.constexpr,
+    SRC_BS: tl.constexpr, SS_D: tl.constexpr, SX: tl.constexpr, ZERO_NONFINITE: tl.constexpr,  # as above
 ):
     P: tl.constexpr = 8 // BITS
     i_p = tl.program_id(0)
@@ -197,14 +223,26 @@ def _write_key_groups_kernel(
         m_g2 = m_g[:, None]
         o_sg2 = o_sg[:, None]
     o_j = tl.max_contiguous(tl.multiple_of(tl.arange(0, DC), VEC), VEC)[None, None, :]  # [1, 1, DC] byte
-    p_x = src_ptr + (o_t * s_st + i_h.to(tl.int64) * s_sh)[:, :, None] + o_j  # plane 0
+    p_x = src_ptr + _src_rows(o_t, i_h, s_st, s_sh, s_sblk, SRC_BS)[:, :, None] + _src_cols(o_j, s_sdgrp, SS_D, SX)
+    d_p = _src_cols(DC, s_sdgrp, SS_D, SX)  # plane k is k * d_p on, as in _write_groups_kernel
     m_x = (o_t < num_tokens)[:, :, None]
     m_w = m_g2[:, :, None] & m_x
     b_x0 = tl.load(p_x, mask=m_x, other=0.0)  # every plane's load first, as in _write_groups_kernel
-    b_x1 = tl.load(p_x + DC, mask=m_x, other=0.0)
+    b_x1 = tl.load(p_x + d_p, mask=m_x, other=0.0)
     if P == 4:
-        b_x2 = tl.load(p_x + 2 * DC, mask=m_x, other=0.0)
-        b_x3 = tl.load(p_x + 3 * DC, mask=m_x, other=0.0)
+        b_x2 = tl.load(p_x + 2 * d_p, mask=m_x, other=0.0)
+        b_x3 = tl.load(p_x + 3 * d_p, mask=m_x, other=0.0)
+    if ZERO_NONFINITE:  # as in _write_groups_kernel
+        b_x0, n_bad = _zero_nonfinite(b_x0, m_w)
+        b_x1, n_k = _zero_nonfinite(b_x1, m_w)
+        n_bad += n_k
+        if P == 4:
+            b_x2, n_k = _zero_nonfinite(b_x2, m_w)
+            n_bad += n_k
+            b_x3, n_k = _zero_nonfinite(b_x3, m_w)
+            n_bad += n_k
+        if n_bad > 0:
+            tl.atomic_add(bad_ptr, n_bad)
     p_sc = (cache_ptr.to(tl.pointer_type(tl.float16)) + sc_off + i_h.to(tl.int64) * sc_h
             + o_sg2[:, :, None] + o_j)  # [1, NKG, DC] or [NKG, 1, DC]: channel k * DC + j of plane k
     m_sc = m_g2[:, :, None]
@@ -216,7 +254,7 @@ def _write_key_groups_kernel(
         b_q, b_bad = _key_plane(b_x2, 2, b_q, b_bad, p_sc + 2 * DC, m_sc, z_off, TOK, BITS, QMAX, RQ)
         b_q, b_bad = _key_plane(b_x3, 3, b_q, b_bad, p_sc + 3 * DC, m_sc, z_off, TOK, BITS, QMAX, RQ)
     if tl.sum(b_bad) > 0:  # the rare path, as in _write_groups_kernel
-        b_q = _rare_words(p_x, m_x, m_w, bad_ptr, b_q, TOK, P, DC, BITS, QMAX, RQ)
+        b_q = _rare_words(p_x, d_p, m_x, m_w, bad_ptr, b_q, TOK, P, BITS, QMAX, RQ, ZERO_NONFINITE)
     p_c = cache_ptr + (i_row + i_h.to(tl.int64) * s_head)[:, :, None] + _columns(o_j, s_dgrp, S_D, X, DC)
     tl.store(p_c, b_q.to(tl.uint8), mask=m_w)
 

@@ -160,6 +160,44 @@ def _n_nonfinite(b_x, m):
     return tl.sum(b_bad)
 
 
+@triton.jit
+def _zero_nonfinite(b_x, m):
+    """``(b_x with its NaN/Inf as 0 in its own dtype, how many of them lie where m)``: what a tier stores of a device
+    block's unwritten slots, which must not spread through a scale (``write_kv_blocks``)."""
+    b_f = b_x.to(tl.float32)  # tested in fp32: the interpreter's bf16 NaN compares equal to itself
+    m_bad = (b_f != b_f) | (tl.abs(b_f) == float("inf"))
+    return tl.where(m_bad, tl.zeros_like(b_x), b_x), tl.sum((m & m_bad).to(tl.int32))
+
+
+# A write's source: ``[T, H, D]`` rows (``write_kv``'s key and value), or blocks of a cache read where they lie
+# (``write_kv_blocks``: a tier's staged device blocks), so a transcode needs no values tensor in between. The
+# ``[T, H, D]`` case keeps the expressions the kernels had before (the constexpr branches fold away).
+@triton.jit
+def _src_rows(o_t, i_h, s_st, s_sh, s_sblk, SRC_BS: tl.constexpr):
+    """Offsets (int64) of the rows of tokens ``o_t`` (int64) of head ``i_h``: ``t * s_st`` (``SRC_BS`` 0), or slot
+    ``t % SRC_BS`` of block ``t // SRC_BS`` (two strides a token: a block view's)."""
+    if SRC_BS == 0:
+        o_row = o_t * s_st
+    else:
+        o_row = (o_t // SRC_BS) * s_sblk + (o_t % SRC_BS) * s_st
+    return o_row + i_h.to(tl.int64) * s_sh
+
+
+@triton.jit
+def _src_cols(o_c, s_sdgrp, SS_D: tl.constexpr, SX: tl.constexpr):
+    """Offsets of channels ``o_c`` in a source row (a tensor, or a plane's first channel as a constexpr: planes are
+    whole 16-byte groups): the channels themselves (rows, NHD and HND blocks), ``SS_D`` apart (vLLM's values: a
+    block's tokens between channels) or vLLM's split key (``SX`` channels a group, groups ``s_sdgrp`` apart).
+    Within one block, so small: int32 is enough."""
+    if SX == 0 and SS_D == 1:
+        o_col = o_c
+    elif SX == 0:
+        o_col = o_c * SS_D
+    else:
+        o_col = (o_c // SX) * s_sdgrp + (o_c % SX) * SS_D
+    return o_col
+
+
 def rcp32(q: float) -> float:
     """``1 / q`` rounded to the nearest fp32 (a kernel's constexpr reciprocal of ``QMAX``)."""
     return float(np.float32(1.0) / np.float32(q))

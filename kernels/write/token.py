@@ -15,6 +15,9 @@ on the GPU, rounded in software under the interpreter), store. No clamp: ``|x| /
 The rare path (a program holding a NaN/Inf, or a scale below ``2**-80``, which only an fp32/bf16 source reaches)
 counts the non-finite inputs into ``bad_ptr`` and recomputes the tile with IEEE division and clamps, the arithmetic
 of ``kernels/write/dynamic.py``'s generic kernel.
+
+The source is ``[T, H, D]`` rows or blocks read where they lie (``SRC_BS``, ``qmath._src_rows``: a tier's demotion);
+with ``ZERO_NONFINITE`` its NaN/Inf are stored as 0 and counted as they are loaded, so the rare path never sees one.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from .qmath import (
     _rmax,
     _rmin,
     _slot_rows,
+    _src_cols,
+    _src_rows,
+    _zero_nonfinite,
     rcp32,
 )
 
@@ -96,10 +102,12 @@ def _codes(b_xs, b_s, b_r, b_lo, SYM: tl.constexpr, FP8: tl.constexpr, MANT: tl.
 @triton.jit
 def _rare_codes(p_x, m_x, m_n, b_s, b_lo, bad_ptr, SYM: tl.constexpr, FP8: tl.constexpr, QMIN: tl.constexpr,
                 QMAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, SOFT: tl.constexpr,
-                DTYPE: tl.constexpr):
-    """A plane's codes on the rare path: loaded again, its NaN/Inf (where ``m_n``) counted into ``bad_ptr``, IEEE
-    division and clamps (the generic kernel's arithmetic)."""
+                DTYPE: tl.constexpr, ZERO: tl.constexpr):
+    """A plane's codes on the rare path: loaded again, its NaN/Inf (where ``m_n``) counted into ``bad_ptr`` (``ZERO``:
+    zeroed again, counted already), IEEE division and clamps (the generic kernel's arithmetic)."""
     b_x = tl.load(p_x, mask=m_x, other=0.0).to(tl.float32)
+    if ZERO:  # zeroed and counted when first loaded: zeroed again, so nothing is counted twice
+        b_x, _ = _zero_nonfinite(b_x, m_n)
     n_bad = _n_nonfinite(b_x, m_n)
     if n_bad > 0:
         tl.atomic_add(bad_ptr, n_bad)
@@ -113,12 +121,13 @@ def _rare_codes(p_x, m_x, m_n, b_s, b_lo, bad_ptr, SYM: tl.constexpr, FP8: tl.co
 
 @triton.jit
 def _write_token_kernel(
-    src_ptr,  # [T, H, D] K or V of the new tokens, unit stride in D
+    src_ptr,  # K or V of the new tokens: [T, H, D] rows, unit stride in D, or blocks (SRC_BS)
     cache_ptr,  # one layer's K or V codes, any layout (1-byte elements)
     slot_ptr,  # [T] int32/int64 slots, -1 = padding
     bad_ptr,  # [1] int32: non-finite inputs seen
     num_tokens, block_size, num_slots,
     s_st, s_sh,  # source strides (token, head)
+    s_sblk, s_sdgrp,  # a source in blocks: block stride, vLLM key group stride (qmath._src_rows, _src_cols)
     s_blk, s_tok, s_head, s_dgrp,  # code (blk, tok, h, c) at blk*s_blk + tok*s_tok + h*s_head + (c // X)*s_dgrp + ...
     sc_blk, sc_off, sc_tg, sc_h, z_off,  # fp32 scales (then zero points) in blocks, in scale elements
     S_D: tl.constexpr, X: tl.constexpr,  # ... + (c % X)*S_D: stride of c inside a 16-byte group, the group (X == D)
@@ -131,6 +140,8 @@ def _write_token_kernel(
     SHIFT: tl.constexpr,  # log2(block_size), or -1
     TINY: tl.constexpr,  # the rare path's scale bound (qmath.TINY_SCALE)
     BLOCK_T: tl.constexpr,  # tokens per program
+    SRC_BS: tl.constexpr, SS_D: tl.constexpr, SX: tl.constexpr,  # the source's tokens a block (0: rows), channels
+    ZERO_NONFINITE: tl.constexpr,  # NaN/Inf inputs stored as 0 and counted here (a tier's device blocks)
 ):
     PAD: tl.constexpr = HEAD_DIM != P * W
     DTYPE: tl.constexpr = cache_ptr.dtype.element_ty
@@ -138,16 +149,30 @@ def _write_token_kernel(
     i_h = tl.program_id(1)
     o_t = i_tb.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     o_j = tl.arange(0, W)[None, :]  # [1, W] channel k * W + j of plane k
-    p_x = src_ptr + (o_t * s_st + i_h.to(tl.int64) * s_sh)[:, None] + o_j  # plane 0
+    p_x = src_ptr + _src_rows(o_t, i_h, s_st, s_sh, s_sblk, SRC_BS)[:, None] + _src_cols(o_j, s_sdgrp, SS_D, SX)
+    d_w = _src_cols(W, s_sdgrp, SS_D, SX)  # plane k is k * d_w on: W channels (rows: W itself)
     m_t = (o_t < num_tokens)[:, None]
     # every plane's load first (they go out together), in the source's dtype: min/max are exact in it
     b_x0 = tl.load(p_x, mask=m_t & (o_j < HEAD_DIM), other=0.0)  # [BLOCK_T, W]
     if P >= 2:
-        b_x1 = tl.load(p_x + W, mask=m_t & (W + o_j < HEAD_DIM), other=0.0)
+        b_x1 = tl.load(p_x + d_w, mask=m_t & (W + o_j < HEAD_DIM), other=0.0)
     if P == 4:
-        b_x2 = tl.load(p_x + 2 * W, mask=m_t & (2 * W + o_j < HEAD_DIM), other=0.0)
-        b_x3 = tl.load(p_x + 3 * W, mask=m_t & (3 * W + o_j < HEAD_DIM), other=0.0)
+        b_x2 = tl.load(p_x + 2 * d_w, mask=m_t & (2 * W + o_j < HEAD_DIM), other=0.0)
+        b_x3 = tl.load(p_x + 3 * d_w, mask=m_t & (3 * W + o_j < HEAD_DIM), other=0.0)
     m_w, i_blk, i_off = _slot_rows(slot_ptr, o_t, num_tokens, block_size, num_slots, SHIFT)
+    if ZERO_NONFINITE:  # before the statistics, so no NaN/Inf reaches a scale; counted over the written tokens
+        m_z = m_w[:, None]
+        b_x0, n_bad = _zero_nonfinite(b_x0, m_z & (o_j < HEAD_DIM))
+        if P >= 2:
+            b_x1, n_k = _zero_nonfinite(b_x1, m_z & (W + o_j < HEAD_DIM))
+            n_bad += n_k
+        if P == 4:
+            b_x2, n_k = _zero_nonfinite(b_x2, m_z & (2 * W + o_j < HEAD_DIM))
+            n_bad += n_k
+            b_x3, n_k = _zero_nonfinite(b_x3, m_z & (3 * W + o_j < HEAD_DIM))
+            n_bad += n_k
+        if n_bad > 0:
+            tl.atomic_add(bad_ptr, n_bad)
     b_a, b_b = _stats(b_x0, o_j < HEAD_DIM, SYM, PAD)  # [BLOCK_T]
     if P >= 2:
         b_ak, b_bk = _stats(b_x1, W + o_j < HEAD_DIM, SYM, PAD)
@@ -183,15 +208,15 @@ def _write_token_kernel(
     if tl.sum((~b_ok).to(tl.int32), 0) > 0:  # a NaN/Inf or a tiny scale: count, and divide as IEEE does
         m_n = m_w[:, None]
         b_q0 = _rare_codes(p_x, m_t & (o_j < HEAD_DIM), m_n & (o_j < HEAD_DIM), b_s, b_lo, bad_ptr, SYM, FP8, QMIN,
-                           QMAX, MANT, EMIN, SOFT, DTYPE)
+                           QMAX, MANT, EMIN, SOFT, DTYPE, ZERO_NONFINITE)
         if P >= 2:
-            b_q1 = _rare_codes(p_x + W, m_t & (W + o_j < HEAD_DIM), m_n & (W + o_j < HEAD_DIM), b_s, b_lo, bad_ptr,
-                               SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE)
+            b_q1 = _rare_codes(p_x + d_w, m_t & (W + o_j < HEAD_DIM), m_n & (W + o_j < HEAD_DIM), b_s, b_lo, bad_ptr,
+                               SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE, ZERO_NONFINITE)
         if P == 4:
-            b_q2 = _rare_codes(p_x + 2 * W, m_t & (2 * W + o_j < HEAD_DIM), m_n & (2 * W + o_j < HEAD_DIM), b_s,
-                               b_lo, bad_ptr, SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE)
-            b_q3 = _rare_codes(p_x + 3 * W, m_t & (3 * W + o_j < HEAD_DIM), m_n & (3 * W + o_j < HEAD_DIM), b_s,
-                               b_lo, bad_ptr, SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE)
+            b_q2 = _rare_codes(p_x + 2 * d_w, m_t & (2 * W + o_j < HEAD_DIM), m_n & (2 * W + o_j < HEAD_DIM), b_s,
+                               b_lo, bad_ptr, SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE, ZERO_NONFINITE)
+            b_q3 = _rare_codes(p_x + 3 * d_w, m_t & (3 * W + o_j < HEAD_DIM), m_n & (3 * W + o_j < HEAD_DIM), b_s,
+                               b_lo, bad_ptr, SYM, FP8, QMIN, QMAX, MANT, EMIN, SOFT, DTYPE, ZERO_NONFINITE)
     p_sc = cache_ptr.to(tl.pointer_type(tl.float32)) + sc_off + i_h.to(tl.int64) * sc_h + i_blk * sc_blk + i_off * sc_tg
     tl.store(p_sc, b_s, mask=m_w)
     if not SYM:

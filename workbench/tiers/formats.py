@@ -19,7 +19,10 @@ each direction is one dequantization and one quantize-on-write for the whole bat
 device's static scales differ by layer), through the cache's own ops backend: the write kernel
 (``workbench.kernels.write_kv``) or its PyTorch reference, whichever the cache writes with. A demoted block holds
 the format's codes of the device block's values, code for code what the format's write would store; a promoted
-block holds the device scheme's codes of those codes' values (the format's roundtrip, then the device's).
+block holds the device scheme's codes of those codes' values (the format's roundtrip, then the device's). Where the
+device stores values as they are (a cast) and writes with the kernels, a direction has no read half: a demotion's
+write kernels read the staged device blocks where they lie (:func:`encodes_in_place`), a promotion's read kernel
+writes the device blocks (:func:`decodes_in_place`).
 
 Formats a tier may take: a cast (fp16, bf16, fp32) or a scheme whose scales are computed on write (``token``
 and ``groups`` families: fp8 / int8 / int8_asym per token, int4 / int2 per token or KIVI). Static-scale schemes
@@ -35,6 +38,7 @@ import torch
 from workbench import quant
 from workbench.core.layout import Layout, block_view, to_nhd
 from workbench.kernels.common import check_kernel_shape
+from workbench.kernels.write import write_kv_blocks
 from workbench.kernels.write.dequantize import dequantize_blocks
 from workbench.kernels.write.reference import dequantize_cache_ref
 from workbench.quant import blocks as qblocks
@@ -247,20 +251,69 @@ def encode(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor,
            nonfinite: torch.Tensor | None = None) -> torch.Tensor:
     """Device blocks ``staged`` ``[n, block bytes]`` (as gathered: every layer's K and V rows in the cache's
     layout) -> the same blocks in ``fmt`` ``[n, block_bytes(fmt)]``: dequantized to fp32, quantized by
-    ``fmt.scheme`` on write. NaN and Inf are stored as 0 and counted into ``nonfinite`` (a one-element tensor on
-    the device, no sync): a swapped block's unwritten slots hold whatever the pool held, and a scale must not
-    be spread by them (its written tokens are still coded as they are)."""
+    ``fmt.scheme`` on write (a cast device's values read in place: :func:`encodes_in_place`). NaN and Inf are
+    stored as 0 and counted into ``nonfinite`` (an int32 one-element tensor on the device, no sync): a swapped
+    block's unwritten slots hold whatever the pool held, and a scale must not be spread by them (its written
+    tokens are still coded as they are)."""
     if fmt.scheme is None:
         return staged
     dev_row, row = row_bytes(cache, DEVICE, block_size), row_bytes(cache, fmt, block_size)
     n = _check_batch(cache, "staged", staged, dev_row)
-    out = torch.zeros((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
-    dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
     if nonfinite is None:
         nonfinite = torch.zeros(1, dtype=torch.int32, device=staged.device)
+    elif not (isinstance(nonfinite, torch.Tensor) and nonfinite.dtype == torch.int32 and nonfinite.numel() == 1
+              and nonfinite.device == cache.device):
+        raise ValueError(f"nonfinite must be an int32 tensor of one element on the cache's device {cache.device}, "
+                         f"got {getattr(nonfinite, 'dtype', type(nonfinite).__name__)} "
+                         f"{tuple(getattr(nonfinite, 'shape', ()))}")
+    if encodes_in_place(cache, fmt):
+        return _encode_in_place(cache, fmt, block_size, staged, n, row, dev_row, nonfinite)
+    out = torch.zeros((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
+    dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
     k, v = read_values(cache, DEVICE, block_size, staged, nonfinite)
     _write(cache, dst, block_size, k, v, per_layer=False)
     return out
+
+
+def encodes_in_place(cache, fmt: TierFormat) -> bool:
+    """Whether :func:`encode` is one write a batch, with no read half: the device stores values as they are (a
+    cast), it writes with the kernels, and ``fmt``'s scales are computed on write (the write kernels then read the
+    staged device blocks where they lie, ``write_kv_blocks``). A cast format keeps the general path: it moves as
+    many bytes as the device's or more, and the plain write kernels count no NaN/Inf."""
+    return (cache.ops == "kernels" and cache.scheme.family == "cast" and fmt.scheme is not None
+            and fmt.scheme.scales_on_write)
+
+
+def _encode_in_place(cache, fmt: TierFormat, block_size: int, staged: torch.Tensor, n: int, row: int, dev_row: int,
+                     nonfinite: torch.Tensor) -> torch.Tensor:
+    """:func:`encode` for a cast device (:func:`encodes_in_place`): the format's write kernels read the device
+    blocks in ``staged`` where they lie, NaN/Inf zeroed and counted as they are loaded, where the general path copies
+    the values out (``read_values``) and writes from the copy. The same values, so the same bytes, with the device
+    bytes read once; the output is written once too (not zero-filled first: only its padding is zeroed)."""
+    out = torch.empty((n, cache.num_layers * 2 * row), dtype=torch.uint8, device=staged.device)
+    rows = out.view(n * cache.num_layers, 2, row)
+    for kind, lo, hi in _unwritten(cache, fmt, block_size):  # zeros there, as the general path's buffer holds
+        rows[:, kind, lo:hi].zero_()
+    src = _staged(cache, cache.scheme, cache.layout, staged, n, dev_row)
+    dst = _staged(cache, fmt.scheme, Layout.NHD, out, n, row)
+    write_kv_blocks(src.plane_view(None, 0, block_size), src.plane_view(None, 1, block_size), cache.layout,
+                    dst.plane_view(None, 0, block_size), dst.plane_view(None, 1, block_size), Layout.NHD,
+                    quant=fmt.scheme, nonfinite=nonfinite)
+    return out
+
+
+def _unwritten(cache, fmt: TierFormat, block_size: int) -> list[tuple[int, int, int]]:
+    """``(kind, start, end)``: the byte ranges of a format row of each kind that no write covers, the padding before
+    its scales (to ``SCALE_ALIGN``) and after them (to :data:`ROW_ALIGN`, or to the other kind's larger scales).
+    Most shapes have none."""
+    s, H, D = fmt.scheme, cache.num_kv_heads, cache.head_dim
+    codes, row = qblocks.code_bytes(s, block_size, H, D), row_bytes(cache, fmt, block_size)
+    gaps = []
+    for kind in (0, 1):
+        sc = qblocks.block_scales(s, "kv"[kind], block_size, H, D)
+        spans = ((codes, row),) if sc is None else ((codes, sc.offset), (sc.end, row))
+        gaps += [(kind, lo, hi) for lo, hi in spans if hi > lo]
+    return gaps
 
 
 def decode(cache, fmt: TierFormat, block_size: int, packed: torch.Tensor) -> torch.Tensor:
