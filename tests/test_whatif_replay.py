@@ -66,9 +66,13 @@ def test_the_prediction_mirrors_the_replay_and_is_compared():
 
 
 def test_bench_smoke_writes_a_row(tmp_path):
-    assert whatif_replay.main(["--smoke", "--requests", "3", "--out", str(tmp_path)]) == 0
+    assert whatif_replay.main(["--smoke", "--requests", "3", "--passes", "2", "--out", str(tmp_path)]) == 0
     (f,) = tmp_path.glob("whatif-replay-*.json")
-    row = json.loads(f.read_text())["rows"][0]
+    rows = json.loads(f.read_text())["rows"]
+    assert [r["pass"] for r in rows] == [1, 2]
+    row = rows[0]
+    assert len(row["ttft_measured_s"]) == len(row["ttft_predicted_s"]) == 3
+    assert 1 <= len(row["slowest_iterations"]) <= 8 and row["iteration_s_p99"] >= row["iteration_s_p50"] > 0
     assert row["measured_completed"] == row["predicted_completed"] == 3 and "error_throughput_tok_s" in row
     assert row["calibration_step_ms"] > 0 and "this machine" in row["launch_fit"] and "eager_ms" in row["committed_fit"]
     assert row["committed_fit_completed"] == 3 and row["predicted_prefill_ms"] > 0

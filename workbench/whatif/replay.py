@@ -43,7 +43,8 @@ def replay(trace: Trace, runner, *, max_batch: int = 64, clock: Callable[[], flo
            sync: Callable[[], None] | None = None, vocab: int | None = None, seed: int = 0) -> dict:
     """Run ``trace`` through ``runner`` (a :class:`~workbench.model.runner.Runner`) in real time: arrivals wait
     for the clock, greedy tokens, random prompt ids. Returns ``{arrival, first_token, finish, output}`` arrays
-    (seconds from the first arrival) and ``steps``.
+    (seconds from the first arrival), ``steps`` and ``iterations`` (``[start, end, prompts prefilled, their tokens,
+    sequences decoded]`` per iteration: where the time went).
 
     An iteration is the simulator's step (``workbench.whatif.serve``) with prompts never chunked: the requests that
     have arrived when it starts are prefilled, one prompt at a time, while the batch has room; then one decode step
@@ -55,7 +56,7 @@ def replay(trace: Trace, runner, *, max_batch: int = 64, clock: Callable[[], flo
     n = len(reqs)
     first, finish = np.full(n, np.nan), np.full(n, np.nan)
     t0 = clock()
-    nxt, left, running, i, steps = {}, {}, [], 0, 0
+    nxt, left, running, i, steps, iterations = {}, {}, [], 0, 0, []
 
     def now() -> float:
         if sync is not None:
@@ -79,6 +80,7 @@ def replay(trace: Trace, runner, *, max_batch: int = 64, clock: Callable[[], flo
                 nxt[s] = t
                 left[s] -= 1
         end = now()
+        iterations.append((start, end, len(new), sum(reqs[j].prompt for j in new), len(decoding)))
         first[new] = end
         running += new
         for s in [s for s in running if left[s] == 0]:
@@ -87,7 +89,7 @@ def replay(trace: Trace, runner, *, max_batch: int = 64, clock: Callable[[], flo
             finish[s] = end
     arrival = np.array([r.arrival_s for r in reqs])
     return {"arrival": arrival, "first_token": first, "finish": finish,
-            "output": np.array([r.output for r in reqs]), "steps": steps}
+            "output": np.array([r.output for r in reqs]), "steps": steps, "iterations": np.array(iterations)}
 
 
 def calibrate(runner, *, context: int = 128, prompt: int = 64, reps: int = 8, wide: int = 32,
