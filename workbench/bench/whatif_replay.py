@@ -83,13 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     if not args.smoke:  # warm up the kernels (compilation is not serving time)
         replay(Trace("warmup", trace.requests[:4]), runner, sync=sync, max_batch=args.max_batch)
-    # this machine's eager runner: a step of 1 and of 32 sequences and a prefill (the prediction's fitted numbers)
-    cal = calibrate(runner, context=8 if args.smoke else 128, prompt=8 if args.smoke else 64,
-                    reps=2 if args.smoke else 8, wide=2 if args.smoke else 32, sync=sync)
-    predicted = predict_replay(trace, max_batch=args.max_batch, calibration=cal)
     committed = predict_replay(trace, max_batch=args.max_batch)  # fitted to the committed run instead: the old way
     rows = []
     for p in range(args.passes):
+        # this machine's eager runner now: a step of 1 and of 32 sequences and a prefill (the prediction's fitted
+        # numbers), before each pass (a runner's host time drifts: 40 -> 27 ms an iteration between two passes)
+        cal = calibrate(runner, context=8 if args.smoke else 128, prompt=8 if args.smoke else 64,
+                        reps=2 if args.smoke else 8, wide=2 if args.smoke else 32, sync=sync)
+        predicted = predict_replay(trace, max_batch=args.max_batch, calibration=cal)
         t0 = time.perf_counter()
         measured = replay(trace, runner, max_batch=args.max_batch, sync=sync)
         wall = time.perf_counter() - t0
