@@ -3,11 +3,13 @@ the committed studies, the sensitivity study ranks the measured inputs, and trac
 objects."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from workbench.sim.traces import Request, Trace
 from workbench.whatif import models
+from workbench.whatif.profile import GpuProfile
 from workbench.whatif.quality import eviction_quality, quality_column, scheme_quality
 from workbench.whatif.report import default_profile, load_trace, sensitivity, whatif
 from workbench.whatif.serve import Knobs, simulate
@@ -67,6 +69,22 @@ def test_validation_step_within_15_percent_and_paged_ahead_of_every_reservation(
     # the vLLM paper's direction: paged sustains more than every reservation scheme, Max the least
     assert pv["paged"]["max_concurrency"] > pv["oracle"]["max_concurrency"] > pv["max"]["max_concurrency"]
     assert 1 < pv["oracle"]["paged_over_this"] < pv["pow2"]["paged_over_this"] < pv["max"]["paged_over_this"]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_profile_folder_loads_and_its_own_step_check_holds():
+    """``python -m workbench profile``'s folder (its quant_decode run times the profile's schemes only: a ``--schemes``
+    run) is a profile, and the step check in that same GPU run (the H100's, 2026-12-05) is within the issue's 15%."""
+    folder = ROOT / "data" / "results" / "profiles" / "h100-80gb-hbm3"
+    prof = GpuProfile.from_results(folder, name="h100-80gb-hbm3")
+    assert "fp16" in prof.schemes and prof.decode_source.startswith("quant-decode-h100")
+    rows = step_vs_measured(results_dir=folder, gpu="h100-80gb-hbm3")
+    assert [r["batch"] for r in rows] == [1, 16, 64] and rows[0]["fitted"]
+    assert all(abs(r["error"]) < 0.15 for r in rows[1:]), rows
+    with pytest.raises(ValueError, match="no model-decode-h100-80gb-hbm3"):
+        step_vs_measured(results_dir=ROOT / "data", gpu="h100-80gb-hbm3")
 
 
 def test_reservations_hold_their_slots_from_admission():

@@ -74,10 +74,15 @@ class GpuProfile:
 
     @classmethod
     def from_results(cls, results_dir: Path | str | None = None, name: str = "h200") -> GpuProfile:
-        """The profile of the newest committed runs in ``results_dir`` (default ``data/results``) of GPU ``name``."""
+        """The profile of the newest committed runs in ``results_dir`` (default ``data/results``) of GPU ``name``: the
+        newest ``bench quant_decode`` run of every scheme with the ``--schemes`` runs after it, or, where a folder has
+        only runs of some schemes (``python -m workbench profile`` times the profile's schemes alone), the newest."""
         d = Path(results_dir) if results_dir is not None else RESULTS
         pattern = f"quant-decode-{name}-*.json"
         run, updates = run_files.latest_with_updates(pattern, d)
+        if run is None:
+            runs = run_files.load_runs(pattern, d)
+            run, updates = (runs[-1] if runs else None), []
         if run is None:
             raise ValueError(f"no {pattern} under {d}: a profile needs a committed run of that benchmark")
         quant = run["path"]

@@ -12,29 +12,36 @@
   has no external fragmentation: the paper's bars are compared with their external share left out.
 
 ``workbench.sim.fig2`` recomputes Figure 2 with contiguous allocators (external fragmentation included, within
-3.7 points). The trace replayed through the real runner on the GPU is owed (docs/gpu_runs.md).
+3.7 points). The trace replayed through the real runner: ``workbench.whatif.replay`` (``bench whatif_replay``).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from workbench.sim.fig2 import PAPER
 from workbench.whatif import models
-from workbench.whatif.profile import RESULTS
-from workbench.whatif.report import default_profile, whatif
+from workbench.whatif.profile import RESULTS, GpuProfile
+from workbench.whatif.report import whatif
 from workbench.whatif.serve import Knobs
-from workbench.whatif.step_time import StepModel, decode_run, step_seconds
+from workbench.whatif.step_time import StepModel, decode_run, fit_layer_overhead, step_seconds
 
 # vLLM paper (Kwon et al., SOSP'23), section 6.2, ShareGPT on OPT-13B: the request rate vLLM sustains over Orca's
 PAPER_RATE_RATIOS = {"oracle": (1.7, 2.7), "max": (2.7, 8.0)}
 
 
-def step_vs_measured(column: str = "compiled_replay_ms") -> list[dict]:
-    """Rows ``{batch, predicted_ms, measured_ms, error, fitted}`` for every decode batch of the newest run."""
-    prof = default_profile()
-    run = decode_run(RESULTS, prof.name)
+def step_vs_measured(column: str = "compiled_replay_ms", results_dir: Path | str | None = None,
+                     gpu: str = "h200") -> list[dict]:
+    """Rows ``{batch, predicted_ms, measured_ms, error, fitted}`` for every decode batch of the newest ``bench
+    model_decode`` run of ``gpu`` in ``results_dir`` (default the committed runs), the profile made from the same
+    folder (``python -m workbench profile --out DIR`` writes one: the step check in the profile's own GPU run)."""
     cfg = models.PRESETS["smollm2-135m"]
+    folder = Path(results_dir) if results_dir is not None else RESULTS
+    run = decode_run(folder, gpu)
+    if run is None:
+        raise ValueError(f"no model-decode-{gpu}-*.json with decode rows under {folder}")
+    prof = fit_layer_overhead(GpuProfile.from_results(folder, name=gpu), cfg, run=run, column=column)
     sm = StepModel(prof, cfg)
     rows = []
     for r in sorted((r for r in json.loads(run.read_text())["rows"] if r.get("section") == "decode"),
